@@ -1,0 +1,278 @@
+"""Data: the embedded default (scikit-learn digits), CSV and .npz loaders, a synthetic generator,
+and the one data order every backend follows.
+
+The harness prepares a `Dataset` once (float32 NHWC images, int32 labels, recorded
+normalisation) and the global batch of each step as sample indices; wrappers only gather.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .params import load_npz, save_npz
+
+
+class DataError(ValueError):
+    """Bad data: the message names the file (or source) and the problem."""
+
+
+@dataclass
+class Dataset:
+    x_train: np.ndarray   # (N, H, W, C) float32, normalised
+    y_train: np.ndarray   # (N,) int32
+    x_test: np.ndarray
+    y_test: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+    def hash(self) -> str:
+        h = hashlib.sha256()
+        for a in (self.x_train, self.y_train, self.x_test, self.y_test):
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
+
+
+SPLIT_SEED = 20240601      # the fixed train/test split of every source without its own split
+TEST_FRACTION = 0.2
+
+
+def _split(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    perm = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_test = max(1, int(round(len(x) * TEST_FRACTION)))
+    te, tr = perm[:n_test], perm[n_test:]
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str, Any]) -> Dataset:
+    """Scale to [0, 1] by the raw maximum, then standardise by the train set's mean and std."""
+    for part, x, y in (("train", x_tr, y_tr), ("test", x_te, y_te)):
+        if len(x) == 0:
+            raise DataError(f"{source}: the {part} set is empty")
+        if not np.all(np.isfinite(x)):
+            raise DataError(f"{source}: the {part} images contain NaN or Inf")
+        if np.any(y < 0) or np.any(y != np.floor(y)):
+            bad = y[(y < 0) | (y != np.floor(y))][0]
+            raise DataError(f"{source}: label {bad!r} in the {part} set is not a non-negative integer")
+    x_tr = x_tr.astype(np.float64) / raw_max
+    x_te = x_te.astype(np.float64) / raw_max
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+    std = std if std > 0 else 1.0
+    ds = Dataset(((x_tr - mean) / std).astype(np.float32), y_tr.astype(np.int32),
+                 ((x_te - mean) / std).astype(np.float32), y_te.astype(np.int32))
+    ds.meta = {"source": source, "n_train": len(x_tr), "n_test": len(x_te),
+               "image_shape": list(ds.image_shape), "num_classes_seen": int(max(y_tr.max(), y_te.max())) + 1,
+               "normalisation": {"formula": "((x / raw_max) - mean) / std, statistics of the train set",
+                                 "raw_max": raw_max, "mean": mean, "std": std},
+               **meta}
+    ds.meta["hash"] = ds.hash()
+    return ds
+
+
+def load_digits() -> Dataset:
+    """scikit-learn's 1797 real 8x8 handwritten digits (they ship in the wheel), pixels 0..16."""
+    from sklearn.datasets import load_digits as _ld
+    d = _ld()
+    x = d.images.astype(np.float64)[..., None]
+    y = d.target.astype(np.int64)
+    return _finish(*_split(x, y), "digits", 16.0,
+                   {"split": f"seeded permutation (seed {SPLIT_SEED}), {TEST_FRACTION:.0%} test"})
+
+
+def synthetic(n: int = 1200, shape: tuple[int, int, int] = (8, 8, 1), classes: int = 10, seed: int = 0) -> Dataset:
+    """Learnable random data: each class is a random prototype image plus noise."""
+    rng = np.random.default_rng(seed)
+    protos = rng.uniform(0, 1, (classes, *shape))
+    y = rng.integers(0, classes, n)
+    x = np.clip(protos[y] + rng.normal(0, 0.35, (n, *shape)), 0, 1)
+    return _finish(*_split(x, y), f"synthetic(n={n}, shape={list(shape)}, classes={classes}, seed={seed})",
+                   1.0, {"split": f"seeded permutation (seed {SPLIT_SEED}), {TEST_FRACTION:.0%} test"})
+
+
+def _image_shape(n_pixels: int, source: str, shape: tuple[int, ...] | None) -> tuple[int, int, int]:
+    if shape is not None:
+        if math.prod(shape) != n_pixels:
+            raise DataError(f"{source}: {n_pixels} pixel columns do not fit the image shape {list(shape)}")
+        return tuple(shape) if len(shape) == 3 else (*shape, 1)  # type: ignore[return-value]
+    side = math.isqrt(n_pixels)
+    if side * side != n_pixels:
+        raise DataError(f"{source}: {n_pixels} pixel columns are not a square image; give the image shape")
+    return side, side, 1
+
+
+def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
+    """label column first (or a column named 'label'), then pixel columns; a header row is optional."""
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    rows = [r for r in rows if r and any(c.strip() for c in r)]
+    if not rows:
+        raise DataError(f"{path}: the file is empty")
+    header = None
+    try:
+        float(rows[0][0])
+    except ValueError:
+        header, rows = rows[0], rows[1:]
+    if not rows:
+        raise DataError(f"{path}: the file has a header but no data rows")
+    label_col = header.index("label") if header and "label" in header else 0
+    width = len(header) if header else len(rows[0])
+    data = np.empty((len(rows), width), np.float64)
+    for i, r in enumerate(rows):
+        line = i + (2 if header else 1)
+        if len(r) != width:
+            raise DataError(f"{path}: line {line} has {len(r)} columns, expected {width}")
+        try:
+            data[i] = [float(c) for c in r]
+        except ValueError:
+            col = next(j for j, c in enumerate(r) if not _is_number(c))
+            name = header[col] if header else f"column {col + 1}"
+            raise DataError(f"{path}: line {line}, {name}: {r[col]!r} is not a number") from None
+    y = data[:, label_col]
+    x = np.delete(data, label_col, axis=1)
+    return x.reshape(len(x), *_image_shape(x.shape[1], str(path), shape)), y
+
+
+def _is_number(c: str) -> bool:
+    try:
+        float(c)
+        return True
+    except ValueError:
+        return False
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_csv(train: str | Path, test: str | Path | None = None, *, raw_max: float = 255.0,
+             image_shape: tuple[int, ...] | None = None, cache_dir: str | Path | None = None) -> Dataset:
+    """MNIST-style CSV (label + pixel columns). Parsed once; later loads read a cached .npz."""
+    paths = [Path(train)] + ([Path(test)] if test else [])
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"{p}: no such data file")
+    key = "-".join(_file_hash(p) for p in paths)
+    cache = Path(cache_dir) / f"csv-{key}.npz" if cache_dir else None
+    if cache and cache.exists():
+        arrs = load_npz(cache)
+    else:
+        x, y = _read_csv(paths[0], image_shape)
+        if test:
+            xt, yt = _read_csv(paths[1], image_shape)
+            if xt.shape[1:] != x.shape[1:]:
+                raise DataError(f"{paths[1]}: images of shape {xt.shape[1:]} differ from the train file's {x.shape[1:]}")
+            arrs = {"x_train": x, "y_train": y, "x_test": xt, "y_test": yt}
+        else:
+            a = _split(x, y)
+            arrs = dict(zip(("x_train", "y_train", "x_test", "y_test"), a))
+        if cache:
+            save_npz(cache, arrs)
+    src = "csv:" + ",".join(str(p) for p in paths)
+    return _finish(arrs["x_train"], arrs["y_train"], arrs["x_test"], arrs["y_test"], src, raw_max,
+                   {"file_hash": key, "split": "given" if test else f"seeded permutation (seed {SPLIT_SEED})"})
+
+
+def load_npz_data(path: str | Path, *, raw_max: float | None = None) -> Dataset:
+    """An .npz with x_train, y_train, x_test, y_test (or x, y, split here); images (N,H,W[,C])."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file")
+    try:
+        z = load_npz(p)
+    except Exception as e:  # zipfile / pickle / format errors all mean "not a usable .npz"
+        raise DataError(f"{p}: not a readable .npz file ({e})") from None
+    if {"x_train", "y_train", "x_test", "y_test"} <= set(z):
+        parts = [z["x_train"], z["y_train"], z["x_test"], z["y_test"]]
+    elif {"x", "y"} <= set(z):
+        parts = list(_split(z["x"], z["y"]))
+    else:
+        raise DataError(f"{p}: needs arrays x_train, y_train, x_test, y_test (or x, y); has {sorted(z)}")
+    for i in (0, 2):
+        x = parts[i]
+        if x.ndim == 3:
+            parts[i] = x[..., None]
+        elif x.ndim != 4:
+            raise DataError(f"{p}: images must be (N, H, W) or (N, H, W, C), got shape {x.shape}")
+        if not np.issubdtype(parts[i].dtype, np.number):
+            raise DataError(f"{p}: images have non-numeric dtype {x.dtype}")
+    for xi, yi in ((0, 1), (2, 3)):
+        if parts[yi].ndim != 1 or len(parts[yi]) != len(parts[xi]):
+            raise DataError(f"{p}: {len(parts[xi])} images but labels of shape {parts[yi].shape}")
+    rm = raw_max if raw_max is not None else float(max(np.abs(parts[0]).max(), 1e-12))
+    return _finish(*parts, f"npz:{p}", rm, {"file_hash": _file_hash(p)})
+
+
+def load_data(spec: str, *, cache_dir: str | Path | None = None,
+              image_shape: tuple[int, int, int] | None = None, classes: int = 10) -> Dataset:
+    """`digits` | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`."""
+    if spec == "digits":
+        return load_digits()
+    if spec.startswith("synthetic"):
+        n = int(spec.split(":", 1)[1]) if ":" in spec else 1200
+        return synthetic(n, image_shape or (8, 8, 1), classes)
+    parts = spec.split(",")
+    if parts[0].endswith(".csv"):
+        return load_csv(parts[0], parts[1] if len(parts) > 1 else None, cache_dir=cache_dir)
+    if spec.endswith(".npz"):
+        return load_npz_data(spec)
+    raise DataError(f"data {spec!r}: unknown source; use 'digits', 'synthetic[:N]', a .csv (train[,test]) or an .npz")
+
+
+def check_fits(ds: Dataset, input_shape: tuple[int, ...], num_classes: int, model_name: str) -> None:
+    src = ds.meta.get("source", "data")
+    if ds.image_shape != tuple(input_shape):
+        raise DataError(f"{src}: images are {list(ds.image_shape)} but model '{model_name}' expects {list(input_shape)}")
+    top = int(max(ds.y_train.max(), ds.y_test.max()))
+    if top >= num_classes:
+        raise DataError(f"{src}: label {top} is out of range for model '{model_name}' ({num_classes} classes)")
+
+
+# --------------------------------------------------------------------------- order and masks
+def batch_order(n_train: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+    """(steps, batch_size) sample indices: per-epoch shuffles from `seed`, last partial batch dropped."""
+    if batch_size > n_train:
+        raise DataError(f"batch size {batch_size} is larger than the train set ({n_train} samples)")
+    per_epoch = n_train // batch_size
+    rng = np.random.default_rng(seed)
+    out = np.empty((steps, batch_size), np.int64)
+    s = 0
+    while s < steps:
+        perm = rng.permutation(n_train)
+        for b in range(min(per_epoch, steps - s)):
+            out[s] = perm[b * batch_size:(b + 1) * batch_size]
+            s += 1
+    return out
+
+
+def epoch_of(step: int, n_train: int, batch_size: int) -> int:
+    return step // (n_train // batch_size)
+
+
+def dropout_keep_mask(seed: int, step: int, layer_index: int, shape: tuple[int, ...], rate: float) -> np.ndarray:
+    """The harness's dropout mask for one layer at one step (True = keep). Same bits for every backend."""
+    rng = np.random.default_rng([seed, step, layer_index])
+    return rng.random(shape) >= rate
+
+
+def batch_checksum(x: np.ndarray, y: np.ndarray) -> str:
+    """A short digest of the exact batch fed (images and labels), so data-order bugs show."""
+    h = hashlib.blake2b(digest_size=6)
+    h.update(np.ascontiguousarray(x, np.float32).tobytes())
+    h.update(np.ascontiguousarray(y, np.int32).tobytes())
+    return h.hexdigest()

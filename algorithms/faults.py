@@ -1,0 +1,66 @@
+"""The catalogue of injectable faults: real bug classes, each changing one backend's computation in one
+precise way (`duipai run --fault NAME`). A wrapper lists which it implements; the run manifest
+records the fault. `stage` and `where` are what a correct localization must report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    stage: str        # data | forward | loss | backward | optimizer | reduction | eval
+    where: str        # "first dense after flatten", "stride-2 same conv", ... ("" when no layer)
+    practice: str     # where this bug occurs in practice
+    needs: str = ""   # what the model / hyper-parameters must contain for the fault to bite
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in [
+    Fault("flatten_no_permute", "forward", "first dense layer after a flatten",
+          "porting NCHW weights to NHWC (or back) without permuting the rows of the first dense kernel",
+          "a flatten of a spatial map larger than 1x1 followed by dense"),
+    Fault("symmetric_same_padding", "forward", "conv2d/pool with 'same' padding and an odd total padding",
+          "torch Conv2d(padding=k//2) used for TF 'SAME' at stride 2: pads top/left where TF pads bottom/right",
+          "a 'same' layer whose total padding is odd (stride 2 on an even size)"),
+    Fault("bn_momentum_flipped", "forward", "batchnorm2d running statistics",
+          "copying Keras momentum=0.99 into torch BatchNorm2d(momentum=0.99) (conventions are opposite)",
+          "a batchnorm2d layer (shows in running stats and eval)"),
+    Fault("bn_eps_keras", "forward", "batchnorm2d",
+          "Keras BatchNormalization's default epsilon 1e-3 where the reference uses 1e-5", "a batchnorm2d layer"),
+    Fault("adam_eps_hat", "optimizer", "",
+          "Keras/TF Adam's epsilon-hat placement treated as the same optimizer as torch Adam", "optimizer adam/adamw"),
+    Fault("keras_momentum_schedule", "optimizer", "",
+          "Keras-style velocity v = mu*v - lr*g under a changing learning rate",
+          "optimizer momentum/nesterov and a non-constant schedule"),
+    Fault("l2_not_decoupled", "optimizer", "",
+          "torch Adam(weight_decay=...) used where AdamW (decoupled decay) was meant",
+          "optimizer adamw with weight_decay > 0"),
+    Fault("grad_sum_replicas", "reduction", "",
+          "per-replica mean loss with a SUM all-reduce (or a pmean after shard_map): N x the gradient",
+          "devices > 1"),
+    Fault("overlapping_shards", "data", "",
+          "every replica fed the first shard (a sampler without rank offsets)", "devices > 1"),
+    Fault("data_shift_one_batch", "data", "",
+          "a data loader that skips the first batch (an off-by-one in resume or epoch logic)"),
+    Fault("label_smoothing", "loss", "",
+          "label smoothing 0.1 left on in one framework's loss (a default in some training scripts)"),
+    Fault("lr_schedule_off_by_one", "optimizer", "",
+          "scheduler.step() called before optimizer.step(): every update uses the next step's lr",
+          "a non-constant schedule"),
+    Fault("dropout_in_eval", "eval", "dropout layer",
+          "model.train() left on during evaluation", "a dropout layer (shows in eval series only)"),
+    Fault("missing_bias", "forward", "first conv2d/dense layer with a bias",
+          "use_bias dropped in one port of a layer", "a layer with use_bias = true"),
+    Fault("maxpool_ceil", "forward", "maxpool2d with 'valid' padding on an odd size",
+          "torch MaxPool2d(ceil_mode=True) where the reference floors the output size",
+          "a valid maxpool2d on an odd-sized input"),
+    Fault("grad_double", "backward", "",
+          "gradient counted twice (e.g. a parameter shared by two hooks; pytorch#160285); Adam hides it in the loss"),
+    Fault("lr_scale_1.001", "optimizer", "", "learning rate off by 0.1 % (a mistyped hyper-parameter)"),
+]}
+
+
+def check_fault(name: str | None) -> None:
+    if name is not None and name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")

@@ -1,0 +1,114 @@
+"""Step-0 probe comparison: forward per layer, gradient per parameter, update and optimizer state.
+
+Probes are .npz files written by a backend process (`forward/<layer>`, `grad/<param>`,
+`update<i>/<param>`, `buffer<i>/<param>`, `opt<i>/<state>/<param>`, `loss`), all in canonical
+layout. This module compares two of them; it knows no framework.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# float32 tolerance for one step computed by two frameworks: the error relative to the tensor's scale.
+# Measured cross-framework errors at step 0 on the built-in models are ~1e-7..1e-6 (see README);
+# every lowering bug in the catalogue is >= 1e-2.
+REL_TOL = 1e-4
+ABS_FLOOR = 1e-6   # scale floor for tensors that are (nearly) all zero
+
+KIND_ORDER = {"forward": 0, "loss": 1, "grad": 2, "update": 3, "buffer": 4, "opt": 5}
+
+
+@dataclass
+class ProbeDiff:
+    key: str
+    kind: str          # forward | loss | grad | update | buffer | opt
+    step: int          # optimizer step index for update/buffer/opt; 0 otherwise
+    max_abs: float
+    scale: float
+    rel: float
+    ok: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kind_of(key: str) -> tuple[str, int]:
+    head = key.split("/", 1)[0]
+    m = re.fullmatch(r"(update|buffer|opt)(\d+)", head)
+    if m:
+        return m.group(1), int(m.group(2))
+    return head, 0
+
+
+def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float = REL_TOL,
+            keys: list[str] | None = None) -> list[ProbeDiff]:
+    """Per-tensor relative error max|a - b| / max(max|b|, ABS_FLOOR), for keys present in both."""
+    out = []
+    common = keys if keys is not None else [k for k in b if k in a]
+    for k in common:
+        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+        kind, step = kind_of(k)
+        if x.shape != y.shape:
+            out.append(ProbeDiff(k, kind, step, float("inf"), 0.0, float("inf"), False))
+            continue
+        d = float(np.max(np.abs(x - y))) if x.size else 0.0
+        if not np.isfinite(x).all() or not np.isfinite(y).all():
+            d = float("inf")
+        scale = max(float(np.max(np.abs(y))) if y.size else 0.0, ABS_FLOOR)
+        rel = d / scale
+        out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= rel_tol))
+    out.sort(key=lambda p: (KIND_ORDER.get(p.kind, 9), p.step))
+    return out
+
+
+def first_failure(diffs: list[ProbeDiff]) -> ProbeDiff | None:
+    return next((d for d in diffs if not d.ok), None)
+
+
+def missing_keys(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    return sorted(set(a) ^ set(b))
+
+
+# --------------------------------------------------------------------------- running probe cases
+def standard_cases(steps: int = 3):
+    """The optimizer cases every backend's step-0 probes are checked on. The momentum cases use a
+    learning rate that halves every step, so a velocity that keeps the old lr (Keras) shows."""
+    from algorithms.optim import HParams
+    base = dict(steps=max(steps, 1), batch_size=64, eval_every=1, checkpoint_every=1)
+    return {
+        "sgd": HParams(optimizer="sgd", lr=0.1, **base),
+        "sgd_l2": HParams(optimizer="sgd", lr=0.1, weight_decay=1e-2, **base),
+        "momentum_step": HParams(optimizer="momentum", lr=0.1, schedule="step", step_size=1, gamma=0.5, **base),
+        "nesterov_step": HParams(optimizer="nesterov", lr=0.1, schedule="step", step_size=1, gamma=0.5, **base),
+        "adam": HParams(optimizer="adam", lr=1e-3, **base),
+        "adamw": HParams(optimizer="adamw", lr=1e-3, weight_decay=1e-2, **base),
+    }
+
+
+@dataclass
+class ProbeResult:
+    arrays: dict[str, np.ndarray]
+    declared: list[str]          # ids of algorithms.differences that the backend declared for this case
+
+    def undeclared_keys(self) -> list[str]:
+        """Probe keys that no declared difference may move: these must agree with the reference."""
+        from algorithms.differences import DIFFERENCES
+        pats = [re.compile(DIFFERENCES[d].probe_keys) for d in self.declared]
+        return [k for k in self.arrays if not any(p.search(k) for p in pats)]
+
+
+def run_cases(backend: str, model: str, cases: dict, out_root, *, fault: str | None = None,
+              probe_steps: int = 3, data: str = "digits", **cfg_kw) -> dict[str, ProbeResult]:
+    """Probe `backend` on every case in one process; returns case name -> ProbeResult."""
+    import json
+    from algorithms.params import load_npz
+    from .runner import RunConfig, execute
+    names = list(cases)
+    cfg = RunConfig(model=model, backend=backend, hparams=cases[names[0]], data=data, fault=fault, **cfg_kw)
+    folder = execute(cfg, out_root, f"probe__{model}__{backend}__{fault or 'clean'}", mode="probe",
+                     probe_steps=probe_steps, cases=[cases[n] for n in names])
+    return {n: ProbeResult(load_npz(folder / f"probe-{i}.npz"),
+                           json.loads((folder / f"probe-{i}.json").read_text())["declared_differences"])
+            for i, n in enumerate(names)}

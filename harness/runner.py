@@ -1,0 +1,290 @@
+"""Run one backend on one configuration in its own process and publish the result atomically.
+
+The harness prepares everything that must be identical across backends (the model declaration,
+the data arrays, the batch order, the canonical initial weights), writes a job file, starts
+`python -m wrappers run JOB` and streams its progress. The result folder appears under its final
+name only when the run completed; a crashed or killed run leaves its log in `results/.failed/`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from algorithms import data as D
+from algorithms.differences import describe
+from algorithms.faults import check_fault
+from algorithms.optim import HParams
+from algorithms.params import check_params, init_params, params_hash, perturb_ulp, save_npz
+from algorithms.spec import ModelSpec, load_model
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = 1
+
+# exit codes shared by every command
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
+
+
+class BadInput(Exception):
+    """User error: one clear line, exit 2, nothing written."""
+
+
+class BackendFailed(Exception):
+    """The backend process crashed, hung or refused; its log is kept."""
+
+    def __init__(self, msg: str, log: Path | None = None, unsupported: bool = False):
+        super().__init__(msg)
+        self.log, self.unsupported = log, unsupported
+
+
+@dataclass
+class RunConfig:
+    model: str = "cnn2d_2conv_2fc"
+    backend: str = "torch"
+    hparams: HParams = field(default_factory=HParams)
+    data: str = "digits"
+    threads: int = 1
+    deterministic: bool = True
+    dropout: str = "harness"
+    fault: str | None = None
+    devices: int = 1
+    jit: bool = True
+    dtype: str = "float32"
+    perturb_ulp: int | None = None       # seed of a 1-ULP perturbation of the initial weights
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def default_name(self, model_name: str) -> str:
+        h = self.hparams
+        parts = [model_name, self.backend, f"{h.optimizer}-{h.schedule}", f"s{h.seed}"]
+        if h.init_seed:
+            parts.append(f"init{h.init_seed}")
+        if self.devices > 1:
+            parts.append(f"dp{self.devices}")
+        if self.dtype != "float32":
+            parts.append(self.dtype)
+        if self.perturb_ulp is not None:
+            parts.append(f"ulp{self.perturb_ulp}")
+        if self.fault:
+            parts.append(f"fault-{self.fault}")
+        if self.threads != 1:
+            parts.append(f"t{self.threads}")
+        if not self.jit:
+            parts.append("eager")
+        for k, v in sorted(self.extra.items()):
+            parts.append(f"{k}-{v}")
+        return "__".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def backend_info() -> dict[str, dict[str, Any]]:
+    """Which backends exist and which are installed, asked of the wrappers' own process."""
+    r = subprocess.run([sys.executable, "-m", "wrappers", "info"], capture_output=True, text=True,
+                       cwd=PROJECT_ROOT, env=_child_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"python -m wrappers info failed: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def check_backend(name: str) -> None:
+    info = backend_info()
+    if name not in info:
+        raise BadInput(f"unknown backend {name!r}; known: {', '.join(info)}")
+    if info[name]["missing"]:
+        raise BadInput(f"backend {name!r} is not installed: missing Python package(s) "
+                       f"{', '.join(info[name]['missing'])} (pip install 'duipai[{name.split('-')[0]}]')")
+
+
+def installed_backends() -> list[str]:
+    return [n for n, i in backend_info().items() if not i["missing"]]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def _hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_dir(out_root: Path) -> Path:
+    d = out_root / ".cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@dataclass
+class Prepared:
+    model: ModelSpec
+    dataset_path: Path
+    dataset_meta: dict[str, Any]
+    order: np.ndarray
+    params: dict[str, np.ndarray]
+    weights_hash: str          # of the weights actually loaded
+    base_weights_hash: str     # of the unperturbed canonical weights (what comparability needs)
+
+
+def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
+    """Everything the backends must share; raises BadInput with a message naming the problem."""
+    from algorithms.spec import SpecError
+    from algorithms.optim import HParamError
+    try:
+        check_fault(cfg.fault)
+        model = load_model(cfg.model)
+        ds = D.load_data(cfg.data, cache_dir=cache_dir(out_root), image_shape=model.input_shape,
+                         classes=model.num_classes)
+        D.check_fits(ds, model.input_shape, model.num_classes, model.name)
+        h = cfg.hparams
+        if cfg.devices < 1:
+            raise BadInput(f"--devices must be >= 1, got {cfg.devices}")
+        if h.batch_size % cfg.devices:
+            raise BadInput(f"batch size {h.batch_size} is not divisible by --devices {cfg.devices}")
+        order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
+    except (SpecError, D.DataError, HParamError, ValueError) as e:
+        raise BadInput(str(e)) from None
+    cache = cache_dir(out_root)
+    data_path = cache / f"data-{ds.meta['hash']}.npz"
+    if not data_path.exists():
+        save_npz(data_path, ds.arrays())
+    params = init_params(model, h.init_seed)
+    check_params(model, params)
+    base_hash = params_hash(params)
+    if cfg.perturb_ulp is not None:
+        params = perturb_ulp(params, cfg.perturb_ulp)
+    return Prepared(model, data_path, ds.meta, order, params, params_hash(params), base_hash)
+
+
+def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
+    last: dict[str, Any] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        last.update(msg)
+        if on_progress and "step" in msg:
+            on_progress(msg)
+        if deadline and time.time() > deadline:
+            proc.kill()
+            last["timeout"] = True
+            break
+    return last
+
+
+def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
+            probe_steps: int = 3, cases: list[HParams] | None = None, timeout: float | None = None,
+            on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None) -> Path:
+    """Run one job; returns the published folder. Raises BadInput or BackendFailed."""
+    out_root = Path(out_root)
+    check_backend(cfg.backend)
+    prep = prepared or prepare(cfg, out_root)
+    name = name or cfg.default_name(prep.model.name) + ("__probe" if mode == "probe" else "")
+    final = out_root / name
+    tmp_root = out_root / ".tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root))
+    np.save(tmp / "order.npy", prep.order)
+    save_npz(tmp / "init_params.npz", prep.params)
+    options = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout,
+               "fault": cfg.fault, "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
+    job = {"mode": mode, "backend": cfg.backend, "model": prep.model.to_dict(), "model_source": str(prep.model.source),
+           "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(tmp / "order.npy"),
+           "params": str(tmp / "init_params.npz"), "out": str(tmp), "options": options, "probe_steps": probe_steps,
+           "cases": [c.to_dict() for c in cases] if cases else None}
+    (tmp / "job.json").write_text(json.dumps(job, indent=2))
+    started = datetime.now(timezone.utc)
+    t0 = time.time()
+    with open(tmp / "run.log", "w") as log:
+        log.write(f"# duipai {mode}: {name}\n# {' '.join(sys.argv)}\n")
+        log.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / "job.json")],
+                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=PROJECT_ROOT, env=_child_env())
+        try:
+            last = _stream(proc, on_progress, t0 + timeout if timeout else None)
+            rc = proc.wait(timeout=max(1.0, (t0 + timeout - time.time())) if timeout else None)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc, last = -9, {"timeout": True}
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            _fail(tmp, out_root, name)
+            raise
+    if rc != 0 or not (tmp / "worker.json").exists():
+        kept = _fail(tmp, out_root, name)
+        if "unsupported" in last:
+            raise BackendFailed(f"{cfg.backend}: {last['unsupported']}", kept / "run.log", unsupported=True)
+        why = "timed out" if last.get("timeout") else f"exited with code {rc}"
+        tail = _log_tail(kept / "run.log")
+        raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / "run.log")
+    worker = json.loads((tmp / "worker.json").read_text())
+    if mode == "train":
+        n_rows = sum(1 for _ in open(tmp / "steps.csv")) - 1
+        if n_rows != cfg.hparams.steps:
+            kept = _fail(tmp, out_root, name)
+            raise BackendFailed(f"backend {cfg.backend} wrote {n_rows} of {cfg.hparams.steps} steps; log: {kept}/run.log")
+    manifest = {
+        "schema": SCHEMA, "status": "complete", "kind": mode, "run": name, "backend": cfg.backend,
+        "framework": worker.get("framework"), "model": prep.model.name, "spec_hash": prep.model.hash(),
+        "spec": prep.model.to_dict(), "data": prep.dataset_meta, "data_hash": prep.dataset_meta["hash"],
+        "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
+        "weights_hash": prep.weights_hash, "base_weights_hash": prep.base_weights_hash,
+        "init": {"seed": cfg.hparams.init_seed, "perturb_ulp_seed": cfg.perturb_ulp},
+        "hparams": cfg.hparams.to_dict(), "hparams_hash": _hash_json(cfg.hparams.to_dict()),
+        "options": options, "fault": cfg.fault,
+        "versions": worker.get("versions", {}), "devices": worker.get("devices", []),
+        "determinism": worker.get("determinism", {}),
+        "declared_differences": describe(worker.get("declared_differences", [])),
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
+                 "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "started": started.isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 3),
+        "train_wall_s": worker.get("train_wall_s"),
+        "command": " ".join(sys.argv),
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    (tmp / "job.json").unlink()
+    _publish(tmp, final)
+    return final
+
+
+def _log_tail(path: Path, n: int = 8) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + l for l in lines[-n:])
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomic replace of a result folder: readers see the old complete run or the new one, never a mix."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _fail(tmp: Path, out_root: Path, name: str) -> Path:
+    failed = out_root / ".failed" / f"{name}-{datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    failed.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, failed)
+    return failed

@@ -1,0 +1,44 @@
+"""Shared fixtures: one results root per session, backend availability, cached torch probes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_BACKENDS = ["torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch"]
+
+
+@pytest.fixture(scope="session")
+def results_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("results")
+
+
+def _info() -> dict:
+    r = subprocess.run([sys.executable, "-m", "wrappers", "info"], capture_output=True, text=True, cwd=ROOT)
+    return json.loads(r.stdout)
+
+
+INFO = _info()
+
+
+def need(backend: str) -> None:
+    """Skip (saying why) when a backend's framework is not installed; CI installs all of them."""
+    if INFO[backend]["missing"]:
+        pytest.skip(f"{backend}: not installed ({', '.join(INFO[backend]['missing'])})")
+
+
+_PROBES: dict = {}
+
+
+def probes_for(backend: str, model: str, root: Path, fault: str | None = None, cases: dict | None = None):
+    """Probe results per standard case, computed once per (backend, model, fault) per session."""
+    from harness.probes import run_cases, standard_cases
+    key = (backend, model, fault, tuple(cases) if cases else None)
+    if key not in _PROBES:
+        need(backend)
+        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault)
+    return _PROBES[key]

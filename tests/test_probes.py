@@ -1,0 +1,31 @@
+"""Step-0 agreement with the torch reference: forward per layer, gradient per parameter, three
+optimizer updates, buffers and optimizer state, for every model, optimizer and backend.
+
+Keys that a declared semantic difference may move are left to the backend's own test, which checks
+that the difference is exactly the declared formula."""
+from __future__ import annotations
+
+import pytest
+
+from algorithms.spec import model_names
+from harness.probes import compare, first_failure
+
+from .conftest import ALL_BACKENDS, probes_for
+
+OTHERS = [b for b in ALL_BACKENDS if b != "torch"]
+
+
+@pytest.mark.parametrize("model", model_names())
+@pytest.mark.parametrize("backend", OTHERS)
+def test_step0_probes_match_torch(backend, model, results_root):
+    ref = probes_for("torch", model, results_root)
+    got = probes_for(backend, model, results_root)
+    for case, res in got.items():
+        keys = [k for k in res.undeclared_keys() if k in ref[case].arrays]
+        assert any(k.startswith("forward/") for k in keys) or res.declared, f"{case}: nothing compared"
+        diffs = compare(res.arrays, ref[case].arrays, keys=keys)
+        bad = first_failure(diffs)
+        assert bad is None, f"{backend} {model} {case}: {bad} (declared: {res.declared})"
+        # and every key of the reference is probed
+        missing = set(ref[case].arrays) - set(res.arrays)
+        assert not missing, f"{backend} {model} {case}: probes missing {sorted(missing)[:5]}"

@@ -1,0 +1,179 @@
+"""What every wrapper is: a registry entry (cheap, imports nothing heavy) and a Backend (imports
+exactly one framework). The harness never imports this; it talks to `python -m wrappers`.
+
+einops-style: an entry subclass per framework registers itself by being defined; the framework
+is imported only when `Entry.load()` is called, after the entry has set its environment.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from algorithms.optim import HParams, lr_at
+from algorithms.spec import ModelSpec
+
+REGISTRY: dict[str, type["Entry"]] = {}
+
+
+class Entry:
+    """One backend configuration as the harness sees it: a name, what it needs, how to load it."""
+    name: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()      # importable modules (checked without importing)
+    module: ClassVar[str] = ""                    # module holding the Backend subclass
+    env: ClassVar[dict[str, str]] = {}            # set before the framework is imported
+    description: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            REGISTRY[cls.name] = cls
+
+    @classmethod
+    def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
+        """Extra environment for one job (e.g. a forced host device count), set before import."""
+        return {}
+
+    @classmethod
+    def missing(cls) -> list[str]:
+        return [m for m in cls.requires if importlib.util.find_spec(m) is None]
+
+    @classmethod
+    def load(cls) -> type["Backend"]:
+        mod = importlib.import_module(cls.module)
+        return mod.BACKEND
+
+
+@dataclass
+class RunOptions:
+    threads: int = 1
+    deterministic: bool = True
+    dropout: str = "harness"        # harness: masks from algorithms.data.dropout_keep_mask; native: framework RNG
+    fault: str | None = None
+    devices: int = 1
+    jit: bool = True                # compiled step (torch: eager is the norm; tf.function/XLA; jax.jit)
+    dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)   # backend-specific switches (channels_last, xla, ...)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    accuracy: float
+    grad_norm: float
+    update_norm: float
+    param_norm: float
+
+
+Masks = dict[str, np.ndarray]   # dropout layer name -> bool keep mask (B, *shape)
+
+
+class Backend:
+    """One framework's lowering of the spec, its native optimizer and its training step.
+
+    Canonical layout in and out (see algorithms.spec). Subclasses implement the primitives;
+    the probe protocol is built on them here, once.
+    """
+    framework: ClassVar[str] = ""
+    faults: ClassVar[frozenset[str]] = frozenset()   # fault names this backend can inject
+
+    def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
+        self.model, self.hp, self.opts = model, effective_hparams(hp, opts.fault), opts
+        if opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS:
+            raise UnsupportedError(f"backend {self.name} cannot inject fault {opts.fault!r}; "
+                                   f"it supports: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")
+
+    name: str = ""
+
+    def lr_for(self, step: int) -> float:
+        """The learning rate of the update at `step` (the schedule, with any lr fault applied)."""
+        return lr_at(self.hp, effective_step_for_lr(step, self.opts.fault))
+
+    # ---- environment
+    def versions(self) -> dict[str, str]:
+        raise NotImplementedError(f"{type(self).__name__}.versions")
+
+    def devices(self) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__}.devices")
+
+    def determinism(self) -> dict[str, Any]:
+        """The determinism switches actually set, for the manifest."""
+        raise NotImplementedError(f"{type(self).__name__}.determinism")
+
+    def declared_differences(self) -> list[str]:
+        """Ids from algorithms.differences that apply to this model and these hyper-parameters."""
+        return []
+
+    # ---- state
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.load_params")
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"{type(self).__name__}.export_params")
+
+    def export_opt_state(self) -> dict[str, np.ndarray]:
+        """Flat canonical optimizer state: 'momentum/<param>', 'exp_avg/<param>', 'exp_avg_sq/<param>', 'step'."""
+        raise NotImplementedError(f"{type(self).__name__}.export_opt_state")
+
+    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.load_opt_state")
+
+    # ---- computation
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        raise NotImplementedError(f"{type(self).__name__}.train_step")
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """(mean loss, accuracy) in inference mode (BatchNorm running stats, no dropout)."""
+        raise NotImplementedError(f"{type(self).__name__}.evaluate")
+
+    def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
+        """Every layer's output in training mode, canonical layout (NHWC), no state change."""
+        raise NotImplementedError(f"{type(self).__name__}.forward_layers")
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        """(loss, d loss / d param) for every trainable parameter, canonical layout, no state change."""
+        raise NotImplementedError(f"{type(self).__name__}.gradients")
+
+    # ---- the probe protocol, built on the primitives
+    def probe(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], start_step: int = 0) -> dict[str, np.ndarray]:
+        """Forward per layer, gradient per parameter, then len(masks_per_step) optimizer steps on this
+        batch: the update per parameter, the buffers and the optimizer state after each."""
+        out: dict[str, np.ndarray] = {}
+        for k, v in self.forward_layers(x, masks_per_step[0]).items():
+            out[f"forward/{k}"] = np.asarray(v)
+        loss, grads = self.gradients(x, y, masks_per_step[0])
+        out["loss"] = np.asarray(loss, np.float64)
+        for k, v in grads.items():
+            out[f"grad/{k}"] = np.asarray(v)
+        for i, masks in enumerate(masks_per_step):
+            before = self.export_params()
+            self.train_step(start_step + i, x, y, masks)
+            after = self.export_params()
+            for k in before:
+                tag = "buffer" if k.endswith(("running_mean", "running_var")) else "update"
+                out[f"{tag}{i}/{k}"] = (after[k].astype(np.float64) - before[k].astype(np.float64)) if tag == "update" else after[k]
+            for k, v in self.export_opt_state().items():
+                out[f"opt{i}/{k}"] = np.asarray(v)
+        return out
+
+
+class UnsupportedError(RuntimeError):
+    """This backend cannot do what was asked; said loudly, never silently degraded."""
+
+
+# faults the generic worker loop injects for every backend (they change data handling, not lowering)
+WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"})
+
+
+def effective_hparams(hp: HParams, fault: str | None) -> HParams:
+    """Hyper-parameter-level faults, applied identically in every wrapper."""
+    if fault == "lr_scale_1.001":
+        return hp.with_(lr=hp.lr * 1.001)
+    return hp
+
+
+def effective_step_for_lr(step: int, fault: str | None) -> int:
+    return step + 1 if fault == "lr_schedule_off_by_one" else step

@@ -1,0 +1,131 @@
+"""The spec's layers lowered to torch.nn.functional in NCHW, and canonical <-> torch layouts."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from algorithms.spec import LayerInfo, ModelSpec, ParamInfo
+
+
+# ----------------------------------------------------------------------------- layouts
+def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
+    """perm[j] = the canonical (H, W, C) row of torch's (C, H, W) flatten position j."""
+    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
+
+
+def to_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
+    layer, role = _layer_of(model, name)
+    if role != "kernel":
+        return a
+    if layer.kind == "conv2d":               # (kH, kW, I, O) -> (O, I, kH, kW)
+        return a.transpose(3, 2, 0, 1)
+    if layer.flattened_from and permute:     # rows in HWC order -> CHW order, then (out, in)
+        a = a[flatten_perm(*layer.flattened_from)]
+    return a.T
+
+
+def from_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
+    layer, role = _layer_of(model, name)
+    if role != "kernel":
+        return a
+    if layer.kind == "conv2d":
+        return a.transpose(2, 3, 1, 0)
+    a = a.T
+    if layer.flattened_from and permute:
+        out = np.empty_like(a)
+        out[flatten_perm(*layer.flattened_from)] = a
+        return out
+    return a
+
+
+def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
+    lname, role = pname.rsplit(".", 1)
+    return next(l for l in model.layers if l.name == lname), role
+
+
+def nhwc(t: torch.Tensor) -> np.ndarray:
+    a = t.detach().cpu().numpy()
+    return a.transpose(0, 2, 3, 1) if a.ndim == 4 else a
+
+
+# ----------------------------------------------------------------------------- forward
+def _same_pad(layer: LayerInfo, value: float, x: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
+    (t, b), (l, r) = layer.padding
+    if symmetric and (t != b or l != r):       # the fault: k//2 on every side, torch-style
+        k = layer.spec.options.get("kernel", layer.spec.options.get("pool"))
+        t = b = l = r = k // 2
+    if t == b == l == r == 0:
+        return x
+    return F.pad(x, (l, r, t, b), value=value)
+
+
+def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, train: bool,
+            masks: dict[str, torch.Tensor] | None, fault: str | None, record: dict[str, torch.Tensor] | None = None,
+            native_dropout: bool = False, bn_momentum_flip: bool = False) -> torch.Tensor:
+    """Logits for NCHW input `x`. In training mode BatchNorm updates p's running buffers in place."""
+    skipped_bias = False
+    for layer in model.layers:
+        o = layer.spec.options
+        k = layer.kind
+        if k == "conv2d":
+            if o["padding"] == "same":
+                x = _same_pad(layer, 0.0, x, symmetric=(fault == "symmetric_same_padding"))
+            bias = p.get(f"{layer.name}.bias")
+            if bias is not None and fault == "missing_bias" and not skipped_bias:
+                bias, skipped_bias = None, True
+            x = F.conv2d(x, p[f"{layer.name}.kernel"], bias, stride=o["stride"])
+        elif k == "maxpool2d":
+            if o["padding"] == "same":
+                x = F.max_pool2d(_same_pad(layer, float("-inf"), x), o["pool"], o["stride"])
+            else:
+                x = F.max_pool2d(x, o["pool"], o["stride"], ceil_mode=(fault == "maxpool_ceil"))
+        elif k == "avgpool2d":
+            if o["padding"] == "same":
+                # TF 'SAME' average excludes the padding from the count (asymmetric pads: divide by a pooled mask)
+                ones = torch.ones_like(x[:1, :1])
+                num = F.avg_pool2d(_same_pad(layer, 0.0, x), o["pool"], o["stride"], divisor_override=1)
+                den = F.avg_pool2d(_same_pad(layer, 0.0, ones), o["pool"], o["stride"], divisor_override=1)
+                x = num / den
+            else:
+                x = F.avg_pool2d(x, o["pool"], o["stride"])
+        elif k == "relu":
+            x = F.relu(x)
+        elif k == "tanh":
+            x = torch.tanh(x)
+        elif k == "batchnorm2d":
+            mom = o["momentum"]
+            if fault == "bn_momentum_flipped":
+                mom = 1.0 - mom
+            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            x = F.batch_norm(x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
+                             p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
+                             momentum=mom, eps=eps)
+        elif k == "dropout":
+            if train and not native_dropout and masks is not None:
+                x = x * masks[layer.name] / (1.0 - o["rate"])
+            elif train or (fault == "dropout_in_eval"):
+                x = F.dropout(x, o["rate"], training=True)
+        elif k == "flatten":
+            x = torch.flatten(x, 1)             # (C, H, W) order: the first dense kernel is permuted to match
+        elif k == "global_avgpool2d":
+            x = x.mean(dim=(2, 3))
+        elif k == "dense":
+            bias = p.get(f"{layer.name}.bias")
+            if bias is not None and fault == "missing_bias" and not skipped_bias:
+                bias, skipped_bias = None, True
+            x = F.linear(x, p[f"{layer.name}.kernel"], bias)
+        else:  # pragma: no cover - the spec validates kinds
+            raise NotImplementedError(k)
+        if record is not None:
+            record[layer.name] = x
+    return x
+
+
+def param_infos(model: ModelSpec) -> list[ParamInfo]:
+    return model.params
+
+
+__all__ = ["forward", "to_torch_layout", "from_torch_layout", "nhwc", "flatten_perm", "Any"]

@@ -1,0 +1,158 @@
+"""The generic training loop every backend runs in its own process: `python -m wrappers run JOB.json`.
+
+The job file (written by the harness) names the model declaration, hyper-parameters, the
+prepared data (.npz), the batch order (.npy of sample indices), the canonical initial weights
+and the output folder. This loop gathers each step's batch, builds the harness dropout masks,
+calls the backend's `train_step`, and streams rows into the output folder; it knows no framework.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from algorithms import data as D
+from algorithms.optim import HParams
+from algorithms.params import load_npz, save_npz
+from algorithms.spec import ModelSpec, build_model
+
+from .base import Backend, Masks, RunOptions
+
+STEP_COLUMNS = ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr",
+                "batch_checksum", "step_time_s"]
+EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy"]
+
+
+def fmt(v: Any) -> str:
+    """Floats as their shortest round-trip repr: the CSV holds the exact value."""
+    if isinstance(v, (float, np.floating)):
+        return repr(float(v))
+    return str(v)
+
+
+def masks_for(model: ModelSpec, seed: int, step: int, batch: int, mode: str) -> Masks:
+    if mode != "harness":
+        return {}
+    return {l.name: D.dropout_keep_mask(seed, step, l.index, (batch, *l.out_shape), l.spec["rate"])
+            for l in model.layers if l.kind == "dropout"}
+
+
+def progress(out: TextIO, **kw: Any) -> None:
+    out.write(json.dumps(kw) + "\n")
+    out.flush()
+
+
+def build_backend(job: dict[str, Any], cls: type[Backend]) -> Backend:
+    model = build_model(job["model"], job.get("model_source", "<job>"))
+    hp = HParams.from_dict(job["hparams"])
+    opts = RunOptions(**job.get("options", {}))
+    return cls(model, hp, opts)
+
+
+def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: TextIO) -> None:
+    model, hp, opts = backend.model, backend.hp, backend.opts
+    arrays = load_npz(job["data"])
+    x_tr, y_tr = arrays["x_train"], arrays["y_train"]
+    x_te, y_te = arrays["x_test"], arrays["y_test"]
+    order = np.load(job["order"])
+    if opts.fault == "data_shift_one_batch":   # the loader skips the first batch
+        order = np.concatenate([order[1:], order[:1]])
+    n_train = len(x_tr)
+    backend.load_params(load_npz(job["params"]))
+    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+
+    def checkpoint(step: int) -> None:
+        state = {f"param/{k}": v for k, v in backend.export_params().items()}
+        state.update({f"opt/{k}": v for k, v in backend.export_opt_state().items()})
+        save_npz(ckpt_dir / f"step_{step:07d}.npz", state)
+
+    def evaluate(step: int, f: TextIO) -> None:
+        loss, acc = backend.evaluate(x_te, y_te)
+        f.write(",".join(fmt(v) for v in (step, float(loss), float(acc))) + "\n")
+        f.flush()
+
+    with open(out_dir / "steps.csv", "w") as fs, open(out_dir / "eval.csv", "w") as fe:
+        fs.write(",".join(STEP_COLUMNS) + "\n")
+        fe.write(",".join(EVAL_COLUMNS) + "\n")
+        checkpoint(0)
+        evaluate(0, fe)
+        t_total = time.perf_counter()
+        for step in range(hp.steps):
+            idx = order[step]
+            x, y = x_tr[idx], y_tr[idx]
+            masks = masks_for(model, hp.seed, step, hp.batch_size, opts.dropout)
+            t0 = time.perf_counter()
+            st = backend.train_step(step, x, y, masks)
+            dt = time.perf_counter() - t0
+            row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
+                   st.update_norm, st.param_norm, backend.lr_for(step), D.batch_checksum(x, y), dt)
+            fs.write(",".join(fmt(v) for v in row) + "\n")
+            done = step + 1
+            if done % hp.checkpoint_every == 0 or done == hp.steps:
+                checkpoint(done)
+            if done % hp.eval_every == 0 or done == hp.steps:
+                fs.flush()
+                evaluate(done, fe)
+            if done % max(1, hp.steps // 100) == 0 or done == hp.steps:
+                progress(channel, step=done, of=hp.steps, loss=float(st.loss))
+        wall = time.perf_counter() - t_total
+    final = backend.export_params()
+    save_npz(out_dir / "final_params.npz", final)
+    return {"train_wall_s": wall}
+
+
+def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
+    """Probe on the first batch of the order, from the canonical weights: one file per case.
+
+    A job may carry `cases` (a list of hyper-parameter dicts): each gets a fresh backend, so one
+    process (one framework import) serves every optimizer of a test."""
+    arrays = load_npz(job["data"])
+    idx = np.load(job["order"])[0]
+    x, y = arrays["x_train"][idx], arrays["y_train"][idx]
+    params = load_npz(job["params"])
+    k = int(job.get("probe_steps", 3))
+    cases = job.get("cases") or [job["hparams"]]
+    for i, hp_dict in enumerate(cases):
+        b = backend if i == 0 and hp_dict == job["hparams"] else type(backend)(
+            backend.model, HParams.from_dict(hp_dict), backend.opts)
+        b.name = backend.name
+        b.load_params(params)
+        masks = [masks_for(b.model, b.hp.seed, s, len(idx), b.opts.dropout) for s in range(k)]
+        save_npz(out_dir / f"probe-{i}.npz", b.probe(x, y, masks))
+        (out_dir / f"probe-{i}.json").write_text(json.dumps({"declared_differences": b.declared_differences()}))
+    return {"probe_cases": len(cases)}
+
+
+def main(job_path: str) -> int:
+    from .base import REGISTRY, UnsupportedError
+    job = json.loads(Path(job_path).read_text())
+    out_dir = Path(job["out"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entry = REGISTRY[job["backend"]]
+    channel = sys.stdout
+    cls = entry.load()
+    try:
+        backend = build_backend(job, cls)
+        backend.name = entry.name
+        info: dict[str, Any] = {
+            "backend": entry.name, "framework": cls.framework, "versions": backend.versions(),
+            "devices": backend.devices(), "determinism": backend.determinism(),
+            "declared_differences": backend.declared_differences(), "fault": backend.opts.fault,
+            "pid": os.getpid(),
+        }
+        t0 = time.perf_counter()
+        extra = run_train(job, backend, out_dir, channel) if job["mode"] == "train" else run_probe(job, backend, out_dir)
+        info.update(extra or {})
+        info["wall_s"] = time.perf_counter() - t0
+    except UnsupportedError as e:
+        progress(channel, unsupported=str(e))
+        return 3
+    (out_dir / "worker.json").write_text(json.dumps(info, indent=2, default=str))
+    progress(channel, done=True)
+    return 0
