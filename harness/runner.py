@@ -190,12 +190,13 @@ def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, 
 
 def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
             probe_steps: int = 3, cases: list[HParams] | None = None, timeout: float | None = None,
-            on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None) -> Path:
+            on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
+            job_extra: dict[str, Any] | None = None) -> Path:
     """Run one job; returns the published folder. Raises BadInput or BackendFailed."""
     out_root = Path(out_root)
     check_backend(cfg.backend)
     prep = prepared or prepare(cfg, out_root)
-    name = name or cfg.default_name(prep.model.name) + ("__probe" if mode == "probe" else "")
+    name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
     tmp_root = out_root / ".tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
@@ -207,7 +208,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     job = {"mode": mode, "backend": cfg.backend, "model": prep.model.to_dict(), "model_source": str(prep.model.source),
            "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(tmp / "order.npy"),
            "params": str(tmp / "init_params.npz"), "out": str(tmp), "options": options, "probe_steps": probe_steps,
-           "cases": [c.to_dict() for c in cases] if cases else None}
+           "cases": [c.to_dict() for c in cases] if cases else None, **(job_extra or {})}
     (tmp / "job.json").write_text(json.dumps(job, indent=2))
     started = datetime.now(timezone.utc)
     t0 = time.time()
@@ -235,7 +236,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         tail = _log_tail(kept / "run.log")
         raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / "run.log")
     worker = json.loads((tmp / "worker.json").read_text())
-    if mode == "train":
+    if mode == "train":  # a train run is complete only with every step's row
         n_rows = sum(1 for _ in open(tmp / "steps.csv")) - 1
         if n_rows != cfg.hparams.steps:
             kept = _fail(tmp, out_root, name)

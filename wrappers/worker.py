@@ -147,7 +147,10 @@ def main(job_path: str) -> int:
             "pid": os.getpid(),
         }
         t0 = time.perf_counter()
-        extra = run_train(job, backend, out_dir, channel) if job["mode"] == "train" else run_probe(job, backend, out_dir)
+        modes = {"train": lambda: run_train(job, backend, out_dir, channel), "probe": lambda: run_probe(job, backend, out_dir)}
+        if job["mode"] not in modes:
+            raise ValueError(f"unknown job mode {job['mode']!r}")
+        extra = modes[job["mode"]]()
         info.update(extra or {})
         info["wall_s"] = time.perf_counter() - t0
     except UnsupportedError as e:
