@@ -65,7 +65,7 @@ def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str,
             raise DataError(f"{source}: the {part} images contain NaN or Inf")
         if np.any(y < 0) or np.any(y != np.floor(y)):
             bad = y[(y < 0) | (y != np.floor(y))][0]
-            raise DataError(f"{source}: label {bad!r} in the {part} set is not a non-negative integer")
+            raise DataError(f"{source}: label {float(bad):g} in the {part} set is not a non-negative integer")
     x_tr = x_tr.astype(np.float64) / raw_max
     x_te = x_te.astype(np.float64) / raw_max
     mean, std = float(x_tr.mean()), float(x_tr.std())
@@ -140,6 +140,10 @@ def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
             name = header[col] if header else f"column {col + 1}"
             raise DataError(f"{path}: line {line}, {name}: {r[col]!r} is not a number") from None
     y = data[:, label_col]
+    bad = np.flatnonzero((y < 0) | (y != np.floor(y)))
+    if bad.size:
+        line = bad[0] + (2 if header else 1)
+        raise DataError(f"{path}: line {line}: label {y[bad[0]]:g} is not a non-negative integer")
     x = np.delete(data, label_col, axis=1)
     return x.reshape(len(x), *_image_shape(x.shape[1], str(path), shape)), y
 

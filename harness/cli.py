@@ -198,5 +198,22 @@ from .allcmd import all_cmd  # noqa: E402  (registers `duipai all`)
 
 main.add_command(all_cmd)
 
+
+
+def entry() -> None:
+    """Console entry: usage errors become one line (`duipai: error: ...`) and exit code 2."""
+    try:
+        main.main(standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help() if e.ctx else str(e))
+        sys.exit(runner.EXIT_OK)
+    except click.UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "duipai"
+        fail(f"{e.format_message()} (see `{cmd.replace('python -m harness.cli', 'duipai')} --help`)")
+    except click.Abort:
+        click.echo("duipai: interrupted", err=True)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

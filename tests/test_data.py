@@ -1,0 +1,97 @@
+"""Data sources, the fixed split, the one batch order, and the errors bad data gets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from algorithms import data as D
+
+
+def test_digits_split_and_normalisation():
+    ds = D.load_digits()
+    assert ds.x_train.shape[1:] == (8, 8, 1) and ds.x_train.dtype == np.float32
+    assert len(ds.x_train) + len(ds.x_test) == 1797
+    assert abs(float(ds.x_train.mean())) < 1e-5 and abs(float(ds.x_train.std()) - 1) < 1e-4
+    assert ds.meta["normalisation"]["raw_max"] == 16.0
+    assert ds.hash() == D.load_digits().hash()
+
+
+def test_order_is_per_epoch_permutation():
+    o = D.batch_order(100, 10, 25, seed=3)
+    assert o.shape == (25, 10)
+    assert sorted(o[:10].ravel()) == list(range(100))   # epoch 0 sees every sample once
+    assert sorted(o[10:20].ravel()) == list(range(100))
+    assert not np.array_equal(o[:10], o[10:20])
+    assert np.array_equal(o, D.batch_order(100, 10, 25, seed=3))
+    assert not np.array_equal(o, D.batch_order(100, 10, 25, seed=4))
+    with pytest.raises(D.DataError, match="larger than the train set"):
+        D.batch_order(5, 10, 1, 0)
+
+
+def test_dropout_mask_is_deterministic_and_rate():
+    m = D.dropout_keep_mask(0, 5, 3, (64, 64), 0.25)
+    assert np.array_equal(m, D.dropout_keep_mask(0, 5, 3, (64, 64), 0.25))
+    assert not np.array_equal(m, D.dropout_keep_mask(0, 6, 3, (64, 64), 0.25))
+    assert 0.2 < 1 - m.mean() < 0.3
+
+
+def _write(p, text):
+    p.write_text(text)
+    return p
+
+
+def test_csv_loader_and_cache(tmp_path):
+    rows = ["label," + ",".join(f"pixel{i}" for i in range(4))]
+    rows += [f"{i % 3},{i},{2 * i},{3 * i},{255}" for i in range(20)]
+    f = _write(tmp_path / "train.csv", "\n".join(rows) + "\n")
+    ds = D.load_csv(f, cache_dir=tmp_path / "cache")
+    assert ds.image_shape == (2, 2, 1) and len(ds.x_train) + len(ds.x_test) == 20
+    assert len(list((tmp_path / "cache").glob("csv-*.npz"))) == 1
+    ds2 = D.load_csv(f, cache_dir=tmp_path / "cache")       # from the cache, same numbers
+    assert ds2.hash() == ds.hash()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("label,p0,p1,p2,p3\n1,0,0,x,0\n", "line 2, p2: 'x' is not a number"),
+    ("label,p0,p1,p2\n1,0,0,0\n", "3 pixel columns are not a square image"),
+    ("label,p0,p1,p2,p3\n1,0,0,0\n", "line 2 has 4 columns, expected 5"),
+    ("", "the file is empty"),
+    ("label,p0,p1,p2,p3\n", "header but no data rows"),
+    ("label,p0,p1,p2,p3\n-1,0,0,0,0\n2,0,0,0,0\n3,0,0,0,0\n4,0,0,0,0\n5,0,0,0,0\n", "line 2: label -1 is not a non-negative integer"),
+])
+def test_csv_errors_name_file_and_problem(tmp_path, text, needle):
+    f = _write(tmp_path / "d.csv", text)
+    with pytest.raises(D.DataError) as e:
+        D.load_csv(f)
+    assert str(f) in str(e.value) and needle in str(e.value)
+
+
+def test_missing_and_bad_npz(tmp_path):
+    with pytest.raises(D.DataError, match="no such data file"):
+        D.load_data(str(tmp_path / "nope.npz"))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(D.DataError, match="not a readable .npz"):
+        D.load_data(str(tmp_path / "junk.npz"))
+    np.savez(tmp_path / "w.npz", images=np.zeros((3, 2, 2)))
+    with pytest.raises(D.DataError, match="needs arrays"):
+        D.load_data(str(tmp_path / "w.npz"))
+    np.savez(tmp_path / "s.npz", x=np.zeros((10, 2)), y=np.zeros(10))
+    with pytest.raises(D.DataError, match=r"images must be \(N, H, W\)"):
+        D.load_data(str(tmp_path / "s.npz"))
+
+
+def test_npz_and_fit_check(tmp_path):
+    x = np.random.default_rng(0).uniform(0, 1, (50, 8, 8))
+    y = np.arange(50) % 10
+    np.savez(tmp_path / "ok.npz", x=x, y=y)
+    ds = D.load_data(str(tmp_path / "ok.npz"))
+    D.check_fits(ds, (8, 8, 1), 10, "m")
+    with pytest.raises(D.DataError, match="expects"):
+        D.check_fits(ds, (28, 28, 1), 10, "m")
+    with pytest.raises(D.DataError, match="out of range"):
+        D.check_fits(ds, (8, 8, 1), 5, "m")
+
+
+def test_synthetic_is_seeded():
+    a, b = D.synthetic(200), D.synthetic(200)
+    assert a.hash() == b.hash() and a.image_shape == (8, 8, 1)

@@ -1,0 +1,156 @@
+"""The runner through the real command line: results, manifests, determinism, atomicity, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from .conftest import ROOT, need
+
+NAME = "cnn2d_2conv_2fc__torch__momentum-constant__s0"
+
+
+def duipai(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    need("torch")
+    out = tmp_path_factory.mktemp("runs")
+    r = duipai("run", "-b", "torch", "--steps", "60", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_run_writes_csv_log_manifest(torch_run):
+    d = torch_run / NAME
+    steps = pd.read_csv(d / "steps.csv")
+    assert list(steps.columns) == ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm",
+                                   "lr", "batch_checksum", "step_time_s"]
+    assert len(steps) == 60 and steps["step"].tolist() == list(range(60))
+    assert steps["loss"].iloc[-1] < steps["loss"].iloc[0]
+    ev = pd.read_csv(d / "eval.csv")
+    assert ev["step"].tolist() == [0, 50, 60]
+    m = json.loads((d / "manifest.json").read_text())
+    for key in ("spec_hash", "data_hash", "weights_hash", "hparams", "versions", "devices", "determinism", "host"):
+        assert m[key], key
+    assert m["status"] == "complete" and m["versions"]["torch"].startswith("2.")
+    assert m["determinism"]["use_deterministic_algorithms"] is True and m["determinism"]["num_threads"] == 1
+    assert (d / "run.log").exists() and (d / "checkpoints" / "step_0000050.npz").exists()
+
+
+def test_floats_round_trip_exactly(torch_run):
+    text = (torch_run / NAME / "steps.csv").read_text().splitlines()[1].split(",")
+    loss = float(text[2])
+    assert repr(loss) == text[2]                      # the shortest repr: parsing gives back the same double
+
+
+def test_rerun_is_bit_identical(torch_run, tmp_path):
+    r = duipai("run", "-b", "torch", "--steps", "60", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    a = (torch_run / NAME / "steps.csv").read_text().splitlines()
+    b = (tmp_path / NAME / "steps.csv").read_text().splitlines()
+    cols = lambda rows, i: [row.split(",")[i] for row in rows]  # noqa: E731
+    assert cols(a, 2) == cols(b, 2) and cols(a, 4) == cols(b, 4)   # loss and grad_norm, as text
+
+
+def test_jax_rerun_is_bit_identical(tmp_path):
+    need("jax")
+    cols = []
+    for out in ("a", "b"):
+        r = duipai("run", "-b", "jax", "--steps", "30", "--out", str(tmp_path / out))
+        assert r.returncode == 0, r.stderr
+        s = pd.read_csv(next((tmp_path / out).glob("*jax*")) / "steps.csv", dtype=str)
+        cols.append((s["loss"].tolist(), s["grad_norm"].tolist()))
+    assert cols[0] == cols[1]
+
+
+BAD_SPEC = """name = "bad"
+input_shape = [8, 8, 1]
+num_classes = 10
+[[layers]]
+type = "conv2d"
+filters = 4
+kernel = 11
+[[layers]]
+type = "flatten"
+[[layers]]
+type = "dense"
+units = 10
+"""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-m", "no_such_model"], "unknown model 'no_such_model'"),
+    (["-m", "{tmp}/missing.toml"], "no such file"),
+    (["-m", "{tmp}/malformed.toml"], "not valid TOML"),
+    (["-m", "{tmp}/unknown_layer.toml"], "layer 0 (conv9d): field 'type': unknown layer type"),
+    (["-m", "{tmp}/impossible.toml"], "layer 0 (conv2d): field 'kernel': window 11 is larger than the input 8x8"),
+    (["--optimizer", "rmsprop"], "'rmsprop' is not one of"),
+    (["-b", "mxnet"], "unknown backend 'mxnet'"),
+    (["--data", "{tmp}/nothing.csv"], "no such data file"),
+    (["--batch-size", "5000"], "larger than the train set"),
+    (["--lr", "-1"], "hyper-parameter 'lr'"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
+    (tmp_path / "malformed.toml").write_text("name = 'x'\n[[layers]\n")
+    (tmp_path / "unknown_layer.toml").write_text(BAD_SPEC.replace('"conv2d"', '"conv9d"'))
+    (tmp_path / "impossible.toml").write_text(BAD_SPEC)
+    out = tmp_path / "out"
+    r = duipai("run", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--steps", "5", "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    assert not [p for p in out.glob("*") if not p.name.startswith(".")] if out.exists() else True
+
+
+def test_backend_not_installed_is_bad_input(tmp_path):
+    # a child interpreter in which torch cannot be found: importlib.util.find_spec says None, as for a missing package
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.util as u\n_f = u.find_spec\n"
+        "u.find_spec = lambda name, *a: None if name.split('.')[0] == 'torch' else _f(name, *a)\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    r = duipai("run", "-b", "torch", "--steps", "5", "--out", str(tmp_path / "out"), env=env)
+    assert r.returncode == 2 and "backend 'torch' is not installed: missing Python package(s) torch" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_timeout_keeps_log_and_publishes_nothing(tmp_path):
+    need("torch")
+    r = duipai("run", "-b", "torch", "--steps", "100000", "--timeout", "4", "--out", str(tmp_path))
+    assert r.returncode == 3, r.stderr
+    assert "timed out" in r.stderr and "run.log" in r.stderr
+    assert not (tmp_path / "cnn2d_2conv_2fc__torch__momentum-constant__s0").exists()
+    failed = list((tmp_path / ".failed").glob("*/run.log"))
+    assert len(failed) == 1
+
+
+def test_killed_run_leaves_no_complete_looking_result(tmp_path):
+    need("torch")
+    p = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--steps", "100000", "--out", str(tmp_path)],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((tmp_path / ".tmp").glob("*/steps.csv")):
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert list((tmp_path / ".tmp").glob("*/steps.csv")), "the run never started"
+    assert not (tmp_path / NAME).exists()
+    assert not list(tmp_path.glob("*/manifest.json"))
+
+
+def test_rerun_replaces_result_atomically(torch_run, tmp_path):
+    r = duipai("run", "-b", "torch", "--steps", "20", "--out", str(tmp_path), "--name", "x")
+    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
+    assert r.returncode == 0
+    assert len(pd.read_csv(tmp_path / "x" / "steps.csv")) == 30
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]

@@ -1,0 +1,263 @@
+"""JAX backend: the spec lowered to jax.lax in NHWC (layers.py), optax optimizers, one jit-compiled step.
+
+The whole training step (forward, loss, backward, optax update, the step statistics) is one pure
+function, compiled once by jax.jit. The learning rate (and Adam's epsilon, for the `adam_eps_hat`
+fault) enter as traced arguments and are written into the `optax.inject_hyperparams` state inside
+the step, so a schedule never triggers a recompilation.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax import tree_utils as otu
+
+from algorithms.optim import HParams
+from algorithms.spec import ModelSpec
+
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
+from .layers import BUFFER_ROLES, cross_entropy, forward, from_internal, to_internal
+
+ADAM_STATE = "ScaleByAdamState"
+INJECT_STATE = "InjectStatefulHyperparamsState"
+
+
+def make_optimizer(hp: HParams, fault: str | None) -> optax.GradientTransformationExtraArgs:
+    """The native optax optimizer whose mathematics are the reference's, with the learning rate
+    (and eps, for Adam) as injected hyper-parameters. L2 weight decay (sgd, momentum, nesterov,
+    adam) is added to the gradient before the transform; adamw's decay is decoupled."""
+    wd = hp.weight_decay
+    coupled = hp.optimizer != "adamw" or fault == "l2_not_decoupled"
+
+    def l2(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        return optax.chain(optax.add_decayed_weights(wd), tx) if wd and coupled else tx
+
+    if hp.optimizer == "sgd":
+        return optax.inject_hyperparams(lambda learning_rate: l2(optax.sgd(learning_rate)))(learning_rate=hp.lr)
+    if hp.optimizer in ("momentum", "nesterov"):
+        nesterov = hp.optimizer == "nesterov"
+        return optax.inject_hyperparams(
+            lambda learning_rate: l2(optax.sgd(learning_rate, momentum=hp.momentum, nesterov=nesterov))
+        )(learning_rate=hp.lr)
+    if coupled:   # adam, or adamw with the l2_not_decoupled fault (torch Adam(weight_decay=...))
+        return optax.inject_hyperparams(
+            lambda learning_rate, eps: l2(optax.adam(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps))
+        )(learning_rate=hp.lr, eps=hp.eps)
+    return optax.inject_hyperparams(
+        lambda learning_rate, eps: optax.adamw(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps, weight_decay=wd)
+    )(learning_rate=hp.lr, eps=hp.eps)
+
+
+def _in(tuple_name: str) -> Callable[[Any, Any], bool]:
+    """optax.tree_utils filter: the field belongs to a NamedTuple called `tuple_name`."""
+    return lambda path, _v: bool(path) and getattr(path[-1], "tuple_name", None) == tuple_name
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(tree)))
+
+
+class JaxBackend(Backend):
+    framework = "jax"
+    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
+                        "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
+                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
+
+    def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
+        super().__init__(model, hp, opts)
+        if opts.devices != 1:
+            raise UnsupportedError(f"backend jax: data parallelism (--devices {opts.devices}) is not implemented; "
+                                   "run with --devices 1")
+        if opts.dtype not in ("float32", "float64"):
+            raise UnsupportedError(f"backend jax: dtype {opts.dtype!r} is not supported (float32, float64)")
+        if opts.dtype == "float64" and not jax.config.jax_enable_x64:
+            raise UnsupportedError("backend jax: float64 needs JAX_ENABLE_X64=1 set before jax is imported")
+        self.dtype = jnp.float64 if opts.dtype == "float64" else jnp.float32
+        self.no_permute = opts.fault == "flatten_no_permute"
+        self.native_dropout = opts.dropout == "native"
+        self.trainable: list[str] = [q.name for q in model.trainable]
+        self.buffer_names: list[str] = [q.name for q in model.buffers]
+        self.tx = make_optimizer(self.hp, opts.fault)
+        self.is_adam = self.hp.optimizer in ("adam", "adamw")
+        self.has_momentum = self.hp.optimizer in ("momentum", "nesterov")
+        self.base_key = jax.random.key(self.hp.seed)
+        self.params: dict[str, jax.Array] = {}
+        self.buffers: dict[str, jax.Array] = {}
+        self.opt_state: Any = None
+        self.prev_lr: float | None = None
+        self.eval_calls = 0
+        self.label_smoothing = 0.1 if opts.fault == "label_smoothing" else 0.0
+        wrap = jax.jit if opts.jit else (lambda f: f)
+        self._step = wrap(self._step_fn)
+        self._eval = wrap(self._eval_fn)
+        self._grads = wrap(self._grads_fn)
+        self._fwd = wrap(self._forward_layers_fn)
+
+    # ---- environment
+    def versions(self) -> dict[str, str]:
+        import jaxlib
+        return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
+                "python": platform.python_version(), "numpy": np.__version__}
+
+    def devices(self) -> list[str]:
+        proc = platform.processor() or platform.machine()
+        return [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() + (f" ({proc})" if d.platform == "cpu" else "")
+                for d in jax.devices()][:max(1, self.opts.devices)]
+
+    def determinism(self) -> dict[str, Any]:
+        return {"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
+                "jax_enable_x64": bool(jax.config.jax_enable_x64), "dtype": str(jnp.dtype(self.dtype)),
+                "threads": self.opts.threads, "jit": self.opts.jit,
+                "default_matmul_precision": jax.config.jax_default_matmul_precision,
+                "default_prng_impl": jax.config.jax_default_prng_impl,
+                "dropout": self.opts.dropout, "backend_platform": jax.default_backend()}
+
+    def declared_differences(self) -> list[str]:
+        return ["native_dropout_masks"] if self.model.has("dropout") and self.native_dropout else []
+
+    # ---- state
+    def _to_jax(self, name: str, a: np.ndarray) -> jax.Array:
+        return jnp.asarray(to_internal(self.model, name, np.asarray(a), self.no_permute), dtype=self.dtype)
+
+    def _canon(self, name: str, a: jax.Array) -> np.ndarray:
+        return from_internal(self.model, name, np.array(a), self.no_permute)
+
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        self.params = {n: self._to_jax(n, params[n]) for n in self.trainable}
+        self.buffers = {n: self._to_jax(n, params[n]) for n in self.buffer_names}
+        self.opt_state = self.tx.init(self.params)
+        self.prev_lr = None
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        out = {n: self._canon(n, self.params[n]) for n in self.trainable}
+        out.update({n: self._canon(n, self.buffers[n]) for n in self.buffer_names})
+        return {q.name: out[q.name] for q in self.model.params}
+
+    def export_opt_state(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        if self.has_momentum:
+            trace = otu.tree_get(self.opt_state, "trace")
+            out.update({f"momentum/{n}": self._canon(n, trace[n]) for n in self.trainable})
+        elif self.is_adam:
+            mu = otu.tree_get(self.opt_state, "mu")
+            nu = otu.tree_get(self.opt_state, "nu")
+            out.update({f"exp_avg/{n}": self._canon(n, mu[n]) for n in self.trainable})
+            out.update({f"exp_avg_sq/{n}": self._canon(n, nu[n]) for n in self.trainable})
+            out["step"] = np.asarray(float(otu.tree_get(self.opt_state, "count", filtering=_in(ADAM_STATE))))
+        return out
+
+    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        """The optimizer state exactly as given (absent entries start from zero), ready for `step`."""
+        st = self.tx.init(self.params)
+        def tree(prefix: str, like: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            return {n: (self._to_jax(n, state[f"{prefix}/{n}"]) if f"{prefix}/{n}" in state else like[n])
+                    for n in self.trainable}
+        if self.has_momentum:
+            st = otu.tree_set(st, trace=tree("momentum", otu.tree_get(st, "trace")))
+        elif self.is_adam:
+            st = otu.tree_set(st, mu=tree("exp_avg", otu.tree_get(st, "mu")),
+                              nu=tree("exp_avg_sq", otu.tree_get(st, "nu")))
+            n_done = int(round(float(state["step"]))) if "step" in state else 0
+            st = otu.tree_set(st, _in(ADAM_STATE), count=jnp.asarray(n_done, jnp.int32))
+        st = otu.tree_set(st, _in(INJECT_STATE), count=jnp.asarray(step, jnp.int32))
+        self.opt_state = st
+        self.prev_lr = self.lr_for(step - 1) if step > 0 else None
+
+    # ---- the pure, jit-compiled functions
+    def _loss_fn(self, params, buffers, x, y, masks, key):
+        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.opts.fault,
+                                      key=key, native_dropout=self.native_dropout)
+        return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
+
+    def _step_fn(self, params, buffers, opt_state, x, y, masks, step, lr, eps):
+        key = jax.random.fold_in(self.base_key, step)
+        (loss, (logits, new_buffers)), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(
+            params, buffers, x, y, masks, key)
+        if self.opts.fault == "grad_double":
+            grads = jax.tree.map(lambda g: g * 2.0, grads)
+        hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
+        if "eps" in hyper:
+            hyper["eps"] = eps.astype(self.dtype)
+        opt_state = opt_state._replace(hyperparams=hyper)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        stats = {"loss": loss,
+                 "accuracy": jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)),
+                 "grad_norm": _global_norm(grads),
+                 "update_norm": _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)),
+                 "param_norm": _global_norm(new_params)}
+        return new_params, new_buffers, opt_state, stats
+
+    def _eval_fn(self, params, buffers, x, y, key):
+        logits, _ = forward(self.model, params, buffers, x, train=False, masks=None, fault=self.opts.fault, key=key)
+        return cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(jnp.float64
+                                                  if jax.config.jax_enable_x64 else jnp.float32))
+
+    def _grads_fn(self, params, buffers, x, y, masks, key):
+        (loss, _), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, buffers, x, y, masks, key)
+        if self.opts.fault == "grad_double":
+            grads = jax.tree.map(lambda g: g * 2.0, grads)
+        return loss, grads
+
+    def _forward_layers_fn(self, params, buffers, x, masks, key):
+        rec: dict[str, jax.Array] = {}
+        forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.opts.fault, key=key,
+                native_dropout=self.native_dropout, record=rec)
+        return rec
+
+    # ---- computation
+    def _x(self, x: np.ndarray) -> jax.Array:
+        return jnp.asarray(x, dtype=self.dtype)
+
+    def _y(self, y: np.ndarray) -> jax.Array:
+        return jnp.asarray(y, dtype=jnp.int32)
+
+    def _masks(self, masks: Masks) -> dict[str, jax.Array]:
+        return {k: jnp.asarray(v, dtype=self.dtype) for k, v in masks.items()}
+
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        lr = self.lr_for(step)
+        if self.opts.fault == "keras_momentum_schedule" and self.has_momentum \
+                and self.prev_lr is not None and self.prev_lr != lr:
+            # Keras velocity v = mu v - lr g  <=>  the torch/optax buffer rescaled by lr_prev / lr
+            ratio = self.prev_lr / lr
+            trace = otu.tree_get(self.opt_state, "trace")
+            self.opt_state = otu.tree_set(self.opt_state, trace=jax.tree.map(lambda t: t * ratio, trace))
+        self.prev_lr = lr
+        eps = self.hp.eps
+        if self.opts.fault == "adam_eps_hat":   # eps-hat form == reference eps / sqrt(1 - b2^t)
+            eps = self.hp.eps / math.sqrt(1.0 - self.hp.beta2 ** (step + 1))
+        self.params, self.buffers, self.opt_state, stats = self._step(
+            self.params, self.buffers, self.opt_state, self._x(x), self._y(y), self._masks(masks),
+            np.int32(step), np.asarray(lr, np.float64 if self.dtype == jnp.float64 else np.float32),
+            np.asarray(eps, np.float64 if self.dtype == jnp.float64 else np.float32))
+        s = jax.device_get(stats)
+        return StepStats(float(s["loss"]), float(s["accuracy"]), float(s["grad_norm"]), float(s["update_norm"]),
+                         float(s["param_norm"]))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        key = jax.random.fold_in(jax.random.fold_in(self.base_key, 0x0E7A1), self.eval_calls)
+        self.eval_calls += 1
+        loss, acc = self._eval(self.params, self.buffers, self._x(x), self._y(y), key)
+        return float(loss), float(acc)
+
+    def _probe_key(self) -> jax.Array:
+        return jax.random.fold_in(self.base_key, 0)
+
+    def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
+        rec = self._fwd(self.params, self.buffers, self._x(x), self._masks(masks), self._probe_key())
+        return {k: np.array(v) for k, v in rec.items()}
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        loss, grads = self._grads(self.params, self.buffers, self._x(x), self._y(y), self._masks(masks),
+                                  self._probe_key())
+        return float(loss), {n: self._canon(n, grads[n]) for n in self.trainable}
+
+
+BACKEND = JaxBackend

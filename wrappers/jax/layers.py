@@ -1,0 +1,184 @@
+"""The spec's layers lowered to jax.lax / jax.nn in NHWC / HWIO, as pure functions.
+
+JAX works in the canonical layout (NHWC activations, (kH, kW, I, O) conv kernels, (in, out) dense
+kernels, flatten in (H, W, C) order), so parameters load without conversion. The one exception
+is the `flatten_no_permute` fault, which loads the first dense kernel after a flatten with its
+rows in (C, H, W) order while the activations are flattened (H, W, C): the classic port bug,
+the same computation the torch backend's fault performs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from algorithms.spec import LayerInfo, ModelSpec
+
+Params = dict[str, jax.Array]
+DN = ("NHWC", "HWIO", "NHWC")
+BUFFER_ROLES = ("running_mean", "running_var")
+
+
+# ----------------------------------------------------------------------------- layouts
+def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
+    """perm[j] = the canonical (H, W, C) position of (C, H, W) flatten position j."""
+    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
+
+
+def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
+    lname, role = pname.rsplit(".", 1)
+    return next(l for l in model.layers if l.name == lname), role
+
+
+def to_internal(model: ModelSpec, name: str, a: np.ndarray, no_permute: bool = False) -> np.ndarray:
+    """Canonical -> the array the JAX forward uses. Identity unless `no_permute` (the fault) and
+    `name` is a dense kernel fed by a flatten: then row perm[j] of the internal kernel holds
+    canonical row j, i.e. the rows are consumed in (C, H, W) order, like an unpermuted port."""
+    if not no_permute:
+        return a
+    layer, role = _layer_of(model, name)
+    if role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
+        return a
+    out = np.empty_like(a)
+    out[flatten_perm(*layer.flattened_from)] = a
+    return out
+
+
+def from_internal(model: ModelSpec, name: str, a: np.ndarray, no_permute: bool = False) -> np.ndarray:
+    if not no_permute:
+        return a
+    layer, role = _layer_of(model, name)
+    if role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
+        return a
+    return a[flatten_perm(*layer.flattened_from)]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _pads(layer: LayerInfo, symmetric: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+    (t, b), (l, r) = layer.padding
+    if symmetric and (t != b or l != r):     # the fault: k//2 on every side, torch-style
+        k = layer.spec.options.get("kernel", layer.spec.options.get("pool"))
+        t = b = l = r = k // 2
+    return (t, b), (l, r)
+
+
+def _ceil_pool_pad(size: int, k: int, s: int) -> int:
+    """Bottom/right padding that makes a padding-0 pool produce torch's ceil_mode output size."""
+    out = -(-(size - k) // s) + 1
+    if (out - 1) * s >= size:                # torch: the last window must start inside the input
+        out -= 1
+    return max((out - 1) * s + k - size, 0)
+
+
+def _window(x: jax.Array, init: Any, op, k: int, s: int, pads) -> jax.Array:
+    (t, b), (l, r) = pads
+    return lax.reduce_window(x, init, op, (1, k, k, 1), (1, s, s, 1), ((0, 0), (t, b), (l, r), (0, 0)))
+
+
+def _dropout_native(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train: bool,
+            masks: dict[str, jax.Array] | None, fault: str | None, key: jax.Array | None = None,
+            native_dropout: bool = False, record: dict[str, jax.Array] | None = None
+            ) -> tuple[jax.Array, Params]:
+    """Logits for NHWC input `x`, and the buffers after this pass (updated running statistics in
+    training mode; `buffers` itself is never modified). `p` holds the trainable parameters."""
+    new_buffers = dict(buffers)
+    skipped_bias = False
+    for layer in model.layers:
+        o = layer.spec.options
+        k = layer.kind
+        if k == "conv2d":
+            pads = _pads(layer, symmetric=(fault == "symmetric_same_padding")) if o["padding"] == "same" \
+                else ((0, 0), (0, 0))
+            x = lax.conv_general_dilated(x, p[f"{layer.name}.kernel"], (o["stride"], o["stride"]), pads,
+                                         dimension_numbers=DN)
+            bias = p.get(f"{layer.name}.bias")
+            if bias is not None and fault == "missing_bias" and not skipped_bias:
+                bias, skipped_bias = None, True
+            if bias is not None:
+                x = x + bias
+        elif k == "maxpool2d":
+            if o["padding"] == "same":
+                pads = _pads(layer)
+            elif fault == "maxpool_ceil":
+                h, w = x.shape[1], x.shape[2]
+                pads = ((0, _ceil_pool_pad(h, o["pool"], o["stride"])), (0, _ceil_pool_pad(w, o["pool"], o["stride"])))
+            else:
+                pads = ((0, 0), (0, 0))
+            x = _window(x, -jnp.inf, lax.max, o["pool"], o["stride"], pads)
+        elif k == "avgpool2d":
+            if o["padding"] == "same":
+                # TF 'SAME' average: the padding is excluded from the count
+                pads = _pads(layer)
+                num = _window(x, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], pads)
+                ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
+                den = _window(ones, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], pads)
+                x = num / den
+            else:
+                x = _window(x, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], ((0, 0), (0, 0)))
+                x = x / float(o["pool"] * o["pool"])
+        elif k == "relu":
+            x = jax.nn.relu(x)
+        elif k == "tanh":
+            x = jnp.tanh(x)
+        elif k == "batchnorm2d":
+            mom = o["momentum"]
+            if fault == "bn_momentum_flipped":
+                mom = 1.0 - mom
+            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]
+            rm_key, rv_key = f"{layer.name}.running_mean", f"{layer.name}.running_var"
+            if train:
+                n = x.shape[0] * x.shape[1] * x.shape[2]
+                mean = jnp.mean(x, axis=(0, 1, 2))
+                var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))          # biased: normalisation
+                x = (x - mean) * lax.rsqrt(var + eps) * gamma + beta
+                mean_sg, var_sg = lax.stop_gradient(mean), lax.stop_gradient(var)
+                unbiased = var_sg * (n / (n - 1)) if n > 1 else var_sg         # stored: unbiased (torch)
+                new_buffers[rm_key] = (1.0 - mom) * buffers[rm_key] + mom * mean_sg
+                new_buffers[rv_key] = (1.0 - mom) * buffers[rv_key] + mom * unbiased
+            else:
+                x = (x - buffers[rm_key]) * lax.rsqrt(buffers[rv_key] + eps) * gamma + beta
+        elif k == "dropout":
+            rate = o["rate"]
+            if train and not native_dropout and masks is not None:
+                x = x * masks[layer.name].astype(x.dtype) / (1.0 - rate)
+            elif (train or fault == "dropout_in_eval") and rate > 0:
+                x = _dropout_native(x, rate, jax.random.fold_in(key, layer.index))
+        elif k == "flatten":
+            x = x.reshape(x.shape[0], -1)       # (H, W, C) order: the canonical one
+        elif k == "global_avgpool2d":
+            x = jnp.mean(x, axis=(1, 2))
+        elif k == "dense":
+            x = x @ p[f"{layer.name}.kernel"]
+            bias = p.get(f"{layer.name}.bias")
+            if bias is not None and fault == "missing_bias" and not skipped_bias:
+                bias, skipped_bias = None, True
+            if bias is not None:
+                x = x + bias
+        else:  # pragma: no cover - the spec validates kinds
+            raise NotImplementedError(k)
+        if record is not None:
+            record[layer.name] = x
+    return x, new_buffers
+
+
+def cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    """Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    if label_smoothing:
+        smooth = -jnp.mean(logp, axis=-1)
+        return jnp.mean((1.0 - label_smoothing) * nll + label_smoothing * smooth)
+    return jnp.mean(nll)
+
+
+__all__ = ["forward", "cross_entropy", "to_internal", "from_internal", "flatten_perm", "BUFFER_ROLES"]

@@ -1,0 +1,279 @@
+"""Native TensorFlow backend: tf.Variable state, tf.nn ops in NHWC (layers.py), tf.GradientTape,
+one tf.function training step (XLA with `extra={'xla': True}`, eager with `jit=False`), and TF's own
+training kernels applied to the variables' handles:
+
+  sgd       ResourceApplyGradientDescent
+  momentum  ResourceApplyMomentum                   accum = mu*accum + g; var -= lr*accum (torch's buffer)
+  nesterov  ResourceApplyMomentum(use_nesterov)     var -= lr*(g + mu*accum)
+  adam(w)   ResourceApplyAdam                       'epsilon hat' form, made the reference (see below)
+
+ResourceApplyAdam computes  var -= lr*sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps_k).  The reference
+(torch) is  var -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps); multiplying numerator and denominator
+by sqrt(1-b2^t) gives  lr*sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps*sqrt(1-b2^t)):  the kernel computes
+the reference exactly when fed  eps_k = eps * sqrt(1 - b2^t),  which this backend does every step, so no
+difference needs declaring. The fault `adam_eps_hat` feeds the plain eps instead.
+
+Weight decay: coupled L2 (grad + wd*var before the kernel) for sgd/momentum/nesterov/adam; adamw is
+decoupled: var *= (1 - lr*wd), then the Adam kernel. The learning rate (and every per-step scalar)
+enters the compiled step as a tensor, so the step is traced once.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled is not public
+
+from algorithms.optim import HParams
+from algorithms.spec import ModelSpec
+
+from ..base import Backend, Masks, RunOptions, StepStats
+from .layers import BUFFER_ROLES, LABEL_SMOOTHING, cross_entropy, forward, from_tf_layout, to_tf_layout
+
+# indices of the per-step scalars fed to the step as one tensor
+LR, EPS, B1P, B2P, MOM_SCALE, DECAY = range(6)
+
+
+def _pin_threads(n: int) -> None:
+    """Pin TF's thread pools; possible only before the runtime starts (a second backend in the same
+    process finds them already set, and determinism() records what is in force)."""
+    th = tf.config.threading
+    for get, put in ((th.get_intra_op_parallelism_threads, th.set_intra_op_parallelism_threads),
+                     (th.get_inter_op_parallelism_threads, th.set_inter_op_parallelism_threads)):
+        if get() != n:
+            try:
+                put(n)
+            except RuntimeError:
+                pass
+
+
+class TensorflowBackend(Backend):
+    framework = "tensorflow"
+    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
+                        "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
+                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
+
+    def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
+        super().__init__(model, hp, opts)
+        _pin_threads(opts.threads)                 # before any op runs
+        if opts.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        tf.random.set_seed(hp.seed)
+        if opts.extra.get("platform", "auto") == "cpu" or not tf.config.list_physical_devices("GPU"):
+            self.device = "/CPU:0"
+        else:
+            self.device = "/GPU:0"
+        self.dtype = tf.float64 if opts.dtype == "float64" else tf.float32
+        self.np_dtype = np.float64 if opts.dtype == "float64" else np.float32
+        self.fault = opts.fault
+        self.permute = opts.fault != "flatten_no_permute"
+        self.native_dropout = opts.dropout == "native"
+        self.trainable: list[str] = [q.name for q in model.trainable]
+        h = self.hp
+        self.adam = h.optimizer in ("adam", "adamw")
+        self.decoupled = h.optimizer == "adamw" and opts.fault != "l2_not_decoupled"
+        with tf.device(self.device):
+            self.v: dict[str, tf.Variable] = {
+                q.name: tf.Variable(tf.zeros(q.shape, self.dtype), trainable=q.trainable,
+                                    name=q.name.replace(".", "/")) for q in model.params}
+            slots = {"momentum": ("momentum",), "nesterov": ("momentum",),
+                     "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}.get(h.optimizer, ())
+            self.slots: dict[str, dict[str, tf.Variable]] = {
+                s: {n: tf.Variable(tf.zeros_like(self.v[n]), trainable=False, name=f"{s}/{n.replace('.', '/')}")
+                    for n in self.trainable} for s in slots}
+        self.t = 0                  # Adam's step count
+        self.has_state = False      # torch creates optimizer state at the first step: export nothing before
+        self.prev_lr: float | None = None
+        self.eval_calls = 0
+        self.traces = {"train": 0, "eval": 0}
+        if opts.jit:
+            xla = bool(opts.extra.get("xla", False))
+            self._step = tf.function(self._step_impl, jit_compile=xla)
+            self._eval = tf.function(self._eval_impl, jit_compile=xla)
+            self.mode = "xla" if xla else "tf.function"
+        else:
+            self._step, self._eval, self.mode = self._step_impl, self._eval_impl, "eager"
+
+    # ---- environment
+    def versions(self) -> dict[str, str]:
+        return {"tensorflow": tf.__version__, "python": platform.python_version(), "numpy": np.__version__}
+
+    def devices(self) -> list[str]:
+        return [f"{self.device} ({platform.processor() or platform.machine()})"]
+
+    def determinism(self) -> dict[str, Any]:
+        th = tf.config.threading
+        return {"enable_op_determinism": tf_config.is_op_determinism_enabled(),
+                "intra_op_parallelism_threads": th.get_intra_op_parallelism_threads(),
+                "inter_op_parallelism_threads": th.get_inter_op_parallelism_threads(),
+                "tf.random.set_seed": self.hp.seed, "step": self.mode, "dtype": self.dtype.name,
+                "TF_NUM_INTRAOP_THREADS": os.environ.get("TF_NUM_INTRAOP_THREADS"),
+                "TF_NUM_INTEROP_THREADS": os.environ.get("TF_NUM_INTEROP_THREADS"),
+                "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on)")}
+
+    def declared_differences(self) -> list[str]:
+        return ["native_dropout_masks"] if self.model.has("dropout") and self.native_dropout else []
+
+    # ---- state
+    def _canon(self, name: str, a: np.ndarray) -> np.ndarray:
+        return from_tf_layout(self.model, name, a, self.permute)
+
+    def _native(self, name: str, a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(to_tf_layout(self.model, name, np.asarray(a), self.permute), self.np_dtype)
+
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        for q in self.model.params:
+            self.v[q.name].assign(self._native(q.name, params[q.name]))
+        for slot in self.slots.values():          # a fresh optimizer, as torch builds one
+            for var in slot.values():
+                var.assign(tf.zeros_like(var))
+        self.t, self.has_state, self.prev_lr = 0, False, None
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return {n: self._canon(n, v.numpy()) for n, v in self.v.items()}
+
+    def export_opt_state(self) -> dict[str, np.ndarray]:
+        if not self.has_state:
+            return {}
+        out = {f"{s}/{n}": self._canon(n, var.numpy()) for s, slot in self.slots.items() for n, var in slot.items()}
+        if self.adam:
+            out["step"] = np.asarray(float(self.t))
+        return out
+
+    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        for s, slot in self.slots.items():
+            for n, var in slot.items():
+                if f"{s}/{n}" in state:
+                    var.assign(self._native(n, state[f"{s}/{n}"]))
+                    self.has_state = True
+        if self.adam and "step" in state:
+            self.t = int(round(float(state["step"])))
+        self.prev_lr = self.lr_for(step - 1) if step > 0 else None
+
+    # ---- computation
+    def _tensors(self, x: np.ndarray, masks: Masks) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        xt = tf.constant(np.asarray(x, self.np_dtype))
+        return xt, {k: tf.constant(np.asarray(v, self.np_dtype)) for k, v in masks.items()}
+
+    def _forward(self, x, train, masks, record=None, new_buffers=None, seed=None):
+        return forward(self.model, self.v, x, train=train, masks=masks, fault=self.fault, record=record,
+                       new_buffers=new_buffers, native_dropout=self.native_dropout, dropout_seed=seed)
+
+    def _loss(self, logits, y):
+        return cross_entropy(logits, y, LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0)
+
+    def _grads(self, x, y, masks, new_buffers, seed):
+        params = [self.v[n] for n in self.trainable]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(params)
+            logits = self._forward(x, True, masks, None, new_buffers, seed)
+            loss = self._loss(logits, y)
+        grads = tape.gradient(loss, params)
+        grads = [tf.zeros_like(q) if g is None else g for g, q in zip(grads, params)]  # e.g. missing_bias
+        if self.fault == "grad_double":
+            grads = [g * 2.0 for g in grads]
+        return logits, loss, grads
+
+    def _apply(self, var: tf.Variable, name: str, g: tf.Tensor, hyper: tf.Tensor) -> None:
+        """One parameter's update by TF's own training kernel."""
+        h = self.hp
+        lr = hyper[LR]
+        if h.weight_decay and not self.decoupled:
+            g = g + h.weight_decay * var              # coupled L2: through momentum / Adam's moments
+        if h.optimizer == "sgd":
+            tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=g)
+        elif h.optimizer in ("momentum", "nesterov"):
+            accum = self.slots["momentum"][name]
+            if self.fault == "keras_momentum_schedule":   # Keras velocity v = mu v - lr g == buffer * lr_prev/lr
+                accum.assign(accum * hyper[MOM_SCALE])
+            tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr, grad=g,
+                                             momentum=tf.constant(h.momentum, self.dtype),
+                                             use_nesterov=h.optimizer == "nesterov")
+        else:
+            if self.decoupled and h.weight_decay:
+                var.assign(var * hyper[DECAY])
+            tf.raw_ops.ResourceApplyAdam(var=var.handle, m=self.slots["exp_avg"][name].handle,
+                                         v=self.slots["exp_avg_sq"][name].handle,
+                                         beta1_power=hyper[B1P], beta2_power=hyper[B2P], lr=lr,
+                                         beta1=tf.constant(h.beta1, self.dtype),
+                                         beta2=tf.constant(h.beta2, self.dtype), epsilon=hyper[EPS], grad=g)
+
+    def _step_impl(self, x, y, masks, hyper, seed):
+        self.traces["train"] += 1          # Python side effect: counts traces under tf.function
+        new_buffers: dict[str, tf.Tensor] = {}
+        logits, loss, grads = self._grads(x, y, masks, new_buffers, seed)
+        params = [self.v[n] for n in self.trainable]
+        before = [tf.identity(q.read_value()) for q in params]
+        grad_norm = tf.norm(tf.concat([tf.reshape(g, [-1]) for g in grads], 0))
+        for n, q, g in zip(self.trainable, params, grads):
+            self._apply(q, n, g, hyper)
+        for n, val in new_buffers.items():
+            self.v[n].assign(val)
+        after = [q.read_value() for q in params]
+        upd = tf.norm(tf.concat([tf.reshape(a - b, [-1]) for a, b in zip(after, before)], 0))
+        pn = tf.norm(tf.concat([tf.reshape(a, [-1]) for a in after], 0))
+        acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), self.dtype))
+        return tf.stack([loss, acc, grad_norm, upd, pn])
+
+    def _step_hyper(self, step: int) -> np.ndarray:
+        h = self.hp
+        lr = self.lr_for(step)
+        eps = b1p = b2p = 0.0
+        if self.adam:
+            self.t += 1
+            b1p, b2p = h.beta1 ** self.t, h.beta2 ** self.t
+            eps = h.eps if self.fault == "adam_eps_hat" else h.eps * math.sqrt(1.0 - b2p)
+        scale = 1.0
+        if self.fault == "keras_momentum_schedule" and self.prev_lr is not None and self.prev_lr != lr:
+            scale = self.prev_lr / lr
+        self.prev_lr = lr
+        return np.array([lr, eps, b1p, b2p, scale, 1.0 - lr * h.weight_decay], self.np_dtype)
+
+    def _seed(self, a: int, b: int) -> tf.Tensor:
+        return tf.constant([a, b], tf.int64)
+
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        xt, mt = self._tensors(x, masks)
+        hyper = tf.constant(self._step_hyper(step))
+        with tf.device(self.device):
+            out = self._step(xt, tf.constant(np.asarray(y, np.int32)), mt, hyper,
+                             self._seed(self.hp.seed, step)).numpy()
+        self.has_state = True
+        return StepStats(*(float(v) for v in out))
+
+    def _eval_impl(self, x, y, seed):
+        self.traces["eval"] += 1
+        logits = self._forward(x, False, None, seed=seed)
+        loss = cross_entropy(logits, y)
+        acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float64))
+        return loss, acc
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        self.eval_calls += 1
+        xt, _ = self._tensors(x, {})
+        with tf.device(self.device):
+            loss, acc = self._eval(xt, tf.constant(np.asarray(y, np.int32)),
+                                   self._seed(self.hp.seed + 1, self.eval_calls))
+        return float(loss.numpy()), float(acc.numpy())
+
+    def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
+        xt, mt = self._tensors(x, masks)
+        rec: dict[str, tf.Tensor] = {}
+        with tf.device(self.device):
+            self._forward(xt, True, mt, rec, None, self._seed(self.hp.seed, 0))
+        return {k: v.numpy() for k, v in rec.items()}
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        xt, mt = self._tensors(x, masks)
+        with tf.device(self.device):
+            _, loss, grads = self._grads(xt, tf.constant(np.asarray(y, np.int32)), mt, None,
+                                         self._seed(self.hp.seed, 0))
+        return float(loss.numpy()), {n: self._canon(n, g.numpy()) for n, g in zip(self.trainable, grads)}
+
+
+BACKEND = TensorflowBackend
+__all__ = ["TensorflowBackend", "BACKEND", "BUFFER_ROLES"]
