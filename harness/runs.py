@@ -1,0 +1,257 @@
+"""Reading published run folders for comparison: validated series, the comparability check, and the
+RunConfig that regenerates a run (for envelope, probe, replay and seed runs).
+
+Framework-free: a run is its folder (manifest.json, steps.csv, eval.csv, checkpoints/).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .runner import BadInput, RunConfig
+
+STEP_SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr")
+EVAL_SERIES = ("eval_loss", "eval_accuracy")
+SERIES = STEP_SERIES + EVAL_SERIES
+STEP_COLUMNS = ("step", "epoch") + STEP_SERIES + ("batch_checksum", "step_time_s")
+EVAL_COLUMNS = ("step",) + EVAL_SERIES
+
+# what must be equal for two runs to be compared step by step (the run's identity minus the backend)
+COMPARABILITY = ("spec_hash", "data_hash", "order_hash", "base_weights_hash", "hparams_hash")
+
+
+@dataclass
+class Run:
+    path: Path
+    manifest: dict[str, Any]
+    step: np.ndarray                      # int64 step indices of steps.csv
+    values: dict[str, np.ndarray]         # series name -> float64 (step series on `step`, eval on `eval_step`)
+    checksum: np.ndarray                  # batch_checksum strings, on `step`
+    eval_step: np.ndarray
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def backend(self) -> str:
+        return self.manifest.get("backend", "?")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.manifest.get("options", {})
+
+    @property
+    def perturb_ulp(self) -> int | None:
+        return (self.manifest.get("init") or {}).get("perturb_ulp_seed")
+
+    @property
+    def fault(self) -> str | None:
+        return self.manifest.get("fault")
+
+    @property
+    def declared(self) -> list[dict[str, Any]]:
+        return list(self.manifest.get("declared_differences") or [])
+
+    def grid(self, series: str) -> np.ndarray:
+        return self.eval_step if series in EVAL_SERIES else self.step
+
+    def is_clean(self) -> bool:
+        """No fault, no perturbation, the default dtype: what a reference should be."""
+        return self.fault is None and self.perturb_ulp is None and self.options.get("dtype", "float32") == "float32"
+
+
+def _read_csv(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
+    if not path.is_file():
+        raise BadInput(f"{path}: missing ({what} of a run folder)")
+    try:
+        df = pd.read_csv(path, float_precision="round_trip", dtype={"batch_checksum": str}, engine="c")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not a readable CSV ({str(e).splitlines()[0]})") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise BadInput(f"{path}: missing column(s) {', '.join(missing)}")
+    for c in columns:
+        if c in ("batch_checksum",):
+            continue
+        if df[c].dtype == object:   # a value that is not a number (an 'inf'/'nan' parses; garbage does not)
+            bad = pd.to_numeric(df[c], errors="coerce").isna() & df[c].notna()
+            if bad.any():
+                i = int(np.argmax(bad.to_numpy()))
+                raise BadInput(f"{path}: row {i + 2}, column {c}: {df[c].iloc[i]!r} is not a number")
+            df[c] = pd.to_numeric(df[c])
+    if df[list(columns)].isna().any().any() and "step" in columns and df["step"].isna().any():
+        raise BadInput(f"{path}: empty step values (a truncated line?)")
+    return df
+
+
+def _check_steps(path: Path, steps: np.ndarray) -> None:
+    if len(steps) and (np.any(np.diff(steps) <= 0)):
+        i = int(np.argmax(np.diff(steps) <= 0))
+        raise BadInput(f"{path}: steps are not strictly increasing (step {steps[i]} then {steps[i + 1]})")
+
+
+def load_run(path: str | Path, *, allow_incomplete: bool = False) -> Run:
+    """A complete published train run, or BadInput naming the file and the problem."""
+    p = Path(path)
+    if not p.is_dir():
+        raise BadInput(f"{p}: not a run folder")
+    mp = p / "manifest.json"
+    if not mp.is_file():
+        raise BadInput(f"{p}: no manifest.json (not a duipai run folder, or an unfinished run)")
+    try:
+        man = json.loads(mp.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{mp}: not valid JSON ({e})") from None
+    if man.get("status") != "complete":
+        raise BadInput(f"{p}: manifest status is {man.get('status')!r}, not 'complete'")
+    if man.get("kind", "train") != "train":
+        raise BadInput(f"{p}: a {man.get('kind')!r} job, not a training run")
+    missing = [k for k in COMPARABILITY if k not in man]
+    if missing:
+        raise BadInput(f"{mp}: missing field(s) {', '.join(missing)}")
+    s = _read_csv(p / "steps.csv", STEP_COLUMNS, "per-step series")
+    e = _read_csv(p / "eval.csv", EVAL_COLUMNS, "evaluation series")
+    want = int((man.get("hparams") or {}).get("steps", len(s)))
+    if len(s) != want and not allow_incomplete:
+        raise BadInput(f"{p / 'steps.csv'}: truncated: {len(s)} rows, the manifest promises {want} steps")
+    step = s["step"].to_numpy(np.int64)
+    _check_steps(p / "steps.csv", step)
+    if len(step) and step[0] != 0:
+        raise BadInput(f"{p / 'steps.csv'}: starts at step {step[0]}, not 0")
+    estep = e["step"].to_numpy(np.int64)
+    _check_steps(p / "eval.csv", estep)
+    if len(estep) and estep[-1] < want and not allow_incomplete:
+        raise BadInput(f"{p / 'eval.csv'}: truncated: last evaluation at step {estep[-1]}, the run has {want} steps")
+    values = {c: s[c].to_numpy(np.float64) for c in STEP_SERIES}
+    values.update({c: e[c].to_numpy(np.float64) for c in EVAL_SERIES})
+    return Run(p, man, step, values, s["batch_checksum"].astype(str).to_numpy(), estep)
+
+
+def is_run_folder(p: Path) -> bool:
+    return (p / "manifest.json").is_file() and (p / "steps.csv").is_file()
+
+
+def discover(root: Path) -> list[Path]:
+    """The complete train runs directly inside a results folder (hidden folders are the harness's own)."""
+    out = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".") or not d.is_dir() or not is_run_folder(d):
+            continue
+        try:
+            man = json.loads((d / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if man.get("kind", "train") == "train" and man.get("status") == "complete":
+            out.append(d)
+    return out
+
+
+def mismatches(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
+    """The comparability fields that differ: (field, value in a, value in b)."""
+    return [(f, a.manifest.get(f), b.manifest.get(f)) for f in COMPARABILITY if a.manifest.get(f) != b.manifest.get(f)]
+
+
+def comparability_key(run: Run) -> tuple:
+    return tuple(run.manifest.get(f) for f in COMPARABILITY)
+
+
+# --------------------------------------------------------------------------- regenerating a configuration
+def _data_spec(source: str) -> str:
+    """The `--data` argument that reproduces a dataset, from its manifest `source`."""
+    if source == "digits":
+        return "digits"
+    m = re.fullmatch(r"synthetic\(n=(\d+),.*\)", source)
+    if m:
+        return f"synthetic:{m.group(1)}"
+    if source.startswith(("csv:", "npz:")):
+        return source.split(":", 1)[1]
+    return source
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def spec_toml(spec: dict[str, Any]) -> str:
+    """The normalised spec of a manifest as a TOML model file (for specs that are not built in)."""
+    lines = [f"name = {_toml_value(spec['name'])}", f"input_shape = {_toml_value(spec['input_shape'])}",
+             f"num_classes = {_toml_value(spec['num_classes'])}"]
+    for layer in spec["layers"]:
+        lines += ["", "[[layers]]"] + [f"{k} = {_toml_value(v)}" for k, v in layer.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def model_ref(man: dict[str, Any], root: Path) -> str:
+    """A `--model` argument whose spec hash is the manifest's: the built-in name, or a TOML written from
+    the manifest's own spec into root/.cache."""
+    from algorithms.spec import SpecError, load_model
+    try:
+        if load_model(man["model"]).hash() == man["spec_hash"]:
+            return man["model"]
+    except (SpecError, KeyError):
+        pass
+    if "spec" not in man:
+        raise BadInput(f"run {man.get('run')}: model {man.get('model')!r} is not built in and the manifest has no spec")
+    from .runner import cache_dir
+    path = cache_dir(root) / f"spec-{man['spec_hash']}.toml"
+    if not path.exists():
+        path.write_text(spec_toml(man["spec"]))
+    return str(path)
+
+
+def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
+    """The RunConfig that regenerates the run of this manifest (fields in `change` replaced)."""
+    from algorithms.optim import HParams
+    o = man.get("options", {})
+    cfg = dict(model=model_ref(man, root), backend=man["backend"], hparams=HParams.from_dict(man["hparams"]),
+               data=_data_spec(man["data"]["source"]), threads=o.get("threads", 1),
+               deterministic=o.get("deterministic", True), dropout=o.get("dropout", "harness"),
+               fault=o.get("fault"), devices=o.get("devices", 1), jit=o.get("jit", True),
+               dtype=o.get("dtype", "float32"), perturb_ulp=(man.get("init") or {}).get("perturb_ulp_seed"),
+               extra=dict(o.get("extra") or {}))
+    cfg.update(change)
+    return RunConfig(**cfg)
+
+
+def check_reproduces(man: dict[str, Any], prep, what: str) -> None:
+    """The prepared inputs of a regenerated configuration must be those of the original run."""
+    import hashlib
+    got = {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
+           "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
+           "base_weights_hash": prep.base_weights_hash}
+    for k, v in got.items():
+        if man.get(k) != v:
+            raise BadInput(f"cannot regenerate {what} of run {man.get('run')}: its {k} is {man.get(k)} "
+                           f"but the configuration now gives {v} (data or model file changed?)")
+
+
+def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) -> bool:
+    """Whether an existing run folder's manifest is the run `cfg` would produce (for cache reuse)."""
+    if man.get("status") != "complete" or man.get("kind", "train") != "train":
+        return False
+    if any(man.get(k) != ref_man.get(k) for k in COMPARABILITY):
+        return False
+    o = man.get("options", {})
+    want = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout, "fault": cfg.fault,
+            "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
+    return (man.get("backend") == cfg.backend and all(o.get(k) == v for k, v in want.items())
+            and (man.get("init") or {}).get("perturb_ulp_seed") == cfg.perturb_ulp)
+
+
+__all__ = ["Run", "load_run", "discover", "mismatches", "config_of", "same_config", "SERIES", "STEP_SERIES",
+           "EVAL_SERIES", "COMPARABILITY", "field"]

@@ -1,0 +1,226 @@
+"""The spec's layers lowered to Keras 3 layers (one functional model, any Keras backend), and the
+canonical <-> Keras layouts.
+
+Keras' own layouts are the canonical ones (NHWC activations, conv kernel (kH, kW, I, O), dense
+kernel (in, out), a Flatten that reads (H, W, C)), so parameters load as they are. The only layout
+change is the fault `flatten_no_permute`: the first dense kernel after a flatten is loaded as if its
+rows were in torch's (C, H, W) order.
+
+Everything here is backend-neutral Keras (keras.layers, keras.ops, keras.random); the training
+step per Keras backend lives in train_step_<backend>.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from algorithms.spec import LayerInfo, ModelSpec
+
+
+# ----------------------------------------------------------------------------- layouts
+def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
+    """perm[j] = the canonical (H, W, C) row of a (C, H, W) flatten's position j (torch's order)."""
+    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
+
+
+def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
+    lname, role = pname.rsplit(".", 1)
+    return next(l for l in model.layers if l.name == lname), role
+
+
+def to_keras_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
+    """Canonical -> Keras. Identity, except under flatten_no_permute (permute=False): the kernel of a
+    dense layer fed by a flatten gets the canonical rows in (C, H, W) order, i.e. k_keras[perm] = k."""
+    layer, role = _layer_of(model, name)
+    if role != "kernel" or permute or not layer.flattened_from:
+        return a
+    out = np.empty_like(a)
+    out[flatten_perm(*layer.flattened_from)] = a
+    return out
+
+
+def from_keras_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
+    layer, role = _layer_of(model, name)
+    if role != "kernel" or permute or not layer.flattened_from:
+        return a
+    return a[flatten_perm(*layer.flattened_from)]
+
+
+# ----------------------------------------------------------------------------- custom layers
+class HarnessDropout(keras.layers.Layer):
+    """Inverted dropout whose keep mask is a non-trainable variable, assigned by the harness before
+    each step (`--dropout harness`): x * mask / (1 - rate), as the reference. With `native=True` it is
+    keras.layers.Dropout (the framework's RNG). `eval_dropout=True` is the fault dropout_in_eval:
+    Keras' own random dropout stays on in inference mode."""
+
+    def __init__(self, rate: float, mask_shape: tuple[int, ...], native: bool = False,
+                 eval_dropout: bool = False, seed: int | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.rate = float(rate)
+        self.mask_shape = tuple(mask_shape)
+        self.native = native
+        self.eval_dropout = eval_dropout
+        self.dropout = keras.layers.Dropout(rate, seed=seed, name=f"{self.name}_native")
+
+    def build(self, input_shape) -> None:
+        self.keep_mask = self.add_weight(shape=self.mask_shape, initializer="ones", trainable=False,
+                                         name="keep_mask", dtype="float32")
+        self.dropout.build(input_shape)
+
+    def call(self, x, training=None):
+        if training and not self.native:
+            return x * self.keep_mask / (1.0 - self.rate)
+        if training or self.eval_dropout:
+            return self.dropout(x, training=True)
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+class ConstantPad2D(keras.layers.Layer):
+    """Pad H and W with a constant (the -inf padding of a max pool; keras.layers.ZeroPadding2D pads 0)."""
+
+    def __init__(self, padding: tuple[tuple[int, int], tuple[int, int]], value: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.padding = tuple(tuple(p) for p in padding)
+        self.value = float(value)
+
+    def call(self, x):
+        (t, b), (l, r) = self.padding
+        return ops.pad(x, [[0, 0], [t, b], [l, r], [0, 0]], constant_values=self.value)
+
+    def compute_output_shape(self, s):
+        (t, b), (l, r) = self.padding
+        return (s[0], None if s[1] is None else s[1] + t + b, None if s[2] is None else s[2] + l + r, s[3])
+
+
+class OrphanBias(keras.layers.Layer):
+    """Fault missing_bias: the port dropped use_bias, but the canonical bias still exists as a
+    parameter (as in the torch reference, where it is loaded, exported, decayed, and gets a zero
+    gradient). It holds that variable and passes its input through unchanged."""
+
+    def __init__(self, units: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.units = units
+
+    def build(self, input_shape) -> None:
+        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", trainable=True, name="bias")
+
+    def call(self, x):
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass
+class Lowered:
+    inputs: Any
+    logits: Any
+    outputs: dict[str, Any]                     # spec layer name -> its output tensor (symbolic)
+    variables: dict[str, Any] = field(default_factory=dict)   # canonical param name -> keras.Variable
+    dropouts: dict[str, HarnessDropout] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def ceil_pool_pad(size: int, k: int, s: int) -> int:
+    """Extra bottom/right rows torch MaxPool2d(ceil_mode=True, padding=0) reads past a 'valid' pool."""
+    out = math.ceil((size - k) / s) + 1
+    if (out - 1) * s >= size:      # torch: the last window must start inside the input
+        out -= 1
+    return max((out - 1) * s + k - size, 0)
+
+
+def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropout: bool,
+          seed: int) -> Lowered:
+    """The spec as Keras layers applied to a keras.Input; returns the symbolic graph and the
+    canonical-name -> keras.Variable map (filled once the layers are built, i.e. here)."""
+    L = keras.layers
+    inputs = keras.Input(shape=model.input_shape, name="duipai_input")
+    x = inputs
+    outs: dict[str, Any] = {}
+    var_src: dict[str, tuple[Any, str]] = {}
+    dropouts: dict[str, HarnessDropout] = {}
+    notes: list[str] = []
+    skipped_bias = False
+    for layer in model.layers:
+        o, k, n = layer.spec.options, layer.kind, layer.name
+        if k in ("conv2d", "dense"):
+            use_bias = o["use_bias"]
+            drop_bias = use_bias and fault == "missing_bias" and not skipped_bias
+            if drop_bias:
+                skipped_bias = True
+            if k == "conv2d":
+                padding = o["padding"]
+                (t, b), (l_, r) = layer.padding
+                if fault == "symmetric_same_padding" and padding == "same" and (t != b or l_ != r):
+                    p = o["kernel"] // 2          # torch-style k//2 on every side
+                    x = L.ZeroPadding2D(((p, p), (p, p)), name=f"{n}__sympad")(x)
+                    padding = "valid"
+                    notes.append(f"{n}: symmetric padding {p} + 'valid' (fault)")
+                kl = L.Conv2D(o["filters"], o["kernel"], strides=o["stride"], padding=padding,
+                              use_bias=use_bias and not drop_bias, kernel_initializer="zeros", name=n)
+                units = o["filters"]
+            else:
+                kl = L.Dense(o["units"], use_bias=use_bias and not drop_bias, kernel_initializer="zeros", name=n)
+                units = o["units"]
+            x = kl(x)
+            var_src[f"{n}.kernel"] = (kl, "kernel")
+            if drop_bias:
+                ob = OrphanBias(units, name=f"{n}__orphan_bias")
+                x = ob(x)
+                var_src[f"{n}.bias"] = (ob, "bias")
+                notes.append(f"{n}: use_bias dropped (fault); its bias is an unused parameter")
+            elif use_bias:
+                var_src[f"{n}.bias"] = (kl, "bias")
+        elif k == "maxpool2d":
+            padding = o["padding"]
+            if fault == "maxpool_ceil" and padding == "valid":
+                h, w, _ = layer.in_shape
+                ph, pw = ceil_pool_pad(h, o["pool"], o["stride"]), ceil_pool_pad(w, o["pool"], o["stride"])
+                if ph or pw:
+                    x = ConstantPad2D(((0, ph), (0, pw)), float("-inf"), name=f"{n}__ceilpad")(x)
+                    notes.append(f"{n}: ceil_mode emulated by -inf padding ({ph}, {pw}) (fault)")
+            x = L.MaxPooling2D(o["pool"], o["stride"], padding=padding, name=n)(x)
+        elif k == "avgpool2d":
+            x = L.AveragePooling2D(o["pool"], o["stride"], padding=o["padding"], name=n)(x)
+        elif k == "relu":
+            x = L.Activation("relu", name=n)(x)
+        elif k == "tanh":
+            x = L.Activation("tanh", name=n)(x)
+        elif k == "batchnorm2d":
+            mom = o["momentum"]                       # torch convention: r = (1-m) r + m x
+            keras_mom = mom if fault == "bn_momentum_flipped" else 1.0 - mom   # Keras: r = M r + (1-M) x
+            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            bl = L.BatchNormalization(axis=-1, momentum=keras_mom, epsilon=eps, name=n)
+            x = bl(x)
+            for role, attr in (("gamma", "gamma"), ("beta", "beta"), ("running_mean", "moving_mean"),
+                               ("running_var", "moving_variance")):
+                var_src[f"{n}.{role}"] = (bl, attr)
+        elif k == "dropout":
+            dl = HarnessDropout(o["rate"], (batch_size, *layer.out_shape), native=native_dropout,
+                                eval_dropout=fault == "dropout_in_eval", seed=seed, name=n)
+            x = dl(x)
+            dropouts[n] = dl
+        elif k == "flatten":
+            x = L.Flatten(name=n)(x)                  # (H, W, C) order: the canonical one
+        elif k == "global_avgpool2d":
+            x = L.GlobalAveragePooling2D(name=n)(x)
+        else:  # pragma: no cover - the spec validates kinds
+            raise NotImplementedError(k)
+        outs[n] = x
+    variables = {name: getattr(obj, attr) for name, (obj, attr) in var_src.items()}
+    missing = [q.name for q in model.params if q.name not in variables]
+    assert not missing, f"parameters without a Keras variable: {missing}"
+    return Lowered(inputs, x, outs, variables, dropouts, notes)
+
+
+__all__ = ["lower", "Lowered", "HarnessDropout", "ConstantPad2D", "OrphanBias", "to_keras_layout",
+           "from_keras_layout", "flatten_perm", "ceil_pool_pad"]
