@@ -1,67 +1,93 @@
-"""`duipai all`: every installed backend on the default model and data; the skipped ones said loudly."""
+"""`duipai matrix` and `duipai all`: make-style matrix runs, then the comparison of what ran."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import click
-import pandas as pd
 
+from . import matrix as M
 from . import runner
-from .runner import BackendFailed, BadInput, RunConfig
+from .runner import BadInput
 
-DEFAULT_BACKENDS = ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch")
+
+def _say_problems(entries: list[M.Entry]) -> None:
+    for e in entries:
+        if e.status in ("skipped", "unsupported", "failed"):
+            tag = {"skipped": "SKIPPED", "unsupported": "UNSUPPORTED", "failed": "FAILED"}[e.status]
+            click.echo(f"{tag:<11} {e.name}: {e.message}" + (f" (log: {e.log})" if e.log else ""), err=True)
+
+
+def run_and_summarise(matrix: str, out: Path, jobs: int, force: bool) -> tuple[M.Matrix, list[M.Entry]]:
+    try:
+        m = M.load_matrix(matrix)
+    except BadInput as e:
+        click.echo(f"duipai: error: {e}", err=True)
+        sys.exit(runner.EXIT_BAD_INPUT)
+    try:
+        entries = M.run_matrix(m, out, jobs, force=force)
+    except BadInput as e:
+        click.echo(f"duipai: error: {e}", err=True)
+        sys.exit(runner.EXIT_BAD_INPUT)
+    counts = {s: sum(e.status == s for e in entries) for s in ("ran", "cached", "failed", "unsupported", "skipped")}
+    click.echo("runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), err=True)
+    _say_problems(entries)
+    return m, entries
+
+
+MATRIX_OPTS = [
+    click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+                 help="Results root; the matrix writes into <out>/<matrix name>/."),
+    click.option("-j", "--jobs", type=int, default=1, show_default=True, help="Backend processes at once."),
+    click.option("--force", is_flag=True, help="Rerun even the runs that are up to date."),
+]
+
+
+def matrix_options(f):
+    for o in reversed(MATRIX_OPTS):
+        f = o(f)
+    return f
+
+
+@click.command("matrix")
+@click.argument("matrix_file", default="default")
+@matrix_options
+def matrix_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
+    """Run a matrix file (TOML; a built-in name or a path). Up-to-date runs are reused."""
+    m, entries = run_and_summarise(matrix_file, out, jobs, force)
+    click.echo(f"results: {(out / m.name).resolve()}")
+    sys.exit(runner.EXIT_CRASH if any(e.status == "failed" for e in entries) else runner.EXIT_OK)
 
 
 @click.command("all")
-@click.option("--model", "-m", default="cnn2d_2conv_2fc", show_default=True)
-@click.option("--data", default="digits", show_default=True)
-@click.option("--steps", type=int, default=300, show_default=True)
-@click.option("--backends", default=",".join(DEFAULT_BACKENDS), show_default=True,
-              help="Comma-separated backend configurations.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
-def all_cmd(model: str, data: str, steps: int, backends: str, out: Path) -> None:
-    """Run every installed backend on one model and data, each in its own process, and summarise."""
-    from algorithms.optim import HParams
-    hp = HParams(steps=steps, eval_every=min(50, steps), checkpoint_every=min(50, steps))
-    info = runner.backend_info()
-    done: dict[str, Path] = {}
-    problems: list[str] = []
-    for b in [x.strip() for x in backends.split(",") if x.strip()]:
-        if b not in info:
-            click.echo(f"duipai: error: unknown backend {b!r}; known: {', '.join(info)}", err=True)
-            sys.exit(runner.EXIT_BAD_INPUT)
-        if info[b]["missing"]:
-            msg = f"SKIPPED {b}: package(s) not installed: {', '.join(info[b]['missing'])}"
-            click.echo(msg, err=True)
-            problems.append(msg)
-            continue
-        cfg = RunConfig(model=model, backend=b, hparams=hp, data=data)
-        try:
-            done[b] = runner.execute(cfg, out)
-            click.echo(f"ran {b:<18} -> {done[b]}", err=True)
-        except BadInput as e:
-            click.echo(f"duipai: error: {e}", err=True)
-            sys.exit(runner.EXIT_BAD_INPUT)
-        except BackendFailed as e:
-            msg = f"{'UNSUPPORTED' if e.unsupported else 'FAILED'} {b}: {e}"
-            click.echo(msg, err=True)
-            problems.append(msg)
-    if not done:
-        click.echo("duipai: error: no backend ran", err=True)
-        sys.exit(runner.EXIT_CRASH)
-    rows = []
-    ref = next(iter(done.values()))
-    ref_loss = pd.read_csv(ref / "steps.csv")["loss"].to_numpy()
-    for b, folder in done.items():
-        s = pd.read_csv(folder / "steps.csv")
-        e = pd.read_csv(folder / "eval.csv")
-        rows.append({"backend": b, "final_loss": s["loss"].iloc[-1], "eval_acc": e["eval_accuracy"].iloc[-1],
-                     f"max|loss-{next(iter(done))}|": float(abs(s["loss"].to_numpy() - ref_loss).max()),
-                     "median_step_ms": 1e3 * s["step_time_s"].median(), "folder": str(folder)})
-    table = pd.DataFrame(rows)
-    click.echo(table.to_string(index=False))
-    click.echo(f"\nresults: {out.resolve()}")
-    for p in problems:
-        click.echo(p)
-    sys.exit(runner.EXIT_CRASH if any(p.startswith("FAILED") for p in problems) else runner.EXIT_OK)
+@click.option("--matrix", "matrix_file", default="default", show_default=True, help="Matrix name or file.")
+@matrix_options
+def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
+    """The main job: run the default matrix (every installed backend, the reference's ULP envelope),
+    compare every run with the reference, and write the report."""
+    m, entries = run_and_summarise(matrix_file, out, jobs, force)
+    folder = out / m.name
+    code = runner.EXIT_CRASH if any(e.status == "failed" for e in entries) else runner.EXIT_OK
+    try:
+        from .comparecmd import compare_folder   # the verdict engine
+    except ImportError:
+        compare_folder = None
+    if compare_folder is not None:
+        code = max(code, compare_folder(folder, reference=m.reference))
+    else:
+        _loss_table(entries, m.reference)
+    click.echo(f"results: {folder.resolve()}")
+    sys.exit(code)
+
+
+def _loss_table(entries: list[M.Entry], reference: str) -> None:
+    """Fallback summary when no verdict engine is installed: max |loss difference| vs the reference."""
+    import pandas as pd
+    ok = [e for e in entries if e.status in ("ran", "cached")]
+    ref = next((e for e in ok if e.cfg.backend == reference and e.role == "run" and e.cfg.devices == 1), None)
+    if ref is None:
+        return
+    base = pd.read_csv(Path(ref.folder) / "steps.csv")["loss"]
+    rows = [{"run": e.name, "max|dloss|": float((pd.read_csv(Path(e.folder) / "steps.csv")["loss"] - base).abs().max())}
+            for e in ok if e is not ref]
+    click.echo(pd.DataFrame(rows).to_string(index=False))

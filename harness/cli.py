@@ -194,9 +194,10 @@ def faults() -> None:
         click.echo(f"{f.name:<24} [{f.stage}] {f.practice}")
 
 
-from .allcmd import all_cmd  # noqa: E402  (registers `duipai all`)
+from .allcmd import all_cmd, matrix_cmd  # noqa: E402
 
 main.add_command(all_cmd)
+main.add_command(matrix_cmd)
 
 
 

@@ -191,7 +191,7 @@ def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, 
 def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
             probe_steps: int = 3, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
-            job_extra: dict[str, Any] | None = None) -> Path:
+            job_extra: dict[str, Any] | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
     """Run one job; returns the published folder. Raises BadInput or BackendFailed."""
     out_root = Path(out_root)
     check_backend(cfg.backend)
@@ -258,6 +258,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "started": started.isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 3),
         "train_wall_s": worker.get("train_wall_s"),
         "command": " ".join(sys.argv),
+        **(manifest_extra or {}),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     (tmp / "job.json").unlink()

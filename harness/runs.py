@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,24 +70,31 @@ class Run:
 def _read_csv(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
     if not path.is_file():
         raise BadInput(f"{path}: missing ({what} of a run folder)")
-    try:
-        df = pd.read_csv(path, float_precision="round_trip", dtype={"batch_checksum": str}, engine="c")
+    try:   # pandas >= 3 parses shortest-repr floats exactly; an empty field stays '' (a cut line)
+        df = pd.read_csv(path, dtype={"batch_checksum": str}, keep_default_na=False,
+                         na_values=["nan", "-nan", "NaN"])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: not a readable CSV ({str(e).splitlines()[0]})") from None
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise BadInput(f"{path}: missing column(s) {', '.join(missing)}")
     for c in columns:
-        if c in ("batch_checksum",):
-            continue
-        if df[c].dtype == object:   # a value that is not a number (an 'inf'/'nan' parses; garbage does not)
-            bad = pd.to_numeric(df[c], errors="coerce").isna() & df[c].notna()
+        if c == "batch_checksum":
+            empty = (df[c] == "").fillna(False).to_numpy(bool)
+        elif not pd.api.types.is_numeric_dtype(df[c]):
+            col = df[c]
+            empty = (col == "").fillna(False).to_numpy(bool)
+            bad = (pd.to_numeric(col.where(~empty, "0"), errors="coerce").isna() & col.notna()).to_numpy(bool)
             if bad.any():
-                i = int(np.argmax(bad.to_numpy()))
-                raise BadInput(f"{path}: row {i + 2}, column {c}: {df[c].iloc[i]!r} is not a number")
-            df[c] = pd.to_numeric(df[c])
-    if df[list(columns)].isna().any().any() and "step" in columns and df["step"].isna().any():
-        raise BadInput(f"{path}: empty step values (a truncated line?)")
+                i = int(np.argmax(bad))
+                raise BadInput(f"{path}: row {i + 2}, column {c}: {col.iloc[i]!r} is not a number")
+        else:
+            continue
+        if empty.any():
+            i = int(np.argmax(empty))
+            raise BadInput(f"{path}: row {i + 2} is truncated (no {c} value)")
+    if not pd.api.types.is_integer_dtype(df["step"]):
+        raise BadInput(f"{path}: the step column holds non-integers")
     return df
 
 
@@ -254,4 +261,4 @@ def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) ->
 
 
 __all__ = ["Run", "load_run", "discover", "mismatches", "config_of", "same_config", "SERIES", "STEP_SERIES",
-           "EVAL_SERIES", "COMPARABILITY", "field"]
+           "EVAL_SERIES", "COMPARABILITY"]

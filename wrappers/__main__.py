@@ -33,8 +33,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "info":
-        print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires),
-                                 "description": e.description} for name, e in REGISTRY.items()}))
+        print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires), "versions": e.versions(),
+                                 "sources": e.sources(), "description": e.description}
+                          for name, e in REGISTRY.items()}))
         return 0
     job = json.loads(Path(argv[1]).read_text())
     entry = REGISTRY.get(job["backend"])

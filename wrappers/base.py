@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,6 +37,23 @@ class Entry:
     def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
         """Extra environment for one job (e.g. a forced host device count), set before import."""
         return {}
+
+    @classmethod
+    def sources(cls) -> list[str]:
+        """The files whose content determines this backend's numbers (for run cache keys)."""
+        here = Path(__file__).resolve().parent
+        pkg = here / cls.module.split(".")[1]
+        files = [here / "base.py", here / "worker.py", here / "__main__.py", *sorted(pkg.glob("*.py"))]
+        files += sorted((here.parent / "algorithms").glob("*.py"))
+        return [str(f) for f in files]
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """Installed versions of the frameworks this backend uses, from package metadata (no import)."""
+        import importlib.metadata as md
+        dists = md.packages_distributions()
+        mods = list(cls.requires) + (["jaxlib"] if "jax" in cls.requires else [])
+        return {m: md.version(dists[m][0]) for m in mods if m in dists}
 
     @classmethod
     def missing(cls) -> list[str]:

@@ -1,0 +1,302 @@
+"""The calibrated envelope: how far two correct runs of one configuration may drift apart, measured.
+
+The reference run is re-trained K times (default 3) with every initial weight moved by one ULP in a
+seeded random direction (`--perturb-ulp k`, Summers & Dinneen 2021: a one-bit change of the initial
+weights produces the same run-to-run diversity as any other source of floating-point nondeterminism).
+Per series and per step, the raw spread is  d_t = max_k |member_k[t] - reference[t]|.
+
+THE RULE (numbers measured by bench/calibrate_envelope.py on the project's own models; docs/verdict.md)
+
+  smoothing   S_t = max(d_u : |u - t| <= W), W = 2 points of the series' own grid (5 consecutive
+              points). A single point's spread is 0 whenever the K members happen to round alike;
+              the rolling maximum keeps a chance zero from passing as a zero-width envelope.
+  floor       E_t = max(S_t, F_t),  F_t = max(4 ULP(float32 |reference_t|), 1e-7): a float64 or a
+              differently ordered reduction may move a value by a few float32 ULPs even at step 0,
+              where the K members agree bitwise (the loss of step 0 does not depend on 1-ULP weights
+              often enough to give a spread).
+  quantum     accuracy is a count: a deviation of one sample (1/batch for `accuracy`, 1/n_test for
+              `eval_accuracy`) is one argmax tie broken the other way, never an exceedance by itself.
+  margin      a point EXCEEDS when |candidate_t - reference_t| > M * E_t, M = 3 (pairs that do not
+              contain the reference: 2 M, the triangle inequality for two runs each within M E).
+  persistence a series DIVERGES at its first exceedance that starts a run of >= 2 consecutive
+              exceeding points, or at its first exceedance once it has more than 2 isolated ones,
+              or at the first point where one run is finite and the other not (never tolerated).
+  saturation  from the first point where S_t >= 0.5 * scale_t (scale: |reference_t| for unbounded
+              series, 1 for accuracies) the envelope is O(1) and the series has no power left: later
+              exceedances are not counted (a non-finite value still is).
+
+The factor reported for a divergence is |candidate - reference| / E at the divergent point.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .runs import EVAL_SERIES, SERIES, Run, check_reproduces, config_of, load_run, same_config
+
+BOUNDED = ("accuracy", "eval_accuracy")
+
+
+@dataclass(frozen=True)
+class Rule:
+    margin: float = 3.0
+    window: int = 2                 # half-width of the rolling maximum, in points of the series' grid
+    ulps: float = 4.0               # floor in float32 ULPs of the reference value
+    abs_floor: float = 1e-7         # absolute floor for values near zero
+    max_isolated: int = 2           # isolated exceedances tolerated per series
+    saturation: float = 0.5         # relative smoothed spread at which a series loses its power
+    pair_factor: float = 2.0        # margin multiplier for pairs without the reference
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_RULE = Rule()
+
+
+# --------------------------------------------------------------------------- elementwise pieces
+def deviation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|; 0 where both are NaN or the same infinity; inf where exactly one is non-finite."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(a - b)
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if fa.all() and fb.all():
+        return d
+    same = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
+    d = np.where(fa & fb, d, np.inf)
+    return np.where(same, 0.0, d)
+
+
+def rolling_max(d: np.ndarray, w: int) -> np.ndarray:
+    out = d.copy()
+    for k in range(1, min(w, len(d) - 1) + 1):
+        np.maximum(out[k:], d[:-k], out=out[k:])
+        np.maximum(out[:-k], d[k:], out=out[:-k])
+    return out
+
+
+def ulp32(x: np.ndarray) -> np.ndarray:
+    """The float32 spacing at |x| (inf for values beyond float32, nan for nan)."""
+    ax = np.abs(np.asarray(x, np.float64))
+    with np.errstate(over="ignore", invalid="ignore"):
+        big = ax > np.finfo(np.float32).max
+        sp = np.spacing(np.where(big | ~np.isfinite(ax), 1.0, ax).astype(np.float32)).astype(np.float64)
+    return np.where(big, np.inf, np.where(np.isfinite(ax), sp, np.nan))
+
+
+def quantum(series: str, manifest: dict) -> float:
+    if series == "accuracy":
+        return 1.0 / float(manifest.get("hparams", {}).get("batch_size", 1))
+    if series == "eval_accuracy":
+        return 1.0 / float((manifest.get("data") or {}).get("n_test", 1))
+    return 0.0
+
+
+# --------------------------------------------------------------------------- the envelope
+@dataclass
+class SeriesEnvelope:
+    series: str
+    grid: np.ndarray           # steps
+    ref: np.ndarray
+    raw: np.ndarray            # d_t
+    smooth: np.ndarray         # S_t
+    env: np.ndarray            # E_t = max(S_t, F_t)
+    quantum: float
+    saturated_at: int | None   # index into grid
+    saturation_reason: str = ""
+
+    def summary(self) -> dict:
+        finite = self.raw[np.isfinite(self.raw)]
+        rel = self.smooth / np.maximum(self._scale(), 1e-300)
+        return {"series": self.series, "points": int(len(self.grid)),
+                "zero_spread_points": int(np.sum(self.raw == 0)),
+                "max_spread": float(finite.max()) if finite.size else None,
+                "max_relative_spread": float(np.nanmax(rel)) if len(rel) else None,
+                "saturated_at_step": None if self.saturated_at is None else int(self.grid[self.saturated_at]),
+                "saturation_reason": self.saturation_reason, "quantum": self.quantum}
+
+    def _scale(self) -> np.ndarray:
+        if self.series in BOUNDED:
+            return np.ones_like(self.ref)
+        return np.abs(self.ref)
+
+
+def envelope_of(series: str, grid: np.ndarray, ref: np.ndarray, members: list[np.ndarray], q: float,
+                rule: Rule = DEFAULT_RULE) -> SeriesEnvelope:
+    n = len(ref)
+    raw = np.zeros(n)
+    for m in members:
+        np.maximum(raw, deviation(m, ref), out=raw)
+    smooth = rolling_max(raw, rule.window)
+    floor = np.maximum(rule.ulps * ulp32(ref), rule.abs_floor)
+    floor = np.where(np.isnan(floor), rule.abs_floor, floor)
+    env = np.maximum(smooth, floor)
+    scale = np.ones(n) if series in BOUNDED else np.abs(ref)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sat = (smooth >= rule.saturation * np.maximum(scale, floor)) | ~np.isfinite(ref)
+    sat_at, why = None, ""
+    if sat.any():
+        sat_at = int(np.argmax(sat))
+        why = ("reference not finite" if not np.isfinite(ref[sat_at]) else
+               f"spread {smooth[sat_at]:.3g} >= {rule.saturation} x {'range' if series in BOUNDED else '|value|'}")
+    return SeriesEnvelope(series, grid, ref, raw, smooth, env, q, sat_at, why)
+
+
+def compute(ref: Run, members: list[Run], rule: Rule = DEFAULT_RULE) -> dict[str, SeriesEnvelope]:
+    """Per series, the envelope of `members` around `ref` (all on the reference's grid)."""
+    out = {}
+    for s in SERIES:
+        grid = ref.grid(s)
+        vals = []
+        for m in members:
+            g = m.grid(s)
+            if len(g) != len(grid) or not np.array_equal(g, grid):
+                common, ia, ib = np.intersect1d(grid, g, return_indices=True)
+                v = np.full(len(grid), np.nan)
+                v[ia] = m.values[s][ib]
+                # a member that lacks a step gives no information there: let it agree with the reference
+                v = np.where(np.isin(np.arange(len(grid)), ia), v, ref.values[s])
+                vals.append(v)
+            else:
+                vals.append(m.values[s])
+        out[s] = envelope_of(s, grid, ref.values[s], vals, quantum(s, ref.manifest), rule)
+    return out
+
+
+# --------------------------------------------------------------------------- one series of one pair
+@dataclass
+class SeriesCheck:
+    series: str
+    points: int
+    identical: bool
+    max_dev: float
+    max_ratio: float
+    max_ratio_step: int | None
+    exceedances: int
+    isolated: int
+    first_exceed_step: int | None
+    diverged_step: int | None
+    factor: float | None              # |dev| / E at the divergent point
+    dev_at_divergence: float | None
+    env_at_divergence: float | None
+    reason: str                       # sustained | isolated | non-finite | ""
+    saturated_step: int | None
+    nonfinite_step: int | None
+    a_value: float | None = None      # the two values at the divergent point
+    b_value: float | None = None
+    ratios: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "ratios"}
+        return {k: (None if isinstance(v, float) and not np.isfinite(v) and k not in ("factor", "max_ratio", "max_dev")
+                    else v) for k, v in d.items()}
+
+
+def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndarray, rule: Rule = DEFAULT_RULE,
+                 with_reference: bool = True) -> SeriesCheck:
+    """Compare values a, b (candidate pair) at envelope indices idx."""
+    grid = env.grid[idx]
+    n = len(idx)
+    ident = bool(np.array_equal(a.view(np.int64), b.view(np.int64))) if a.dtype == np.float64 == b.dtype else False
+    dev = deviation(a, b)
+    E = env.env[idx]
+    margin = rule.margin * (1.0 if with_reference else rule.pair_factor)
+    q = env.quantum
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = dev / E
+    ratio = np.where(dev == 0, 0.0, ratio)
+    nonfinite = np.isinf(dev)
+    sat_idx = n if env.saturated_at is None else int(np.searchsorted(idx, env.saturated_at))
+    valid = np.arange(n) < sat_idx
+    exceed = ((ratio > margin) & (dev > q * (1 + 1e-9)) & valid) | nonfinite
+    ex_idx = np.flatnonzero(exceed)
+    diverged, reason = None, ""
+    n_iso = 0
+    if ex_idx.size:
+        # runs of consecutive exceeding points
+        breaks = np.flatnonzero(np.diff(ex_idx) != 1) + 1
+        starts = np.concatenate([[0], breaks])
+        ends = np.concatenate([breaks, [ex_idx.size]])
+        lengths = ends - starts
+        first_nf = int(np.argmax(nonfinite)) if nonfinite.any() else None
+        cand: list[tuple[int, str]] = []
+        if first_nf is not None:
+            cand.append((first_nf, "non-finite"))
+        long_runs = np.flatnonzero(lengths >= 2)
+        if long_runs.size:
+            cand.append((int(ex_idx[starts[long_runs[0]]]), "sustained"))
+        iso_pos = ex_idx[starts[lengths == 1]]
+        n_iso = int(iso_pos.size)
+        if n_iso > rule.max_isolated:
+            cand.append((int(iso_pos[0]), "isolated"))
+        if cand:
+            diverged, reason = min(cand)
+    fin = np.isfinite(ratio)
+    mr_i = int(np.argmax(np.where(fin, ratio, -1))) if n else None
+    if n and nonfinite.any():
+        mr_i = int(np.argmax(nonfinite))
+    first_nf_step = int(grid[np.argmax(~np.isfinite(a) | ~np.isfinite(b))]) if n and (
+        ~np.isfinite(a) | ~np.isfinite(b)).any() else None
+    return SeriesCheck(
+        series=env.series, points=n, identical=ident,
+        max_dev=float(np.max(dev)) if n else 0.0,
+        max_ratio=float(ratio[mr_i]) if n else 0.0, max_ratio_step=int(grid[mr_i]) if n else None,
+        exceedances=int(ex_idx.size), isolated=n_iso,
+        first_exceed_step=int(grid[ex_idx[0]]) if ex_idx.size else None,
+        diverged_step=None if diverged is None else int(grid[diverged]),
+        factor=None if diverged is None else float(ratio[diverged]),
+        dev_at_divergence=None if diverged is None else float(dev[diverged]),
+        env_at_divergence=None if diverged is None else float(E[diverged]),
+        reason=reason,
+        saturated_step=None if sat_idx >= n else int(grid[sat_idx]),
+        nonfinite_step=first_nf_step,
+        a_value=None if diverged is None else float(a[diverged]),
+        b_value=None if diverged is None else float(b[diverged]),
+        ratios=ratio)
+
+
+# --------------------------------------------------------------------------- generating the envelope runs
+def envelope_seeds(k: int, avoid: set[int]) -> list[int]:
+    """The first k positive perturbation seeds not used by any compared run."""
+    out, s = [], 1
+    while len(out) < k:
+        if s not in avoid:
+            out.append(s)
+        s += 1
+    return out
+
+
+def envelope_runs(ref: Run, seeds: list[int], root: Path | None = None, *, timeout: float | None = None,
+                  log: Callable[[str], None] | None = None) -> list[Run]:
+    """The reference configuration re-trained with --perturb-ulp k for each seed, through runner.execute;
+    an existing complete folder of the same name and configuration is reused."""
+    from . import runner
+    import json
+    root = Path(root or ref.path.parent)
+    log = log or (lambda m: print(m, file=sys.stderr))
+    out = []
+    for k in seeds:
+        cfg = config_of(ref.manifest, root, perturb_ulp=k)
+        prep = runner.prepare(cfg, root)
+        check_reproduces(ref.manifest, prep, "the envelope")
+        folder = root / cfg.default_name(prep.model.name)
+        if folder.is_dir() and (folder / "manifest.json").is_file():
+            try:
+                man = json.loads((folder / "manifest.json").read_text())
+                if same_config(man, cfg, ref.manifest):
+                    out.append(load_run(folder))
+                    continue
+            except Exception:   # an unreadable cached run is simply made again
+                pass
+        log(f"envelope: training {cfg.backend} --perturb-ulp {k} -> {folder}")
+        out.append(load_run(runner.execute(cfg, root, folder.name, prepared=prep, timeout=timeout)))
+    return out
+
+
+__all__ = ["Rule", "DEFAULT_RULE", "SeriesEnvelope", "SeriesCheck", "compute", "check_series", "envelope_runs",
+           "envelope_seeds", "deviation", "rolling_max", "ulp32", "EVAL_SERIES"]

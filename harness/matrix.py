@@ -1,0 +1,268 @@
+"""Make-style matrix runs: models x backends x device counts x seeds x optimizers (x faults), plus
+the reference backend's 1-ULP envelope runs, each keyed by a content hash of everything that
+determines its numbers. Up-to-date runs are not rerun; `-j N` runs N backend processes at once;
+a crash or hang is recorded with its log and the rest of the matrix completes.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from algorithms.faults import FAULTS
+from algorithms.optim import OPTIMIZERS, HParamError, HParams
+
+from . import runner
+from .files import atomic_write_text
+from .runner import BackendFailed, BadInput, RunConfig
+
+MATRICES_DIR = Path(__file__).parent / "matrices"
+LIST_FIELDS = {"models": str, "backends": str, "devices": int, "seeds": int, "optimizers": str, "faults": str}
+SCALAR_FIELDS = {"name": str, "data": str, "steps": int, "batch_size": int, "reference": str, "envelope_k": int,
+                 "timeout_s": (int, float), "description": str}
+
+
+@dataclass
+class Matrix:
+    name: str
+    models: list[str]
+    backends: list[str]
+    devices: list[int] = field(default_factory=lambda: [1])
+    seeds: list[int] = field(default_factory=lambda: [0])
+    optimizers: list[str] = field(default_factory=lambda: ["momentum"])
+    faults: list[str] = field(default_factory=list)
+    data: str = "digits"
+    steps: int = 300
+    batch_size: int = 64
+    reference: str = "torch"
+    envelope_k: int = 3
+    timeout_s: float = 900
+    hparams: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    source: str = ""
+
+
+@dataclass
+class Entry:
+    """One run of the matrix: its configuration, its role and its folder name."""
+    cfg: RunConfig
+    name: str
+    role: str                       # run | envelope | fault
+    key: str = ""
+    status: str = "pending"         # cached | ran | failed | unsupported | skipped
+    message: str = ""
+    folder: str = ""
+    log: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "backend": self.cfg.backend, "model": self.cfg.model,
+                "devices": self.cfg.devices, "seed": self.cfg.hparams.seed, "optimizer": self.cfg.hparams.optimizer,
+                "fault": self.cfg.fault, "perturb_ulp": self.cfg.perturb_ulp, "key": self.key, "status": self.status,
+                "message": self.message, "folder": self.folder, "log": self.log, "seconds": round(self.seconds, 2)}
+
+
+def load_matrix(path: str | Path) -> Matrix:
+    """Parse and validate a matrix file; every error names the file, the field and the entry."""
+    p = Path(path)
+    if not p.suffix:
+        p = MATRICES_DIR / f"{path}.toml"
+    if not p.is_file():
+        known = ", ".join(sorted(q.stem for q in MATRICES_DIR.glob("*.toml")))
+        raise BadInput(f"matrix {path}: no such file (built-in matrices: {known})")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"matrix {p}: not valid TOML: {e}") from None
+
+    def bad(msg: str) -> BadInput:
+        return BadInput(f"matrix {p}: {msg}")
+
+    unknown = set(raw) - set(LIST_FIELDS) - set(SCALAR_FIELDS) - {"hparams"}
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(sorted(unknown))}")
+    kw: dict[str, Any] = {"source": str(p), "name": raw.get("name", p.stem)}
+    for f, typ in LIST_FIELDS.items():
+        if f not in raw:
+            continue
+        v = raw[f]
+        if not isinstance(v, list) or not all(isinstance(x, typ) and not isinstance(x, bool) for x in v):
+            raise bad(f"field '{f}' must be a list of {typ.__name__}, got {v!r}")
+        dups = sorted({x for x in v if v.count(x) > 1}, key=str)
+        if dups:
+            raise bad(f"field '{f}': duplicate entries {dups}")
+        kw[f] = v
+    for f, typ in SCALAR_FIELDS.items():
+        if f in raw:
+            if not isinstance(raw[f], typ) or isinstance(raw[f], bool):
+                raise bad(f"field '{f}' has the wrong type: {raw[f]!r}")
+            kw[f] = raw[f]
+    if "hparams" in raw:
+        if not isinstance(raw["hparams"], dict):
+            raise bad("[hparams] must be a table")
+        kw["hparams"] = raw["hparams"]
+    for f in ("models", "backends"):
+        if not kw.get(f):
+            raise bad(f"field '{f}' is required and must not be empty")
+    m = Matrix(**kw)
+    validate(m, bad)
+    return m
+
+
+def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
+    from algorithms.spec import SpecError, load_model
+    info = runner.backend_info()
+    for b in m.backends + [m.reference]:
+        if b not in info:
+            raise bad(f"backends: unknown backend {b!r}; known: {', '.join(info)}")
+    for name in m.models:
+        try:
+            load_model(name)
+        except SpecError as e:
+            raise bad(f"models: {name!r}: {e}") from None
+    for o in m.optimizers:
+        if o not in OPTIMIZERS:
+            raise bad(f"optimizers: unknown optimizer {o!r}; known: {', '.join(OPTIMIZERS)}")
+    for f in m.faults:
+        if f not in FAULTS:
+            raise bad(f"faults: unknown fault {f!r}; see `duipai faults`")
+    for n in m.devices:
+        if n < 1 or n > m.batch_size or m.batch_size % n:
+            raise bad(f"devices: {n} is impossible with batch_size {m.batch_size} "
+                      "(needs 1 <= N <= batch and batch divisible by N)")
+    try:
+        for o in m.optimizers:
+            hparams_for(m, o, m.seeds[0] if m.seeds else 0)
+    except (HParamError, TypeError) as e:
+        raise bad(f"[hparams]: {e}") from None
+
+
+def hparams_for(m: Matrix, optimizer: str, seed: int) -> HParams:
+    base = {"lr": 0.05 if optimizer in ("sgd", "momentum", "nesterov") else 1e-3}
+    base.update(m.hparams)
+    return HParams(optimizer=optimizer, steps=m.steps, batch_size=m.batch_size, seed=seed,
+                   eval_every=min(50, m.steps), checkpoint_every=min(50, m.steps), **base)
+
+
+def expand(m: Matrix) -> list[Entry]:
+    """Every run of the matrix, the envelope runs of the reference first (they are the yardstick)."""
+    entries: list[Entry] = []
+    seen: set[str] = set()
+
+    def add(cfg: RunConfig, role: str) -> None:
+        from algorithms.spec import load_model
+        name = cfg.default_name(load_model(cfg.model).name)
+        if name not in seen:
+            seen.add(name)
+            entries.append(Entry(cfg, name, role))
+
+    for model, opt, seed in itertools.product(m.models, m.optimizers, m.seeds):
+        hp = hparams_for(m, opt, seed)
+        add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data), "run")
+        for k in range(1, m.envelope_k + 1):
+            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data, perturb_ulp=k), "envelope")
+        for b, n in itertools.product(m.backends, m.devices):
+            add(RunConfig(model=model, backend=b, hparams=hp, data=m.data, devices=n), "run")
+        for b, f in itertools.product(m.backends, m.faults):
+            add(RunConfig(model=model, backend=b, hparams=hp, data=m.data, fault=f), "fault")
+    return entries
+
+
+def _sources_hash(files: list[str]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).name.encode())
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_key(cfg: RunConfig, prep: runner.Prepared) -> str:
+    """Content hash of everything that determines a run's numbers."""
+    info = runner.backend_info()[cfg.backend]
+    blob = {"spec": prep.model.hash(), "data": prep.dataset_meta["hash"], "weights": prep.weights_hash,
+            "order": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16], "hparams": cfg.hparams.to_dict(),
+            "backend": cfg.backend, "versions": info.get("versions", {}), "sources": _sources_hash(info["sources"]),
+            "options": {k: getattr(cfg, k) for k in ("threads", "deterministic", "dropout", "fault", "devices",
+                                                      "jit", "dtype", "extra")},
+            "python": sys.version.split()[0]}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def up_to_date(folder: Path, key: str) -> bool:
+    try:
+        man = json.loads((folder / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return man.get("status") == "complete" and man.get("run_key") == key
+
+
+def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
+               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Entry]:
+    """Run (or reuse) every entry; never raises for one backend's failure. Writes matrix.json."""
+    out = Path(out_root) / m.name
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    entries = expand(m)
+    info = runner.backend_info()
+    preps: dict[tuple, runner.Prepared] = {}
+    for e in entries:
+        if info[e.cfg.backend]["missing"]:
+            e.status, e.message = "skipped", f"package(s) not installed: {', '.join(info[e.cfg.backend]['missing'])}"
+            continue
+        pk = (e.cfg.model, e.cfg.data, e.cfg.hparams, e.cfg.perturb_ulp, e.cfg.devices)
+        if pk not in preps:
+            preps[pk] = runner.prepare(e.cfg, Path(out_root))
+        e.key = run_key(e.cfg, preps[pk])
+        e.folder = str(runs / e.name)
+        if not force and up_to_date(runs / e.name, e.key):
+            e.status = "cached"
+    todo = [e for e in entries if e.status == "pending"]
+    lock = threading.Lock()
+    done = [0]
+
+    def one(e: Entry) -> None:
+        t0 = time.time()
+        pk = (e.cfg.model, e.cfg.data, e.cfg.hparams, e.cfg.perturb_ulp, e.cfg.devices)
+        try:
+            runner.execute(e.cfg, runs, e.name, timeout=m.timeout_s, prepared=preps[pk],
+                           manifest_extra={"run_key": e.key, "matrix": m.name, "role": e.role})
+            e.status = "ran"
+        except BackendFailed as err:
+            e.status = "unsupported" if err.unsupported else "failed"
+            e.message, e.log = str(err).splitlines()[0], str(err.log or "")
+        except BadInput as err:
+            e.status, e.message = "failed", str(err)
+        e.seconds = time.time() - t0
+        with lock:
+            done[0] += 1
+            log(f"[{done[0]}/{len(todo)}] {e.status:<11} {e.name} ({e.seconds:.1f} s){' - ' + e.message if e.message else ''}")
+
+    cached = sum(e.status == "cached" for e in entries)
+    if cached:
+        log(f"{cached} run(s) up to date, {len(todo)} to run")
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for f in as_completed([pool.submit(one, e) for e in todo]):
+            f.result()
+    write_status(out, m, entries)
+    return entries
+
+
+def write_status(out: Path, m: Matrix, entries: list[Entry]) -> None:
+    atomic_write_text(out / "matrix.json", json.dumps({"matrix": m.name, "source": m.source,
+                                                        "entries": [e.to_dict() for e in entries]}, indent=2))
+
+
+def load_status(out: Path) -> dict[str, Any]:
+    return json.loads((out / "matrix.json").read_text())
+
+
+__all__ = ["Matrix", "Entry", "load_matrix", "expand", "run_matrix", "run_key", "os"]
