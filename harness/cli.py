@@ -216,5 +216,7 @@ def entry() -> None:
         sys.exit(130)
 
 
+from .comparecmd import compare_cmd; main.add_command(compare_cmd)  # noqa: E402,E702
+
 if __name__ == "__main__":
     entry()

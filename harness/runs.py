@@ -247,6 +247,15 @@ def check_reproduces(man: dict[str, Any], prep, what: str) -> None:
                            f"but the configuration now gives {v} (data or model file changed?)")
 
 
+def expected_hashes(cfg: RunConfig, prep) -> dict[str, str]:
+    """The comparability fields a run of `cfg` (prepared as `prep`) will have in its manifest."""
+    import hashlib
+    from .runner import _hash_json
+    return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
+            "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
+            "base_weights_hash": prep.base_weights_hash, "hparams_hash": _hash_json(cfg.hparams.to_dict())}
+
+
 def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) -> bool:
     """Whether an existing run folder's manifest is the run `cfg` would produce (for cache reuse)."""
     if man.get("status") != "complete" or man.get("kind", "train") != "train":

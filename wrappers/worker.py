@@ -129,6 +129,66 @@ def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str,
     return {"probe_cases": len(cases)}
 
 
+def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
+    """Probe the training steps `replay.at` from a saved state instead of the canonical weights.
+
+    `replay.checkpoint` (a train checkpoint, 'param/<name>' and 'opt/<key>', taken after
+    `replay.checkpoint_step` steps) is loaded and the run is advanced deterministically, this
+    backend's own steps on the job's batch order, up to each step of `at`; the state there is saved
+    as state_<step>.npz. Or `replay.states` ({step: state file}) gives those states directly, so a
+    second backend probes from exactly the first one's states. Then, per step t of `at`:
+    probe-<i>.npz = probe(batch t, start_step=t) from the state at t."""
+    r = job["replay"]
+    model, hp, opts = backend.model, backend.hp, backend.opts
+    arrays = load_npz(job["data"])
+    x_tr, y_tr = arrays["x_train"], arrays["y_train"]
+    order = np.load(job["order"])
+    if opts.fault == "data_shift_one_batch":   # as in run_train
+        order = np.concatenate([order[1:], order[:1]])
+    at = sorted(int(t) for t in r["at"])
+    k = int(r.get("probe_steps", 1))
+
+    def split(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return ({n[6:]: v for n, v in state.items() if n.startswith("param/")},
+                {n[4:]: v for n, v in state.items() if n.startswith("opt/")})
+
+    def load(state: dict[str, np.ndarray], step: int) -> None:
+        params, opt = split(state)
+        backend.load_params(params)
+        backend.load_opt_state(opt, step)
+
+    def batch(step: int):
+        idx = order[step]
+        return x_tr[idx], y_tr[idx], len(idx)
+
+    replayed = []
+    if r.get("states"):
+        states = {int(t): str(p) for t, p in r["states"].items()}
+    else:
+        start = int(r["checkpoint_step"])
+        load(load_npz(r["checkpoint"]), start)
+        states = {}
+        for step in range(start, at[-1] + 1):
+            if step in at:
+                st = {f"param/{n}": v for n, v in backend.export_params().items()}
+                st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
+                states[step] = f"state_{step:07d}.npz"
+                save_npz(out_dir / states[step], st)
+            if step == at[-1]:
+                break
+            x, y, b = batch(step)
+            s = backend.train_step(step, x, y, masks_for(model, hp.seed, step, b, opts.dropout))
+            replayed.append([step, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
+    for i, t in enumerate(at):
+        load(load_npz(out_dir / states[t]), t)   # an absolute path stays itself
+        x, y, b = batch(t)
+        masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
+        save_npz(out_dir / f"probe-{i}.npz", backend.probe(x, y, masks, start_step=t))
+        (out_dir / f"probe-{i}.json").write_text(json.dumps(
+            {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
+    return {"replay_at": at, "replayed": replayed, "states": {str(t): p for t, p in states.items()}}
+
+
 def main(job_path: str) -> int:
     from .base import REGISTRY, UnsupportedError
     job = json.loads(Path(job_path).read_text())
@@ -147,7 +207,8 @@ def main(job_path: str) -> int:
             "pid": os.getpid(),
         }
         t0 = time.perf_counter()
-        modes = {"train": lambda: run_train(job, backend, out_dir, channel), "probe": lambda: run_probe(job, backend, out_dir)}
+        modes = {"train": lambda: run_train(job, backend, out_dir, channel), "probe": lambda: run_probe(job, backend, out_dir),
+                 "replay": lambda: run_replay(job, backend, out_dir)}
         if job["mode"] not in modes:
             raise ValueError(f"unknown job mode {job['mode']!r}")
         extra = modes[job["mode"]]()

@@ -7,6 +7,7 @@ the step, so a schedule never triggers a recompilation.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -26,6 +27,7 @@ from .layers import BUFFER_ROLES, cross_entropy, forward, from_internal, to_inte
 
 ADAM_STATE = "ScaleByAdamState"
 INJECT_STATE = "InjectStatefulHyperparamsState"
+TRACE_STATE = "TraceState"
 
 
 def make_optimizer(hp: HParams, fault: str | None) -> optax.GradientTransformationExtraArgs:
@@ -59,8 +61,99 @@ def _in(tuple_name: str) -> Callable[[Any, Any], bool]:
     return lambda path, _v: bool(path) and getattr(path[-1], "tuple_name", None) == tuple_name
 
 
+def _set_field(tree: Any, tuple_name: str, field: str, value: Any) -> Any:
+    """`tree` with `field` of every NamedTuple called `tuple_name` replaced by `value`. (Not
+    optax.tree_utils.tree_set: it does not descend below a node that already has a field of that
+    name, so it cannot reach ScaleByAdamState.count inside InjectStatefulHyperparamsState.)"""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        kids = {f: _set_field(getattr(tree, f), tuple_name, field, value) for f in tree._fields}
+        if type(tree).__name__ == tuple_name and field in kids:
+            kids[field] = value
+        return type(tree)(**kids)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_set_field(t, tuple_name, field, value) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _set_field(v, tuple_name, field, value) for k, v in tree.items()}
+    return tree
+
+
 def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(tree)))
+
+
+class Lowering:
+    """The pure functions of one lowering (model, fault, dropout mode, dtype), jit-compiled once per
+    process and shared by every backend instance that needs the same graph: a probe that runs six
+    optimizer cases compiles the forward pass and the gradients once, each optimizer's step once."""
+
+    def __init__(self, model: ModelSpec, fault: str | None, native_dropout: bool, dtype: Any, jit: bool) -> None:
+        self.model, self.fault, self.native_dropout, self.dtype = model, fault, native_dropout, dtype
+        self.label_smoothing = 0.1 if fault == "label_smoothing" else 0.0
+        self.wrap = jax.jit if jit else (lambda f: f)
+        self.fwd = self.wrap(self._forward_layers_fn)
+        self.grads = self.wrap(self._grads_fn)
+        self.eval = self.wrap(self._eval_fn)
+        self.steps: dict[tuple, tuple[optax.GradientTransformationExtraArgs, Callable]] = {}
+
+    def step_for(self, hp: HParams) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
+        """The optax transform and the compiled train step for these hyper-parameters (lr and eps
+        are arguments of the step, so only what shapes the graph is part of the key)."""
+        key = (hp.optimizer, hp.momentum, hp.beta1, hp.beta2, hp.weight_decay)
+        if key not in self.steps:
+            tx = make_optimizer(hp, self.fault)
+            self.steps[key] = (tx, self.wrap(functools.partial(self._step_fn, tx)))
+        return self.steps[key]
+
+    def _loss_fn(self, params, buffers, x, y, masks, key):
+        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault,
+                                      key=key, native_dropout=self.native_dropout)
+        return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
+
+    def _grads_of(self, params, buffers, x, y, masks, key):
+        (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, buffers, x, y, masks, key)
+        if self.fault == "grad_double":      # the gradient counted twice
+            grads = jax.tree.map(lambda g: g * 2.0, grads)
+        return loss, aux, grads
+
+    def _step_fn(self, tx, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
+        key = jax.random.fold_in(base_key, step)          # native dropout only; harness masks otherwise
+        loss, (logits, new_buffers), grads = self._grads_of(params, buffers, x, y, masks, key)
+        hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
+        if "eps" in hyper:
+            hyper["eps"] = eps.astype(self.dtype)
+        opt_state = opt_state._replace(hyperparams=hyper)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        stats = {"loss": loss,
+                 "accuracy": jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)),
+                 "grad_norm": _global_norm(grads),
+                 "update_norm": _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)),
+                 "param_norm": _global_norm(new_params)}
+        return new_params, new_buffers, opt_state, stats
+
+    def _eval_fn(self, params, buffers, x, y, key):
+        logits, _ = forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key)
+        return cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype))
+
+    def _grads_fn(self, params, buffers, x, y, masks, key):
+        loss, _, grads = self._grads_of(params, buffers, x, y, masks, key)
+        return loss, grads
+
+    def _forward_layers_fn(self, params, buffers, x, masks, key):
+        rec: dict[str, jax.Array] = {}
+        forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault, key=key,
+                native_dropout=self.native_dropout, record=rec)
+        return rec
+
+
+_LOWERINGS: dict[tuple, Lowering] = {}
+
+
+def lowering(model: ModelSpec, opts: RunOptions, dtype: Any) -> Lowering:
+    key = (model.hash(), opts.fault, opts.dropout == "native", str(jnp.dtype(dtype)), bool(opts.jit))
+    if key not in _LOWERINGS:
+        _LOWERINGS[key] = Lowering(model, opts.fault, opts.dropout == "native", dtype, opts.jit)
+    return _LOWERINGS[key]
 
 
 class JaxBackend(Backend):
@@ -79,11 +172,13 @@ class JaxBackend(Backend):
         if opts.dtype == "float64" and not jax.config.jax_enable_x64:
             raise UnsupportedError("backend jax: float64 needs JAX_ENABLE_X64=1 set before jax is imported")
         self.dtype = jnp.float64 if opts.dtype == "float64" else jnp.float32
+        self.np_dtype = np.dtype(opts.dtype)
         self.no_permute = opts.fault == "flatten_no_permute"
         self.native_dropout = opts.dropout == "native"
         self.trainable: list[str] = [q.name for q in model.trainable]
         self.buffer_names: list[str] = [q.name for q in model.buffers]
-        self.tx = make_optimizer(self.hp, opts.fault)
+        self.lowering = lowering(model, opts, self.dtype)
+        self.tx, self._step = self.lowering.step_for(self.hp)
         self.is_adam = self.hp.optimizer in ("adam", "adamw")
         self.has_momentum = self.hp.optimizer in ("momentum", "nesterov")
         self.base_key = jax.random.key(self.hp.seed)
@@ -92,12 +187,6 @@ class JaxBackend(Backend):
         self.opt_state: Any = None
         self.prev_lr: float | None = None
         self.eval_calls = 0
-        self.label_smoothing = 0.1 if opts.fault == "label_smoothing" else 0.0
-        wrap = jax.jit if opts.jit else (lambda f: f)
-        self._step = wrap(self._step_fn)
-        self._eval = wrap(self._eval_fn)
-        self._grads = wrap(self._grads_fn)
-        self._fwd = wrap(self._forward_layers_fn)
 
     # ---- environment
     def versions(self) -> dict[str, str]:
@@ -123,10 +212,12 @@ class JaxBackend(Backend):
 
     # ---- state
     def _to_jax(self, name: str, a: np.ndarray) -> jax.Array:
-        return jnp.asarray(to_internal(self.model, name, np.asarray(a), self.no_permute), dtype=self.dtype)
+        # a private copy first: on CPU jnp.asarray may alias the caller's NumPy buffer
+        return jnp.asarray(np.array(to_internal(self.model, name, np.asarray(a), self.no_permute),
+                                    dtype=self.np_dtype, copy=True))
 
     def _canon(self, name: str, a: jax.Array) -> np.ndarray:
-        return from_internal(self.model, name, np.array(a), self.no_permute)
+        return from_internal(self.model, name, np.array(a, copy=True), self.no_permute)   # never a view of live state
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.params = {n: self._to_jax(n, params[n]) for n in self.trainable}
@@ -159,67 +250,26 @@ class JaxBackend(Backend):
             return {n: (self._to_jax(n, state[f"{prefix}/{n}"]) if f"{prefix}/{n}" in state else like[n])
                     for n in self.trainable}
         if self.has_momentum:
-            st = otu.tree_set(st, trace=tree("momentum", otu.tree_get(st, "trace")))
+            st = _set_field(st, TRACE_STATE, "trace", tree("momentum", otu.tree_get(st, "trace")))
         elif self.is_adam:
-            st = otu.tree_set(st, mu=tree("exp_avg", otu.tree_get(st, "mu")),
-                              nu=tree("exp_avg_sq", otu.tree_get(st, "nu")))
+            st = _set_field(st, ADAM_STATE, "mu", tree("exp_avg", otu.tree_get(st, "mu")))
+            st = _set_field(st, ADAM_STATE, "nu", tree("exp_avg_sq", otu.tree_get(st, "nu")))
             n_done = int(round(float(state["step"]))) if "step" in state else 0
-            st = otu.tree_set(st, _in(ADAM_STATE), count=jnp.asarray(n_done, jnp.int32))
-        st = otu.tree_set(st, _in(INJECT_STATE), count=jnp.asarray(step, jnp.int32))
+            st = _set_field(st, ADAM_STATE, "count", jnp.asarray(n_done, jnp.int32))
+        st = _set_field(st, INJECT_STATE, "count", jnp.asarray(step, jnp.int32))
         self.opt_state = st
         self.prev_lr = self.lr_for(step - 1) if step > 0 else None
 
-    # ---- the pure, jit-compiled functions
-    def _loss_fn(self, params, buffers, x, y, masks, key):
-        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.opts.fault,
-                                      key=key, native_dropout=self.native_dropout)
-        return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
-
-    def _step_fn(self, params, buffers, opt_state, x, y, masks, step, lr, eps):
-        key = jax.random.fold_in(self.base_key, step)
-        (loss, (logits, new_buffers)), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(
-            params, buffers, x, y, masks, key)
-        if self.opts.fault == "grad_double":
-            grads = jax.tree.map(lambda g: g * 2.0, grads)
-        hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
-        if "eps" in hyper:
-            hyper["eps"] = eps.astype(self.dtype)
-        opt_state = opt_state._replace(hyperparams=hyper)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        stats = {"loss": loss,
-                 "accuracy": jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)),
-                 "grad_norm": _global_norm(grads),
-                 "update_norm": _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)),
-                 "param_norm": _global_norm(new_params)}
-        return new_params, new_buffers, opt_state, stats
-
-    def _eval_fn(self, params, buffers, x, y, key):
-        logits, _ = forward(self.model, params, buffers, x, train=False, masks=None, fault=self.opts.fault, key=key)
-        return cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(jnp.float64
-                                                  if jax.config.jax_enable_x64 else jnp.float32))
-
-    def _grads_fn(self, params, buffers, x, y, masks, key):
-        (loss, _), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, buffers, x, y, masks, key)
-        if self.opts.fault == "grad_double":
-            grads = jax.tree.map(lambda g: g * 2.0, grads)
-        return loss, grads
-
-    def _forward_layers_fn(self, params, buffers, x, masks, key):
-        rec: dict[str, jax.Array] = {}
-        forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.opts.fault, key=key,
-                native_dropout=self.native_dropout, record=rec)
-        return rec
-
     # ---- computation
-    def _x(self, x: np.ndarray) -> jax.Array:
-        return jnp.asarray(x, dtype=self.dtype)
+    # numpy in, converted by jit's own argument handling (the fast path): no per-array dispatch
+    def _x(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=self.np_dtype)
 
-    def _y(self, y: np.ndarray) -> jax.Array:
-        return jnp.asarray(y, dtype=jnp.int32)
+    def _y(self, y: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(y, dtype=np.int32)
 
-    def _masks(self, masks: Masks) -> dict[str, jax.Array]:
-        return {k: jnp.asarray(v, dtype=self.dtype) for k, v in masks.items()}
+    def _masks(self, masks: Masks) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v, dtype=self.np_dtype) for k, v in masks.items()}
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         lr = self.lr_for(step)
@@ -228,15 +278,14 @@ class JaxBackend(Backend):
             # Keras velocity v = mu v - lr g  <=>  the torch/optax buffer rescaled by lr_prev / lr
             ratio = self.prev_lr / lr
             trace = otu.tree_get(self.opt_state, "trace")
-            self.opt_state = otu.tree_set(self.opt_state, trace=jax.tree.map(lambda t: t * ratio, trace))
+            self.opt_state = _set_field(self.opt_state, TRACE_STATE, "trace", jax.tree.map(lambda t: t * ratio, trace))
         self.prev_lr = lr
         eps = self.hp.eps
         if self.opts.fault == "adam_eps_hat":   # eps-hat form == reference eps / sqrt(1 - b2^t)
             eps = self.hp.eps / math.sqrt(1.0 - self.hp.beta2 ** (step + 1))
         self.params, self.buffers, self.opt_state, stats = self._step(
             self.params, self.buffers, self.opt_state, self._x(x), self._y(y), self._masks(masks),
-            np.int32(step), np.asarray(lr, np.float64 if self.dtype == jnp.float64 else np.float32),
-            np.asarray(eps, np.float64 if self.dtype == jnp.float64 else np.float32))
+            self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))
         s = jax.device_get(stats)
         return StepStats(float(s["loss"]), float(s["accuracy"]), float(s["grad_norm"]), float(s["update_norm"]),
                          float(s["param_norm"]))
@@ -244,18 +293,18 @@ class JaxBackend(Backend):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         key = jax.random.fold_in(jax.random.fold_in(self.base_key, 0x0E7A1), self.eval_calls)
         self.eval_calls += 1
-        loss, acc = self._eval(self.params, self.buffers, self._x(x), self._y(y), key)
+        loss, acc = self.lowering.eval(self.params, self.buffers, self._x(x), self._y(y), key)
         return float(loss), float(acc)
 
     def _probe_key(self) -> jax.Array:
         return jax.random.fold_in(self.base_key, 0)
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
-        rec = self._fwd(self.params, self.buffers, self._x(x), self._masks(masks), self._probe_key())
+        rec = self.lowering.fwd(self.params, self.buffers, self._x(x), self._masks(masks), self._probe_key())
         return {k: np.array(v) for k, v in rec.items()}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
-        loss, grads = self._grads(self.params, self.buffers, self._x(x), self._y(y), self._masks(masks),
+        loss, grads = self.lowering.grads(self.params, self.buffers, self._x(x), self._y(y), self._masks(masks),
                                   self._probe_key())
         return float(loss), {n: self._canon(n, grads[n]) for n in self.trainable}
 

@@ -73,7 +73,8 @@ def _ceil_pool_pad(size: int, k: int, s: int) -> int:
     return max((out - 1) * s + k - size, 0)
 
 
-def _window(x: jax.Array, init: Any, op, k: int, s: int, pads) -> jax.Array:
+def _window(x: jax.Array, init: float, op, k: int, s: int, pads) -> jax.Array:
+    """A pooling window; `init` is a Python scalar so that JAX sees a monoid (sum / max) and can differentiate."""
     (t, b), (l, r) = pads
     return lax.reduce_window(x, init, op, (1, k, k, 1), (1, s, s, 1), ((0, 0), (t, b), (l, r), (0, 0)))
 
@@ -113,17 +114,17 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
                 pads = ((0, _ceil_pool_pad(h, o["pool"], o["stride"])), (0, _ceil_pool_pad(w, o["pool"], o["stride"])))
             else:
                 pads = ((0, 0), (0, 0))
-            x = _window(x, -jnp.inf, lax.max, o["pool"], o["stride"], pads)
+            x = _window(x, -np.inf, lax.max, o["pool"], o["stride"], pads)
         elif k == "avgpool2d":
             if o["padding"] == "same":
                 # TF 'SAME' average: the padding is excluded from the count
                 pads = _pads(layer)
-                num = _window(x, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], pads)
+                num = _window(x, 0.0, lax.add, o["pool"], o["stride"], pads)
                 ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
-                den = _window(ones, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], pads)
+                den = _window(ones, 0.0, lax.add, o["pool"], o["stride"], pads)
                 x = num / den
             else:
-                x = _window(x, jnp.zeros((), x.dtype), lax.add, o["pool"], o["stride"], ((0, 0), (0, 0)))
+                x = _window(x, 0.0, lax.add, o["pool"], o["stride"], ((0, 0), (0, 0)))
                 x = x / float(o["pool"] * o["pool"])
         elif k == "relu":
             x = jax.nn.relu(x)

@@ -31,7 +31,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
 from .layers import BUFFER_ROLES, LABEL_SMOOTHING, cross_entropy, forward, from_tf_layout, to_tf_layout
 
 # indices of the per-step scalars fed to the step as one tensor
@@ -51,6 +51,24 @@ def _pin_threads(n: int) -> None:
                 pass
 
 
+def _outside_op_determinism(fn):
+    """Call an XLA-compiled function with TF op determinism switched off, then back on.
+
+    tf2xla refuses to lower MaxPoolGrad while op determinism is on ("GPU MaxPool gradient ops do not
+    yet have a deterministic XLA implementation", raised on CPU too): the flag guards GPU atomics.
+    XLA:CPU's SelectAndScatter is sequential, so the compiled step stays deterministic; the flag
+    governs only kernel creation (compilation), and every other op keeps it on."""
+    def call(*args):
+        if not tf_config.is_op_determinism_enabled():
+            return fn(*args)
+        tf_config.disable_op_determinism()
+        try:
+            return fn(*args)
+        finally:
+            tf.config.experimental.enable_op_determinism()
+    return call
+
+
 class TensorflowBackend(Backend):
     framework = "tensorflow"
     faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
@@ -59,6 +77,9 @@ class TensorflowBackend(Backend):
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
+        if opts.devices != 1:
+            raise UnsupportedError(f"backend tensorflow: data parallelism (--devices {opts.devices}) is not "
+                                   "implemented; run with --devices 1")
         _pin_threads(opts.threads)                 # before any op runs
         if opts.deterministic:
             tf.config.experimental.enable_op_determinism()
@@ -95,6 +116,8 @@ class TensorflowBackend(Backend):
             self._step = tf.function(self._step_impl, jit_compile=xla)
             self._eval = tf.function(self._eval_impl, jit_compile=xla)
             self.mode = "xla" if xla else "tf.function"
+            if xla and self.device == "/CPU:0":   # on a GPU, TF's own refusal stands
+                self._step, self._eval = _outside_op_determinism(self._step), _outside_op_determinism(self._eval)
         else:
             self._step, self._eval, self.mode = self._step_impl, self._eval_impl, "eager"
 
@@ -111,6 +134,8 @@ class TensorflowBackend(Backend):
                 "intra_op_parallelism_threads": th.get_intra_op_parallelism_threads(),
                 "inter_op_parallelism_threads": th.get_inter_op_parallelism_threads(),
                 "tf.random.set_seed": self.hp.seed, "step": self.mode, "dtype": self.dtype.name,
+                "xla_op_determinism": ("suspended while compiling the XLA step (tf2xla refuses MaxPoolGrad "
+                                       "under it); XLA:CPU is deterministic") if self.mode == "xla" else None,
                 "TF_NUM_INTRAOP_THREADS": os.environ.get("TF_NUM_INTRAOP_THREADS"),
                 "TF_NUM_INTEROP_THREADS": os.environ.get("TF_NUM_INTEROP_THREADS"),
                 "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on)")}

@@ -1,0 +1,275 @@
+"""Step time of the harness against a minimal hand-written loop, per backend, measured side by side.
+
+For each backend the harness run (`runner.execute`, its own worker process) and the hand loop of
+the same framework (bench/hand_loops/*.py, its own process) train the default model
+cnn2d_2conv_2fc on the same data, batch order and initial weights for S steps; the two alternate,
+R pairs per backend (the first of each pair alternates too), so that the noise of a shared machine
+falls on both sides. Absolute times on such a machine mean little; the target is the ratio.
+
+Figures, each leaving out the first W=10 steps (tracing / compilation / first call) on both sides:
+
+  per-step    median over steps of one run's step time, then the median over the R runs.
+              harness: steps.csv `step_time_s` (the backend's train_step: input conversion, the
+              step, the statistics, the sync); hand loop: one loop iteration (batch, step, log).
+  p10         the same with the 10th percentile of each run's step times instead of the median:
+              on a loaded machine the scheduler stretches a share of the steps, the median then
+              measures the load, the fast steps still measure the step (the ratio to read there).
+  whole-loop  the training loop's wall time per step: harness worker.json `train_wall_s` less the
+              first W steps' step_time_s, over S - W (so it includes the harness's batch gather,
+              dropout masks, checksum, CSV rows, checkpoints and evaluations every 50 steps);
+              hand loop: wall time of steps W..S over S - W.
+  ratio       harness / hand (target <= 1.15).
+
+    python bench/bench_step.py [--backends torch jax ...] [--steps 400] [--repeats 3] [--quick]
+
+Writes bench/results/bench_step.md and bench_step.json (with --quick: bench/results/quick/).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from algorithms.optim import HParams  # noqa: E402
+from harness import runner  # noqa: E402
+from harness.runner import BackendFailed, BadInput, RunConfig  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+ALL_BACKENDS = ["torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch"]
+TARGET = 1.15
+WARMUP = 10
+
+
+def hand_command(backend: str, steps: int, warmup: int) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if backend.startswith("keras-"):
+        script, env["KERAS_BACKEND"] = "keras.py", backend.split("-", 1)[1]
+    else:
+        script = f"{backend}.py"
+    # -P: the script's folder (bench/hand_loops, holding torch.py, jax.py, ...) never goes on sys.path
+    return [sys.executable, "-P", str(HERE / "hand_loops" / script), "--steps", str(steps),
+            "--warmup", str(warmup)], env
+
+
+def run_hand(backend: str, steps: int, warmup: int, timeout: float) -> dict:
+    cmd, env = hand_command(backend, steps, warmup)
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if r.returncode != 0:
+        tail = "\n".join("    " + l for l in r.stderr.strip().splitlines()[-6:])
+        raise RuntimeError(f"hand loop {backend} exited with code {r.returncode}\n{tail}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"per_step_s": out["median_step_s"], **quantiles(out["step_times_s"]),
+            "whole_loop_s": out["wall_s"] / out["steps"], "process_wall_s": time.time() - t0,
+            "last_loss": out.get("last_loss")}
+
+
+def run_harness(backend: str, steps: int, warmup: int, root: Path, name: str, timeout: float) -> dict:
+    t0 = time.time()
+    folder = runner.execute(RunConfig(backend=backend, hparams=HParams(steps=steps)), root, name=name,
+                            timeout=timeout)
+    with open(folder / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    st = [float(r["step_time_s"]) for r in rows]
+    worker = json.loads((folder / "worker.json").read_text())
+    wall = float(worker["train_wall_s"])
+    return {"per_step_s": statistics.median(st[warmup:]), **quantiles(st[warmup:]),
+            "whole_loop_s": (wall - sum(st[:warmup])) / (steps - warmup),
+            "train_wall_per_step_s": wall / steps, "process_wall_s": time.time() - t0,
+            "last_loss": float(rows[-1]["loss"])}
+
+
+def quantiles(times: list[float]) -> dict[str, float]:
+    """Low quantiles of one run's step times: on a shared machine a step is either left alone or
+    stretched by the scheduler, so the fast steps show the cost and the median shows the load."""
+    a = sorted(times)
+    return {f"p{q}_s": a[min(len(a) - 1, int(q / 100 * len(a)))] for q in (5, 10, 25)}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("numpy", "torch", "jax", "jaxlib", "optax", "tensorflow-cpu", "tensorflow", "keras"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def machine() -> dict:
+    try:
+        nproc = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip())
+    except (OSError, ValueError):
+        nproc = os.cpu_count()
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"nproc": nproc, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "machine": platform.machine(), "processor": platform.processor(), "node": platform.node(),
+            "loadavg_at_start": load}
+
+
+def med(vals: list[float]) -> float | None:
+    return statistics.median(vals) if vals else None
+
+
+def summarise(b: str, runs: list[dict], skipped: str | None) -> dict:
+    h = [r["harness"] for r in runs if "harness" in r]
+    l = [r["hand"] for r in runs if "hand" in r]
+    row: dict = {"backend": b, "repeats": len(runs)}
+    if skipped:
+        row["skipped"] = skipped
+    for side, xs in (("harness", h), ("hand", l)):
+        if xs:
+            row[f"{side}_per_step_s"] = med([x["per_step_s"] for x in xs])
+            row[f"{side}_p10_s"] = med([x["p10_s"] for x in xs])
+            row[f"{side}_whole_loop_s"] = med([x["whole_loop_s"] for x in xs])
+    if h and l:
+        row["ratio_per_step"] = row["harness_per_step_s"] / row["hand_per_step_s"]
+        row["ratio_p10"] = row["harness_p10_s"] / row["hand_p10_s"]
+        row["ratio_whole_loop"] = row["harness_whole_loop_s"] / row["hand_whole_loop_s"]
+        both = [r for r in runs if "harness" in r and "hand" in r]
+        row["pair_ratios_per_step"] = [r["harness"]["per_step_s"] / r["hand"]["per_step_s"] for r in both]
+        row["pair_ratios_p10"] = [r["harness"]["p10_s"] / r["hand"]["p10_s"] for r in both]
+        row["ok"] = row["ratio_per_step"] <= TARGET
+        row["ok_p10"] = row["ratio_p10"] <= TARGET
+    return row
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.3f}"
+
+
+def mark(ratio: float) -> str:
+    return f"{ratio:.2f} ok" if ratio <= TARGET else f"**{ratio:.2f} MISS**"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    m = meta["machine"]
+    load = m.get("loadavg_at_start")
+    load_s = f", load average {load[0]:.1f} at start" if load else ""
+    lines = ["## Harness step time vs a hand-written loop (cnn2d_2conv_2fc)", "",
+             f"{meta['date']}; {m['nproc']} CPUs (`nproc`){load_s}, {m['platform']}; "
+             f"{meta['steps']} steps x {meta['repeats']} alternating harness/hand pairs per backend, each run "
+             f"its own process, first {meta['warmup']} steps left out; one thread pinned on both sides."
+             f"{' **Quick smoke run.**' if meta['quick'] else ''}",
+             "", "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+             f"| backend | harness median (ms) | hand median (ms) | ratio, median | harness p10 (ms) | "
+             f"hand p10 (ms) | ratio, p10 | harness whole-loop (ms) | hand whole-loop (ms) | ratio, whole-loop | "
+             f"p10 ratio per pair |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    notes = []
+    for r in rows:
+        if "ratio_per_step" in r:
+            lines.append(f"| {r['backend']} | {ms(r['harness_per_step_s'])} | {ms(r['hand_per_step_s'])} | "
+                         f"{mark(r['ratio_per_step'])} | {ms(r['harness_p10_s'])} | {ms(r['hand_p10_s'])} | "
+                         f"{mark(r['ratio_p10'])} | {ms(r['harness_whole_loop_s'])} | "
+                         f"{ms(r['hand_whole_loop_s'])} | {r['ratio_whole_loop']:.2f} | "
+                         f"{', '.join(f'{p:.2f}' for p in r['pair_ratios_p10'])} |")
+        elif "harness_per_step_s" in r or "hand_per_step_s" in r:
+            lines.append(f"| {r['backend']} | {ms(r.get('harness_per_step_s'))} | {ms(r.get('hand_per_step_s'))} | - | "
+                         f"{ms(r.get('harness_p10_s'))} | {ms(r.get('hand_p10_s'))} | - | "
+                         f"{ms(r.get('harness_whole_loop_s'))} | {ms(r.get('hand_whole_loop_s'))} | - | |")
+        else:
+            lines.append(f"| {r['backend']} | skipped | | | | | | | | | |")
+        if r.get("skipped"):
+            notes.append(f"- **{r['backend']}** skipped: {r['skipped']}")
+    lines += ["", f"Target: ratio <= {TARGET}. Per-step figures are one run's step times (harness: steps.csv "
+              "`step_time_s`, i.e. `Backend.train_step`; hand loop: one loop iteration with its batch and logged "
+              "loss), summarised per run (median; p10 = 10th percentile), then the median over the runs. "
+              "On a shared, loaded machine a step is either left alone or stretched by the scheduler: the median "
+              "then measures the load and the p10 measures the step, so the p10 ratio is the one to read there. "
+              "Whole-loop: the training loop's wall time per step (harness: worker.json `train_wall_s`, which also "
+              "holds the batch gather, checksum, CSV rows and the checkpoints and evaluations every 50 steps), "
+              "less the warm-up steps on both sides."]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", nargs="+", default=ALL_BACKENDS, metavar="B",
+                    help=f"default: {' '.join(ALL_BACKENDS)}")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 400; --quick 60)")
+    ap.add_argument("--repeats", type=int, default=None, help="harness/hand pairs per backend (default 3; --quick 1)")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="first steps left out on both sides")
+    ap.add_argument("--quick", action="store_true", help="fast smoke run: 60 steps, 1 pair, results/quick/")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    ap.add_argument("--results", type=Path, default=None, help="output folder (default bench/results[/quick])")
+    args = ap.parse_args(argv)
+    steps = args.steps or (60 if args.quick else 400)
+    repeats = args.repeats or (1 if args.quick else 3)
+    out_dir = args.results or (RESULTS / "quick" if args.quick else RESULTS)
+    if steps <= args.warmup + 1:
+        ap.error(f"--steps must exceed --warmup ({args.warmup}) + 1")
+    unknown = [b for b in args.backends if b not in ALL_BACKENDS]
+    if unknown:
+        ap.error(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(ALL_BACKENDS)}")
+
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+            "versions": versions(), "steps": steps, "repeats": repeats, "warmup": args.warmup,
+            "quick": args.quick, "model": "cnn2d_2conv_2fc", "target_ratio": TARGET,
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
+    installed = set(runner.installed_backends())
+    skipped: dict[str, str] = {}
+    for b in args.backends:
+        if b not in installed:
+            skipped[b] = "framework not installed"
+    runs: dict[str, list[dict]] = {b: [] for b in args.backends}
+    with tempfile.TemporaryDirectory(prefix="duipai-bench-step-") as tmp:
+        root = Path(tmp)
+        for r in range(repeats):
+            for b in args.backends:
+                if b in skipped:
+                    continue
+                rec: dict = {"repeat": r}
+                sides = ("harness", "hand") if r % 2 == 0 else ("hand", "harness")
+                for side in sides:
+                    try:
+                        if side == "harness":
+                            rec[side] = run_harness(b, steps, args.warmup, root, f"{b}-r{r}", args.timeout)
+                            # the throwaway result folder goes at once (the .cache of prepared data stays)
+                            shutil.rmtree(root / f"{b}-r{r}", ignore_errors=True)
+                        else:
+                            rec[side] = run_hand(b, steps, args.warmup, args.timeout)
+                    except (BackendFailed, BadInput, RuntimeError, subprocess.TimeoutExpired,
+                            json.JSONDecodeError, IndexError) as e:
+                        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                        skipped[b] = f"{side} does not run: {msg}"
+                        print(f"bench_step: skipping {b}: {side} does not run: {e}", file=sys.stderr)
+                        break
+                if b in skipped:
+                    continue
+                runs[b].append(rec)
+                h, l = rec["harness"], rec["hand"]
+                print(f"  {b:<17} pair {r + 1}/{repeats}: median harness {ms(h['per_step_s'])} / hand "
+                      f"{ms(l['per_step_s'])} ms = {h['per_step_s'] / l['per_step_s']:.2f}; p10 harness "
+                      f"{ms(h['p10_s'])} / hand {ms(l['p10_s'])} ms = {h['p10_s'] / l['p10_s']:.2f}",
+                      file=sys.stderr, flush=True)
+    rows = [summarise(b, runs[b], skipped.get(b)) for b in args.backends]
+    text = markdown(rows, meta)
+    print(text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_step.md").write_text(text)
+    (out_dir / "bench_step.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""What every hand-written loop shares, and nothing framework-specific: the pinned single-thread
+environment, the digits data, the batch order and the canonical initial weights (exactly what the
+harness prepares), the per-step timer and the JSON report.
+
+Each hand loop is a script (`python bench/hand_loops/torch.py --steps 400`) whose first lines drop
+its own folder from sys.path (the scripts are named torch.py, jax.py, ... and would shadow the
+frameworks) and call `setup_env()` before importing its framework.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from algorithms.data import batch_order, load_digits  # noqa: E402
+from algorithms.params import init_params  # noqa: E402
+from algorithms.spec import load_model  # noqa: E402
+
+MODEL = "cnn2d_2conv_2fc"
+LR, MOMENTUM, BATCH, SEED, INIT_SEED = 0.05, 0.9, 64, 0, 0
+WARMUP = 10     # steps excluded from the figures (first call / tracing / compilation), as for the harness
+
+
+def setup_env(threads: int = 1) -> None:
+    """The same pinning as the harness's `python -m wrappers` process, set before any framework import."""
+    n = str(threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
+                "TF_NUM_INTEROP_THREADS"):
+        os.environ[var] = n
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if threads == 1:
+        os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    os.environ["PYTHONHASHSEED"] = "0"
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--steps", type=int, default=400, help="training steps in all, warm-up included")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="first steps left out of the figures")
+    args = ap.parse_args()
+    if args.steps <= args.warmup:
+        ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+@dataclass
+class Problem:
+    x_train: np.ndarray        # (N, 8, 8, 1) float32, normalised as the harness normalises
+    y_train: np.ndarray        # (N,) int32
+    order: np.ndarray          # (steps, 64) sample indices, the harness's batch order
+    params: dict[str, np.ndarray]   # canonical layout (HWIO conv kernels, (in, out) dense kernels)
+
+
+def problem(steps: int) -> Problem:
+    ds = load_digits()
+    return Problem(ds.x_train, ds.y_train, batch_order(len(ds.x_train), BATCH, steps, SEED),
+                   init_params(load_model(MODEL), INIT_SEED))
+
+
+def flatten_perm(h: int = 4, w: int = 4, c: int = 32) -> np.ndarray:
+    """perm[j] = the canonical (H, W, C) row of a channels-first (C, H, W) flatten position j."""
+    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
+
+
+class Timer:
+    """perf_counter stamps at step boundaries: stamp(0) before the first step, then one per step."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def stamp(self) -> None:
+        self.t.append(time.perf_counter())
+
+
+def report(framework: str, timer_stamps: list[float], warmup: int, losses: list[float] | None = None,
+           **extra) -> None:
+    """Print the JSON line bench_step.py reads. `timer_stamps` has steps + 1 entries (before step 0,
+    after each step); step i took stamps[i+1] - stamps[i]."""
+    st = np.diff(np.asarray(timer_stamps))
+    timed = st[warmup:]
+    wall = float(timer_stamps[-1] - timer_stamps[warmup])
+    out = {"framework": framework, "steps": int(len(timed)), "total_steps": int(len(st)), "warmup": warmup,
+           "wall_s": wall, "per_step_s": wall / len(timed), "median_step_s": float(statistics.median(timed)),
+           "warmup_wall_s": float(timer_stamps[warmup] - timer_stamps[0]),
+           "step_times_s": [float(v) for v in timed]}
+    if losses:
+        out["first_loss"], out["last_loss"] = float(losses[0]), float(losses[-1])
+    out.update(extra)
+    print(json.dumps(out))

@@ -1,0 +1,175 @@
+"""Where the harness's time goes: the worker loop (wrappers/worker.py run_train) taken apart, per step.
+
+Runs one backend in its own process with the environment the harness gives it (`python -m wrappers`'s
+_set_env), on the job the harness would write, and times every piece of the per-step loop separately:
+batch gather, dropout masks, Backend.train_step, the row's bookkeeping (epoch, lr, batch checksum,
+CSV formatting and write), the progress line, and the periodic checkpoint and evaluation. Then it
+profiles train_step itself with cProfile and prints the functions where its time goes.
+
+    python bench/profile_worker.py -b torch [--steps 300] [--top 25]
+
+A diagnostic for when bench_step.py shows a ratio over target; it writes nothing under results/.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+WARMUP = 10
+
+
+def make_job(backend: str, steps: int, root: Path) -> Path:
+    """The job file runner.execute would write (train mode, default model and hyper-parameters)."""
+    from algorithms.optim import HParams
+    from algorithms.params import save_npz
+    from harness import runner
+    cfg = runner.RunConfig(backend=backend, hparams=HParams(steps=steps))
+    prep = runner.prepare(cfg, root)
+    out = root / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(root / "order.npy", prep.order)
+    save_npz(root / "init_params.npz", prep.params)
+    options = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout,
+               "fault": cfg.fault, "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
+    job = {"mode": "train", "backend": backend, "model": prep.model.to_dict(), "model_source": str(prep.model.source),
+           "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(root / "order.npy"),
+           "params": str(root / "init_params.npz"), "out": str(out), "options": options, "probe_steps": 3,
+           "cases": None}
+    path = root / "job.json"
+    path.write_text(json.dumps(job))
+    return path
+
+
+def child(job_path: str, top: int) -> None:
+    """In the backend's process: the worker loop, piece by piece."""
+    from wrappers.__main__ import _set_env
+    from wrappers.registry import REGISTRY
+    job = json.loads(Path(job_path).read_text())
+    entry = REGISTRY[job["backend"]]
+    _set_env(entry, job)
+    from algorithms import data as D
+    from algorithms.params import load_npz, save_npz
+    from wrappers import worker as W
+
+    backend = W.build_backend(job, entry.load())
+    backend.name = entry.name
+    model, hp, opts = backend.model, backend.hp, backend.opts
+    arrays = load_npz(job["data"])
+    x_tr, y_tr, x_te, y_te = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
+    order = np.load(job["order"])
+    backend.load_params(load_npz(job["params"]))
+    out_dir = Path(job["out"])
+    n_train = len(x_tr)
+    t: dict[str, list[float]] = {k: [] for k in ("gather", "masks", "train_step", "epoch+lr", "checksum",
+                                                 "fmt+write", "progress", "iteration")}
+    periodic: dict[str, list[float]] = {"checkpoint": [], "evaluate": []}
+    sink = open(os.devnull, "w")
+    pc = time.perf_counter
+    half = hp.steps // 2
+    prof = cProfile.Profile()
+    with open(out_dir / "steps.csv", "w") as fs:
+        for step in range(hp.steps):
+            profiling = step >= half
+            t_it = pc()
+            a = pc(); idx = order[step]; x, y = x_tr[idx], y_tr[idx]; b = pc(); t["gather"].append(b - a)
+            a = pc(); masks = W.masks_for(model, hp.seed, step, hp.batch_size, opts.dropout); b = pc()
+            t["masks"].append(b - a)
+            if profiling:
+                prof.enable()
+            a = pc(); st = backend.train_step(step, x, y, masks); b = pc()
+            if profiling:
+                prof.disable()
+            t["train_step"].append(b - a)
+            a = pc(); ep = D.epoch_of(step, n_train, hp.batch_size); lr = backend.lr_for(step); b = pc()
+            t["epoch+lr"].append(b - a)
+            a = pc(); cs = D.batch_checksum(x, y); b = pc(); t["checksum"].append(b - a)
+            a = pc()
+            row = (step, ep, st.loss, st.accuracy, st.grad_norm, st.update_norm, st.param_norm, lr, cs, 0.0)
+            fs.write(",".join(W.fmt(v) for v in row) + "\n")
+            b = pc(); t["fmt+write"].append(b - a)
+            a = pc()
+            if (step + 1) % max(1, hp.steps // 100) == 0 or step + 1 == hp.steps:   # as run_train
+                W.progress(sink, step=step + 1, of=hp.steps, loss=float(st.loss))
+            b = pc()
+            t["progress"].append(b - a)
+            t["iteration"].append(pc() - t_it)
+            done = step + 1
+            if done % hp.checkpoint_every == 0:
+                a = pc()
+                state = {f"param/{k}": v for k, v in backend.export_params().items()}
+                state.update({f"opt/{k}": v for k, v in backend.export_opt_state().items()})
+                save_npz(out_dir / f"ckpt_{done}.npz", state)
+                periodic["checkpoint"].append(pc() - a)
+            if done % hp.eval_every == 0:
+                a = pc(); fs.flush(); backend.evaluate(x_te, y_te); periodic["evaluate"].append(pc() - a)
+    res = {"backend": job["backend"], "steps": hp.steps,
+           "p10_us": {k: float(np.percentile(v[WARMUP:], 10)) * 1e6 for k, v in t.items()},
+           "median_us": {k: statistics.median(v[WARMUP:]) * 1e6 for k, v in t.items()},
+           "mean_us": {k: float(np.mean(v[WARMUP:])) * 1e6 for k, v in t.items()},
+           "periodic_ms_per_call": {k: (statistics.median(v) * 1e3 if v else None) for k, v in periodic.items()},
+           "periodic_us_per_step": {k: sum(v) / hp.steps * 1e6 for k, v in periodic.items()}}
+    s = io.StringIO()
+    ps = pstats.Stats(prof, stream=s)
+    ps.sort_stats("tottime").print_stats(top)
+    res["profile_steps"] = hp.steps - half
+    res["cprofile_tottime"] = s.getvalue()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(top)
+    res["cprofile_cumulative"] = s.getvalue()
+    print("@@RESULT@@" + json.dumps(res))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-b", "--backend", default="torch")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--top", type=int, default=25, help="cProfile rows")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.top)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="duipai-profile-") as tmp:
+        job = make_job(args.backend, args.steps, Path(tmp))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="0")
+        r = subprocess.run([sys.executable, __file__, "--child", str(job), "--top", str(args.top)],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+    line = next((l for l in r.stdout.splitlines() if l.startswith("@@RESULT@@")), None)
+    if r.returncode != 0 or line is None:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return 1
+    res = json.loads(line[len("@@RESULT@@"):])
+    print(f"# {res['backend']}: worker loop per step, {res['steps']} steps (first {WARMUP} left out)\n")
+    print(f"{'piece':<12} {'p10 us':>10} {'median us':>10} {'mean us':>10}")
+    for k, v in res["median_us"].items():
+        print(f"{k:<12} {res['p10_us'][k]:>10.1f} {v:>10.1f} {res['mean_us'][k]:>10.1f}")
+    for k, v in res["periodic_ms_per_call"].items():
+        print(f"{k:<12} {v if v is None else round(v, 3)} ms per call, "
+              f"{res['periodic_us_per_step'][k]:.1f} us per step averaged")
+    print(f"\n# cProfile of train_step over the last {res['profile_steps']} steps (tottime)\n")
+    print(res["cprofile_tottime"])
+    print("\n# (cumulative)\n")
+    print(res["cprofile_cumulative"])
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""The verdict engine: runs of one configuration by several backends, aligned step by step, judged
+against the reference backend's calibrated envelope (harness/envelope.py), BUGs localized
+(harness/localize.py). Framework-free: it reads run folders and starts backends only through
+runner.execute.
+
+Verdicts per pair (reference, candidate):
+  IDENTICAL     every series and every batch checksum bitwise equal
+  DRIFT         inside the envelope everywhere
+  BUG           a series leaves the envelope: first divergent step, series, factor over the envelope
+  DECLARED      it leaves, and a declared difference (algorithms/differences.py) listed in either
+                manifest explains the disagreeing probes: named
+  INCONCLUSIVE  the envelope saturates (relative spread O(1)) before any excess: use --stat
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
+from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run, mismatches
+
+IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
+SERIES_ORDER = {s: i for i, s in enumerate(("batch_checksum",) + SERIES)}
+
+
+@dataclass
+class Pair:
+    a: Run                          # the reference (or, for pairs without it, the first run)
+    b: Run
+    with_reference: bool
+    checks: dict[str, SeriesCheck]
+    checksum_step: int | None       # first step whose batch checksums differ
+    steps: dict[str, Any]           # compared range and what was left out
+    verdict: str = DRIFT
+    first: dict[str, Any] | None = None
+    saturated: dict[str, int] = field(default_factory=dict)
+    declared: list[str] = field(default_factory=list)
+    localization: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reference": self.a.name, "candidate": self.b.name, "reference_backend": self.a.backend,
+                "candidate_backend": self.b.backend, "with_reference": self.with_reference,
+                "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
+                "declared_differences": self.declared, "checksum_first_difference_step": self.checksum_step,
+                "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
+                "localization": self.localization, "notes": self.notes}
+
+
+def _align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):
+    """Indices into the envelope grid, a and b of the steps all three have."""
+    if len(ga) == len(grid) == len(gb) and np.array_equal(ga, grid) and np.array_equal(gb, grid):
+        i = np.arange(len(grid))
+        return i, i, i
+    common = np.intersect1d(np.intersect1d(grid, ga, assume_unique=True), gb, assume_unique=True)
+    return (np.searchsorted(grid, common), np.searchsorted(ga, common), np.searchsorted(gb, common))
+
+
+def check_pair(env: dict[str, SeriesEnvelope], a: Run, b: Run, rule: Rule = DEFAULT_RULE,
+               with_reference: bool = True) -> Pair:
+    checks: dict[str, SeriesCheck] = {}
+    steps: dict[str, Any] = {}
+    for s in SERIES:
+        e = env[s]
+        ie, ia, ib = _align(e.grid, a.grid(s), b.grid(s))
+        checks[s] = check_series(e, ie, a.values[s][ia], b.values[s][ib], rule, with_reference)
+        if s in ("loss", "eval_loss"):
+            key = "train" if s == "loss" else "eval"
+            n_a, n_b = len(a.grid(s)), len(b.grid(s))
+            steps[key] = {"compared": int(len(ie)), "first": int(e.grid[ie[0]]) if len(ie) else None,
+                          "last": int(e.grid[ie[-1]]) if len(ie) else None, "a_points": n_a, "b_points": n_b}
+    ie, ia, ib = _align(a.step, a.step, b.step)
+    diff = a.checksum[ia] != b.checksum[ib]
+    cs = int(a.step[ia][np.argmax(diff)]) if diff.any() else None
+    p = Pair(a, b, with_reference, checks, cs, steps)
+    _judge(p)
+    return p
+
+
+def _judge(p: Pair) -> None:
+    """IDENTICAL / DRIFT / INCONCLUSIVE, or the first divergence (resolved later to BUG or DECLARED)."""
+    tr = p.steps.get("train", {})
+    if tr.get("a_points") != tr.get("b_points") or p.steps.get("eval", {}).get("a_points") != p.steps.get("eval", {}).get("b_points"):
+        p.notes.append(f"step ranges differ: {p.a.name} has {tr.get('a_points')} steps, {p.b.name} {tr.get('b_points')}; "
+                       f"compared the {tr.get('compared')} common steps {tr.get('first')}..{tr.get('last')}")
+    cands = []
+    if p.checksum_step is not None:
+        i = int(np.searchsorted(p.a.step, p.checksum_step))
+        j = int(np.searchsorted(p.b.step, p.checksum_step))
+        cands.append({"step": p.checksum_step, "series": "batch_checksum", "factor": math.inf, "reason": "data",
+                      "a_value": str(p.a.checksum[i]), "b_value": str(p.b.checksum[j]), "deviation": None,
+                      "envelope": 0.0})
+    for s, c in p.checks.items():
+        if c.diverged_step is not None:
+            cands.append({"step": c.diverged_step, "series": s, "factor": c.factor, "reason": c.reason,
+                          "a_value": c.a_value, "b_value": c.b_value, "deviation": c.dev_at_divergence,
+                          "envelope": c.env_at_divergence})
+        if c.saturated_step is not None:
+            p.saturated[s] = c.saturated_step
+    if cands:
+        p.first = min(cands, key=lambda d: (d["step"], SERIES_ORDER[d["series"]]))
+        p.first["also"] = sorted({d["series"] for d in cands} - {p.first["series"]}, key=SERIES_ORDER.get)
+        p.verdict = BUG
+        return
+    identical = p.checksum_step is None and all(c.identical for c in p.checks.values()) and not any(
+        "step ranges differ" in n for n in p.notes)
+    if identical:
+        p.verdict = IDENTICAL
+    elif p.saturated:
+        s, t = min(p.saturated.items(), key=lambda kv: kv[1])
+        p.verdict = INCONCLUSIVE
+        p.notes.append(f"the envelope saturates at step {t} ({s}: relative spread O(1)) with no excess before it: "
+                       "pointwise comparison has no power there; compare seeds statistically (--stat)")
+    else:
+        p.verdict = DRIFT
+
+
+def declared_of(*runs: Run) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        for d in r.declared:
+            out.setdefault(d["id"], d)
+    return out
+
+
+def resolve(p: Pair, localized: bool) -> None:
+    """Turn an excess into BUG, DECLARED or INCONCLUSIVE, using the localization when there is one.
+
+    DECLARED: every disagreeing probe key matches the `probe_keys` of a difference declared in either
+    manifest (no probe evidence at all: DECLARED, said to be unverified); a different batch is never
+    explained. INCONCLUSIVE: the excess starts after step 0, is finite, and neither the step-0 probes
+    nor the replay of the divergent step from the reference's own state reproduce it: this is what a
+    bifurcation of the trajectory looks like (Adam runs whose 1-ULP perturbations take another branch
+    do exactly this), and what a bug too small for one step's probes looks like; only --stat decides."""
+    if p.verdict != BUG:
+        p.declared = sorted(declared_of(p.a, p.b))
+        return
+    decl = declared_of(p.a, p.b)
+    p.declared = sorted(decl)
+    loc = p.localization or {}
+    if decl and loc.get("stage") == "data":
+        p.notes.append(f"declared difference(s) {', '.join(decl)} cannot explain a different batch")
+    elif decl:
+        keys = loc.get("disagreeing_keys")
+        if not keys:
+            p.verdict = DECLARED
+            p.notes.append(f"excess attributed to declared difference(s) {', '.join(decl)} "
+                           "(not verified: no probe disagreement to check it against)")
+            return
+        pats = {i: re.compile(d.get("probe_keys") or ".*") for i, d in decl.items()}
+        unexplained = [k for k in keys if not any(pat.search(k) for pat in pats.values())]
+        if not unexplained:
+            used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
+            p.verdict, p.declared = DECLARED, used
+            p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(used)} may move")
+            return
+        p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe {unexplained[0]}")
+    if not localized:
+        p.notes.append("not localized (--no-localize): the excess alone makes this a BUG")
+        return
+    if loc.get("stage") is not None:
+        return
+    if loc.get("error"):
+        p.notes.append(f"localization failed ({loc['error']}): the excess alone makes this a BUG")
+    elif p.first["step"] == 0:
+        p.notes.append("the step-0 values already differ beyond the envelope although the probes agree within "
+                       "their tolerance: a difference below the probe resolution")
+    elif p.first["reason"] == "non-finite":
+        p.notes.append("one run is not finite where the other is")
+    else:
+        p.verdict = INCONCLUSIVE
+        p.notes.append(f"excess from step {p.first['step']} ({p.first['series']}, {_fmt_factor(p.first['factor'])}) "
+                       "that no one-step probe reproduces (step-0 probes and the replay from the reference's state "
+                       "agree): a bifurcation of the trajectory, or a bug too small for one step; decide with --stat")
+
+
+def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:
+    """The run that disagrees with every other while all the others agree with each other."""
+    if len(runs) < 3:
+        return None
+
+    def state(x: Run, y: Run) -> str | None:
+        p = pairs.get((x.name, y.name)) or pairs.get((y.name, x.name))
+        if p is None:
+            return None
+        if p.verdict in (IDENTICAL, DRIFT):
+            return "agree"
+        return "disagree" if p.verdict == BUG else None
+
+    for x in runs:
+        others = [r for r in runs if r is not x]
+        if all(state(x, y) == "disagree" for y in others) and all(
+                state(y, z) == "agree" for i, y in enumerate(others) for z in others[i + 1:]):
+            return {"run": x.name, "backend": x.backend,
+                    "statement": f"{x.name} ({x.backend}) disagrees with all {len(others)} others, which agree "
+                                 f"with each other"}
+    return None
+
+
+@dataclass
+class Comparison:
+    reference: Run
+    runs: list[Run]
+    envelope_runs: list[Run]
+    envelope: dict[str, SeriesEnvelope]
+    rule: Rule
+    pairs: list[Pair]
+    odd: dict[str, Any] | None
+    forced: list[str]
+    notes: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(p.verdict == BUG for p in self.pairs) else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": 1, "tool": "duipai compare", "mode": "lockstep",
+            "forced": self.forced, "notes": self.notes,
+            "reference": {"run": self.reference.name, "path": str(self.reference.path),
+                          "backend": self.reference.backend},
+            "runs": [{"run": r.name, "path": str(r.path), "backend": r.backend, "fault": r.fault,
+                      "options": r.options, "perturb_ulp": r.perturb_ulp,
+                      "declared_differences": [d.get("id") for d in r.declared]} for r in self.runs],
+            "rule": self.rule.to_dict(),
+            "envelope": {"runs": [str(r.path) for r in self.envelope_runs],
+                         "perturb_ulp_seeds": [r.perturb_ulp for r in self.envelope_runs],
+                         "series": {s: e.summary() for s, e in self.envelope.items()}},
+            "pairs": [p.to_dict() for p in self.pairs],
+            "odd_one_out": self.odd,
+            "verdicts": {p.b.name: p.verdict for p in self.pairs if p.with_reference},
+            "exit_code": self.exit_code,
+        }
+
+
+def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnvelope], envelope_runs: list[Run],
+            rule: Rule = DEFAULT_RULE, *, forced: list[str] | None = None,
+            localize: Callable[[Pair], dict[str, Any] | None] | None = None,
+            all_pairs: bool = True) -> Comparison:
+    """Judge every candidate against the reference (localizing each excess when `localize` is given),
+    and, with >= 3 runs, every pair of candidates too (for the odd one out)."""
+    pairs: list[Pair] = []
+    index: dict[tuple[str, str], Pair] = {}
+    for c in candidates:
+        p = check_pair(envelope, reference, c, rule, True)
+        if p.diverged and localize is not None:
+            p.localization = localize(p)
+        resolve(p, localize is not None)
+        pairs.append(p)
+        index[(reference.name, c.name)] = p
+    runs = [reference] + candidates
+    if all_pairs and len(runs) >= 3:
+        for i, x in enumerate(candidates):
+            for y in candidates[i + 1:]:
+                p = check_pair(envelope, x, y, rule, False)
+                p.declared = sorted(declared_of(p.a, p.b))
+                pairs.append(p)
+                index[(x.name, y.name)] = p
+    odd = odd_one_out(runs, index)
+    return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])
+
+
+# --------------------------------------------------------------------------- checking the inputs
+def check_comparable(runs: list[Run], force: bool) -> list[str]:
+    """Refuse (BadInput naming the field and both values) runs that are not one configuration;
+    with force, return the differences as notes to repeat in every output."""
+    from .runner import BadInput
+    forced = []
+    ref = runs[0]
+    for r in runs[1:]:
+        for f, va, vb in mismatches(ref, r):
+            msg = f"{f} differs: {ref.name} has {va}, {r.name} has {vb}"
+            if not force:
+                raise BadInput(msg + " (not the same configuration; --force compares anyway)")
+            forced.append(msg)
+    return forced
+
+
+# --------------------------------------------------------------------------- output
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    if isinstance(x, (np.floating,)):
+        return _num(float(x))
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def jsonable(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {str(k): jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [jsonable(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return [jsonable(v) for v in o.tolist()]
+    return _num(o)
+
+
+CSV_FIELDS = ["reference", "candidate", "reference_backend", "candidate_backend", "with_reference", "verdict",
+              "first_step", "first_series", "factor", "deviation", "envelope", "reference_value", "candidate_value",
+              "reason", "also_diverging", "stage", "layer", "parameter", "probe", "localization_method",
+              "declared_differences", "saturated", "max_factor_inside", "notes", "forced"]
+
+
+def pair_row(p: Pair, forced: list[str]) -> dict[str, Any]:
+    f = p.first or {}
+    loc = p.localization or {}
+    inside = max((c.max_ratio for c in p.checks.values() if math.isfinite(c.max_ratio)), default=0.0)
+    return {"reference": p.a.name, "candidate": p.b.name, "reference_backend": p.a.backend,
+            "candidate_backend": p.b.backend, "with_reference": p.with_reference, "verdict": p.verdict,
+            "first_step": f.get("step"), "first_series": f.get("series"), "factor": f.get("factor"),
+            "deviation": f.get("deviation"), "envelope": f.get("envelope"), "reference_value": f.get("a_value"),
+            "candidate_value": f.get("b_value"), "reason": f.get("reason"),
+            "also_diverging": " ".join(f.get("also", [])), "stage": loc.get("stage"), "layer": loc.get("layer"),
+            "parameter": loc.get("parameter"), "probe": loc.get("probe"), "localization_method": loc.get("method"),
+            "declared_differences": " ".join(p.declared),
+            "saturated": " ".join(f"{s}@{t}" for s, t in p.saturated.items()),
+            "max_factor_inside": inside, "notes": " | ".join(p.notes), "forced": " | ".join(forced)}
+
+
+def to_csv(rows: list[dict[str, Any]], fields: list[str]) -> str:
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k])) for k in fields})
+    return buf.getvalue()
+
+
+def steps_csv(c: Comparison) -> str:
+    """Every per-step number: reference value, raw spread, envelope, and each candidate's value and factor."""
+    import pandas as pd
+    frames = []
+    cand_pairs = [p for p in c.pairs if p.with_reference]
+    for s in SERIES:
+        e = c.envelope[s]
+        df = pd.DataFrame({"series": s, "step": e.grid, "reference": e.ref, "spread": e.raw, "envelope": e.env})
+        for p in cand_pairs:
+            g = p.b.grid(s)
+            idx = np.searchsorted(g, e.grid).clip(0, max(len(g) - 1, 0))
+            ok = (g[idx] == e.grid) if len(g) else np.zeros(len(e.grid), bool)
+            df[f"{p.b.name}:value"] = np.where(ok, p.b.values[s][idx] if len(g) else np.nan, np.nan)
+            r = p.checks[s].ratios
+            ie, _, _ = _align(e.grid, p.a.grid(s), g)
+            col = np.full(len(e.grid), np.nan)
+            if r is not None:
+                col[ie] = r
+            df[f"{p.b.name}:factor"] = col
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True).to_csv(index=False, float_format=None)
+
+
+def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool = True) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    doc = jsonable(c.to_dict())
+    paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
+    if isinstance(c, Comparison):
+        rows = [pair_row(p, c.forced) for p in c.pairs]
+        atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
+        if per_step:
+            paths["steps"] = out_dir / "comparison-steps.csv"
+            atomic_write(paths["steps"], steps_csv(c))
+    else:
+        atomic_write(paths["csv"], c.csv())
+    doc["files"] = {k: str(v) for k, v in paths.items()}
+    atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
+    return paths
+
+
+# --------------------------------------------------------------------------- the terminal table
+def _fmt_factor(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf"
+    return f"{x:.3g}x"
+
+
+def render(c: Comparison) -> str:
+    lines = []
+    for f in c.forced:
+        lines.append(f"FORCED: {f}")
+    env_desc = ", ".join(str(r.perturb_ulp) for r in c.envelope_runs)
+    r = c.rule
+    lines.append(f"reference: {c.reference.name} ({c.reference.backend})")
+    lines.append(f"envelope:  {len(c.envelope_runs)} {c.reference.backend} runs --perturb-ulp {env_desc}; "
+                 f"exceed = |diff| > {r.margin:g} x max(spread smoothed over +-{r.window}, "
+                 f"{r.ulps:g} float32 ULP, {r.abs_floor:g}); >= 2 consecutive or > {r.max_isolated} isolated = divergence")
+    sat = {s: e.summary()["saturated_at_step"] for s, e in c.envelope.items() if e.saturated_at is not None}
+    if sat:
+        lines.append("saturated: " + ", ".join(f"{s} from step {t}" for s, t in sat.items()))
+    rows = []
+    for p in c.pairs:
+        if not p.with_reference:
+            continue
+        f = p.first or {}
+        loc = p.localization or {}
+        where = ""
+        if p.verdict in (BUG, DECLARED) and loc:
+            where = loc.get("summary", "")
+        elif p.verdict == DECLARED:
+            where = ", ".join(p.declared)
+        if p.verdict == DECLARED:
+            where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
+        inside = max((x.max_ratio for x in p.checks.values() if math.isfinite(x.max_ratio)), default=0.0)
+        rows.append((p.b.name, p.verdict, "-" if f.get("step") is None else str(f["step"]),
+                     f.get("series", "-"), _fmt_factor(f.get("factor")) if p.first else f"max {inside:.2g}x",
+                     where))
+    head = ("candidate", "verdict", "step", "series", "factor", "where")
+    widths = [max(len(h), *(len(rw[i]) for rw in rows)) if rows else len(h) for i, h in enumerate(head)]
+    widths[-1] = len(head[-1])
+    lines.append("")
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    for rw in rows:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(rw, widths)).rstrip())
+    for p in c.pairs:
+        if not p.with_reference:
+            continue
+        if p.first or p.notes:
+            lines.append("")
+            lines.append(f"{p.b.name}: {p.verdict}")
+        if p.first:
+            f = p.first
+            if f["series"] == "batch_checksum":
+                lines.append(f"  step {f['step']}: batch checksum {f['b_value']} vs reference {f['a_value']}")
+            else:
+                lines.append(f"  step {f['step']} {f['series']}: {f['b_value']!r} vs reference {f['a_value']!r}, "
+                             f"|diff| {f['deviation']:.3g} = {_fmt_factor(f['factor'])} the envelope {f['envelope']:.3g} "
+                             f"({f['reason']})" + (f"; also diverging: {', '.join(f['also'])}" if f.get("also") else ""))
+        for line in (p.localization or {}).get("lines", []):
+            lines.append("  " + line)
+        for n in p.notes:
+            lines.append(f"  note: {n}")
+    others = [p for p in c.pairs if not p.with_reference]
+    if others:
+        lines.append("")
+        lines.append("pairs without the reference (margin x{:g}): ".format(c.rule.margin * c.rule.pair_factor)
+                     + "; ".join(f"{p.a.name} ~ {p.b.name}: {p.verdict}"
+                                 + (f" at {p.first['step']} {p.first['series']}" if p.first else "") for p in others))
+    if c.odd:
+        lines.append(f"odd one out: {c.odd['statement']}")
+    for n in c.notes:
+        lines.append(f"note: {n}")
+    for f in c.forced:
+        lines.append(f"FORCED: {f}")
+    return "\n".join(lines)
+
+
+__all__ = ["compare", "check_pair", "Comparison", "Pair", "render", "write_outputs", "check_comparable",
+           "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "STEP_SERIES", "EVAL_SERIES"]

@@ -1,0 +1,304 @@
+"""Where a BUG comes from: the stage (data, forward, loss, backward, optimizer, reduction, eval), the
+layer or parameter, and the per-layer change rate. Framework-free: backends are run only through
+runner.execute (probe and replay jobs); their .npz probes are compared here.
+
+In this order, the first that finds a disagreement answers:
+  (a) data     the batch checksums of the two runs differ at or before the first divergent step;
+  (b) step 0   both configurations probed from the canonical weights on the first batch (forward per
+               layer, loss, gradient per parameter, one or more optimizer steps); Muffin's rule names
+               the first layer whose input agrees but whose output does not (layers in the spec's
+               order), CRADLE's change rate R = (d_l - d_prev) / (d_prev + 1e-7) is given for every
+               layer; the first gradient that disagrees, in backward order (last layer first);
+  (c) eval     only the evaluation series diverge while every training series stays inside;
+  (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
+               d-1 and d and saves its state there; both backends probe those steps from exactly
+               those states (`replay` job mode of wrappers/worker.py).
+A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
+combination across replicas (stage reduction), or in how replicas split the batch (data).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from algorithms.params import load_npz
+
+from . import probes, runner
+from .runs import EVAL_SERIES, Run, check_reproduces, config_of
+
+R_EPS = 1e-7   # CRADLE's denominator guard
+
+
+# --------------------------------------------------------------------------- analysing one probe comparison
+def _layers(man: dict[str, Any]) -> list[str]:
+    return [l["name"] for l in (man.get("spec") or {}).get("layers", [])]
+
+
+def _param_layer(param: str) -> str:
+    return param.rsplit(".", 1)[0]
+
+
+def _param_order(keys: list[str], prefix: str, layers: list[str], backward: bool) -> list[str]:
+    """Probe keys `prefix<param>` in layer order (reversed for backward), then anything else."""
+    rank = {l: i for i, l in enumerate(reversed(layers) if backward else layers)}
+    ks = [k for k in keys if k.startswith(prefix)]
+    return sorted(ks, key=lambda k: (rank.get(_param_layer(k[len(prefix):]), len(rank)), ks.index(k)))
+
+
+def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
+            rel_tol: float = probes.REL_TOL) -> dict[str, Any]:
+    """Compare candidate probes `a` with reference probes `b`: the stage and place of the first
+    disagreement, per-layer forward errors with the change rate R, per-parameter gradient errors."""
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol)}
+    missing = probes.missing_keys(a, b)
+    out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
+                           "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
+    # forward, layer by layer, in the spec's order
+    table, prev = [], 0.0
+    for name in layers:
+        d = diffs.get(f"forward/{name}")
+        if d is None:
+            continue
+        rel = d.rel
+        r = (rel - prev) / (prev + R_EPS)
+        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r,
+                      "input_ok": not table or table[-1]["ok"]})
+        prev = rel
+    out["layers"] = table
+    if table:
+        top = max(table, key=lambda t: t["R"] if np.isfinite(t["R"]) else np.inf)
+        out["max_R_layer"] = top["layer"] if top["R"] > 0 else None
+    grads = []
+    for k in _param_order(list(diffs), "grad/", layers, backward=True):
+        d = diffs[k]
+        x, y = np.asarray(a[k], np.float64).ravel(), np.asarray(b[k], np.float64).ravel()
+        yy = float(y @ y)
+        scale = float(x @ y) / yy if yy > 0 and np.isfinite(yy) else float("nan")
+        resid = float(np.linalg.norm(x - scale * y) / max(np.linalg.norm(x), 1e-300)) if np.isfinite(scale) else float("nan")
+        grads.append({"parameter": k[5:], "rel": d.rel, "ok": d.ok, "scale": scale, "residual": resid})
+    out["gradients"] = grads
+    muffin = next((t for t in table if not t["ok"] and t["input_ok"]), None)
+    loss = diffs.get("loss")
+    bad_grads = [g for g in grads if not g["ok"]]
+    if muffin is not None:
+        out.update(stage="forward", layer=muffin["layer"], probe=f"forward/{muffin['layer']}", rel=muffin["rel"])
+    elif loss is not None and not loss.ok:
+        out.update(stage="loss", probe="loss", rel=loss.rel)
+    elif bad_grads:
+        g = bad_grads[0]
+        out.update(stage="backward", parameter=g["parameter"], layer=_param_layer(g["parameter"]),
+                   probe=f"grad/{g['parameter']}", rel=g["rel"])
+        scales = [x["scale"] for x in grads if np.isfinite(x["scale"])]
+        if scales and all(x["residual"] < 1e-3 for x in grads) and max(scales) - min(scales) < 1e-3 * max(abs(s) for s in scales):
+            out["gradient_scale"] = float(np.mean(scales))
+    else:
+        steps = sorted({d.step for d in diffs.values() if d.kind in ("update", "buffer", "opt")})
+        for i in steps:
+            ups = [k for k in _param_order(list(diffs), f"update{i}/", layers, False) if not diffs[k].ok]
+            bufs = [k for k in _param_order(list(diffs), f"buffer{i}/", layers, False) if not diffs[k].ok]
+            opts = [k for k in diffs if k.startswith(f"opt{i}/") and not diffs[k].ok]
+            if bufs and not ups:   # running statistics: the forward pass of a normalisation layer
+                k = bufs[0]
+                out.update(stage="forward", layer=_param_layer(k.split("/", 1)[1]), parameter=k.split("/", 1)[1],
+                           probe=k, rel=diffs[k].rel, note="running statistics")
+                break
+            if ups or opts:
+                k = (ups or opts)[0]
+                par = k.split("/", 1)[1]
+                out.update(stage="optimizer", probe=k, rel=diffs[k].rel, optimizer_step=i,
+                           parameter=par.split("/", 1)[-1] if k.startswith("opt") else par)
+                out["layer"] = _param_layer(out["parameter"]) if "." in out["parameter"] else None
+                if not ups:
+                    out["note"] = "optimizer state only"
+                break
+    if out["stage"] is None and missing:
+        out.update(stage="probe-keys", probe=missing[0], note="a probe exists in one backend only")
+    out["diffs"] = [d.to_dict() for d in diffs.values()]
+    return out
+
+
+def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
+    """A one-line summary and detail lines for the terminal."""
+    st = res.get("stage")
+    lines = []
+    if st is None:
+        return "", lines
+    if st == "forward" and res.get("note") != "running statistics":
+        s = f"forward, layer {res['layer']} (first layer whose input agrees and output does not, rel {res['rel']:.3g})"
+    elif st == "forward":
+        s = f"forward, layer {res['layer']} running statistics ({res['probe']}, rel {res['rel']:.3g})"
+    elif st == "loss":
+        s = f"loss (forward agrees, loss rel {res['rel']:.3g})"
+    elif st == "backward":
+        s = f"backward, parameter {res['parameter']} (first gradient to disagree in backward order, rel {res['rel']:.3g})"
+        if res.get("gradient_scale") is not None:
+            s += f"; every gradient is the reference's x {res['gradient_scale']:.6g}"
+    elif st == "optimizer":
+        s = (f"optimizer update, parameter {res['parameter']} ({res['probe']}, rel {res['rel']:.3g}; "
+             f"gradients agree)")
+    else:
+        s = f"{st} ({res.get('probe')})"
+    summary = f"{st}: {res.get('layer') or res.get('parameter') or res.get('probe') or ''}".rstrip(": ")
+    lines.append(f"localized by {method}: {s}")
+    if res.get("layers"):
+        lines.append("  layer            rel. error   R (change rate)  agrees")
+        for t in res["layers"]:
+            lines.append(f"  {t['layer']:<16} {t['rel']:10.3g}   {t['R']:14.4g}  {'yes' if t['ok'] else 'NO'}")
+        if res.get("max_R_layer"):
+            lines.append(f"  largest R: {res['max_R_layer']}")
+    bad = [g for g in res.get("gradients", []) if not g["ok"]]
+    if bad:
+        lines.append("  gradients that disagree (backward order): "
+                     + ", ".join(f"{g['parameter']} rel {g['rel']:.3g}" for g in bad[:6])
+                     + (" ..." if len(bad) > 6 else ""))
+    return summary, lines
+
+
+# --------------------------------------------------------------------------- running probe and replay jobs
+def _tag(run: Run) -> str:
+    return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+class Localizer:
+    """Runs and caches the probe and replay jobs of one comparison (under RESULTS/.localize)."""
+
+    def __init__(self, root: Path, *, timeout: float | None = None, log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self.jobs = self.root / ".localize"
+        self.timeout = timeout
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+
+    def _job(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+        folder = self.jobs / name
+        if (folder / "manifest.json").is_file() and (folder / "worker.json").is_file():
+            return folder
+        cfg = config_of(run.manifest, self.root, **change)
+        prep = runner.prepare(cfg, self.root)
+        check_reproduces(run.manifest, prep, f"the {mode} job")
+        self.log(f"localize: {mode} {cfg.backend} ({name})")
+        return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
+                              job_extra=job_extra)
+
+    def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
+        tag = "".join(f"__{k}-{v}" for k, v in sorted(change.items()))
+        f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
+        return load_npz(f / "probe-0.npz")
+
+    def replay(self, ref: Run, cand: Run, at: list[int]) -> dict[str, Any]:
+        ck_dir = ref.path / "checkpoints"
+        cks = sorted(int(p.stem.split("_")[1]) for p in ck_dir.glob("step_*.npz")) if ck_dir.is_dir() else []
+        usable = [s for s in cks if s <= at[0]]
+        if not usable:
+            return {"error": f"no checkpoint of {ref.name} at or before step {at[0]}"}
+        s0 = usable[-1]
+        tag = f"at{'-'.join(map(str, at))}"
+        rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
+                       {"replay": {"at": at, "checkpoint": str(ck_dir / f"step_{s0:07d}.npz"),
+                                   "checkpoint_step": s0, "probe_steps": 1}})
+        states = {str(t): str(rf / f"state_{t:07d}.npz") for t in at}
+        cf = self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
+                       {"replay": {"at": at, "states": states, "probe_steps": 1}})
+        worker = json.loads((rf / "worker.json").read_text())
+        rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
+        repro = None
+        if len(rows):
+            idx = rows[:, 0].astype(int)
+            cols = ["loss", "accuracy", "grad_norm", "update_norm", "param_norm"]
+            got = rows[:, 1:]
+            want = np.stack([ref.values[c][idx] for c in cols], axis=1)
+            repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
+                     "max_abs_diff": float(np.max(np.abs(got - want)))}
+        return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
+                "reproduced": repro,
+                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz(rf / f"probe-{i}.npz")) for i, t in enumerate(at)]}
+
+    # ----------------------------------------------------------------------- the procedure
+    def __call__(self, pair) -> dict[str, Any]:
+        try:
+            return self.localize(pair)
+        except (runner.BackendFailed, runner.BadInput) as e:
+            msg = str(e).splitlines()[0]
+            return {"stage": None, "method": None, "error": msg, "summary": "not localized (a job failed)",
+                    "lines": [f"localization failed: {msg}"]}
+
+    def localize(self, pair) -> dict[str, Any]:
+        ref, cand, first = pair.a, pair.b, pair.first
+        layers = _layers(ref.manifest)
+        d = int(first["step"])
+        # (a) data
+        if pair.checksum_step is not None and pair.checksum_step <= d:
+            t = pair.checksum_step
+            i, j = int(np.searchsorted(ref.step, t)), int(np.searchsorted(cand.step, t))
+            line = (f"localized by batch checksums: data: step {t} was fed a different batch "
+                    f"({cand.checksum[j]} vs reference {ref.checksum[i]})")
+            return {"stage": "data", "method": "batch checksum", "step": t, "layer": None, "parameter": None,
+                    "probe": None, "summary": f"data: batch of step {t}", "lines": [line], "disagreeing_keys": []}
+        # (b) step-0 probes of both configurations
+        res = analyse(self.probe0(cand), self.probe0(ref), layers)
+        method = "step-0 probes"
+        if res["stage"] is not None:
+            res = self._reduction(ref, cand, res, layers)
+        if res["stage"] is None:
+            train_div = [c.diverged_step for s, c in pair.checks.items()
+                         if s not in EVAL_SERIES and c.diverged_step is not None]
+            # (c) only the evaluation differs
+            if first["series"] in EVAL_SERIES and not train_div:
+                line = (f"localized by series: eval: only {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
+                        " diverge; every training series stays inside and the step-0 probes agree")
+                return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
+                        "probe": None, "summary": "eval: evaluation path", "lines": [line],
+                        "disagreeing_keys": [], "step0": res}
+            # (d) replay from the reference's state just before the divergence
+            dt = min(train_div) if train_div else d
+            last = int(ref.step[-1])
+            at = sorted({max(dt - 1, 0), min(dt, last)})
+            if at != [0]:
+                rep = self.replay(ref, cand, at)
+                step0 = res
+                if "error" in rep:
+                    res = dict(step0, replay=rep)
+                else:
+                    for t, pa, pb in rep["probes"]:
+                        r = analyse(pa, pb, layers)
+                        if r["stage"] is not None:
+                            res, method = r, f"replay of step {t} from the reference's state"
+                            res["step"] = t
+                            break
+                    res["replay"] = {k: v for k, v in rep.items() if k != "probes"}
+                    res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
+        summary, lines = describe(res, method)
+        if res["stage"] is None:
+            where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
+            lines = [f"not localized: {where} agree within rel {probes.REL_TOL:g}; the excess builds up over "
+                     "many steps or lies outside what one step's probes see"]
+            summary = "not localized"
+            if (res.get("replay") or {}).get("error"):
+                lines.append(f"replay: {res['replay']['error']}")
+        rep = res.get("replay") or {}
+        if rep.get("reproduced"):
+            r = rep["reproduced"]
+            lines.append(f"replay from checkpoint {r['from_step']} reproduced the reference's steps "
+                         f"{r['from_step']}..{r['to_step']} " + ("bitwise" if r["bitwise"] else
+                                                                 f"to within {r['max_abs_diff']:.3g} (NOT bitwise)"))
+        res.update(method=method if res["stage"] else None, summary=summary, lines=lines)
+        return res
+
+    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str]) -> dict[str, Any]:
+        """A candidate on several replicas that agrees with the reference once run on one."""
+        if cand.options.get("devices", 1) == ref.options.get("devices", 1) or cand.options.get("devices", 1) == 1:
+            return res
+        one = analyse(self.probe0(cand, devices=1), self.probe0(ref), layers)
+        if one["stage"] is None:
+            stage = "data" if res["stage"] == "forward" else "reduction"
+            res = dict(res, stage=stage, note=f"agrees with --devices 1: the replicas "
+                       f"{'split the batch' if stage == 'data' else 'combine gradients'} differently "
+                       f"(first disagreement {res['probe']})")
+        return res
+
+
+__all__ = ["Localizer", "analyse", "describe"]

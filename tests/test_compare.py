@@ -1,0 +1,438 @@
+"""The verdict engine (`duipai compare`): unit tests on synthetic run folders for every verdict and
+every kind of bad input, then integration tests on real torch runs (fast configs, one session folder)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from harness.compare import BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, check_pair, compare
+from harness.envelope import DEFAULT_RULE, compute, deviation, rolling_max, ulp32
+from harness.runs import load_run
+
+from .synthetic import base_eval, base_series, family, jitter, write_run
+
+N = 100
+
+
+@pytest.fixture
+def fam(tmp_path):
+    ref, members = family(tmp_path, N)
+    return tmp_path, load_run(ref), [load_run(m) for m in members]
+
+
+def verdict_of(root, ref, members, name, series, evals, **man):
+    cand = load_run(write_run(root, name, series, evals, **man))
+    env = compute(ref, members)
+    return compare(ref, [cand], env, members).pairs[0]
+
+
+def cli(*args: str):
+    from harness.cli import main
+    return CliRunner().invoke(main, ["compare", *args], catch_exceptions=False)
+
+
+# --------------------------------------------------------------------------- the envelope pieces
+def test_deviation_treats_non_finite_values_as_infinitely_far():
+    a = np.array([1.0, np.nan, np.inf, np.nan, 2.0])
+    b = np.array([1.5, np.nan, np.inf, 1.0, np.inf])
+    assert deviation(a, b).tolist() == [0.5, 0.0, 0.0, math.inf, math.inf]
+
+
+def test_rolling_max_smooths_chance_zeros():
+    d = np.array([0, 0, 5, 0, 0, 0, 0, 1.0])
+    assert rolling_max(d, 2).tolist() == [5, 5, 5, 5, 5, 1, 1, 1]
+    assert ulp32(np.array([1.0]))[0] == 2.0 ** -23
+
+
+# --------------------------------------------------------------------------- one verdict each
+def test_identical(fam):
+    root, ref, members = fam
+    shutil.copytree(ref.path, root / "copy")
+    p = compare(ref, [load_run(root / "copy")], compute(ref, members), members).pairs[0]
+    assert p.verdict == IDENTICAL and p.first is None
+
+
+def test_drift_inside_envelope(fam):
+    root, ref, members = fam
+    rng = np.random.default_rng(42)
+    p = verdict_of(root, ref, members, "cand", jitter(base_series(N), rng, 1e-6), jitter(base_eval(N), rng, 1e-6))
+    assert p.verdict == DRIFT, p.first
+    assert max(c.max_ratio for c in p.checks.values()) <= DEFAULT_RULE.margin
+
+
+def test_bug_names_first_step_series_and_factor(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["loss"] = s["loss"].copy()
+    s["loss"][40:] *= 1 + 1e-3 * np.arange(1, N - 39)      # a growing excess from step 40
+    p = verdict_of(root, ref, members, "cand", s, base_eval(N))
+    assert p.verdict == BUG
+    assert p.first["step"] == 40 and p.first["series"] == "loss"
+    assert p.first["factor"] > DEFAULT_RULE.margin and p.first["reason"] == "sustained"
+
+
+def test_bug_visible_only_in_grad_norm(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["grad_norm"] = s["grad_norm"] * 2.0                 # Adam hides a doubled gradient in the loss
+    p = verdict_of(root, ref, members, "cand", s, base_eval(N))
+    assert p.verdict == BUG and p.first["series"] == "grad_norm" and p.first["step"] == 0
+    assert p.first["also"] == []
+
+
+def test_isolated_exceedances_are_tolerated_up_to_the_rule(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["update_norm"] = s["update_norm"].copy()
+    spikes = [10, 30, 50, 70, 90][:DEFAULT_RULE.max_isolated]
+    s["update_norm"][spikes] *= 1.01
+    assert verdict_of(root, ref, members, "few", s, base_eval(N)).verdict == DRIFT
+    s["update_norm"][[20, 60, 80][:1]] *= 1.01                # one more isolated point: too many
+    s2 = dict(s)
+    p = verdict_of(root, ref, members, "many", s2, base_eval(N))
+    assert p.verdict == BUG and p.first["reason"] == "isolated" and p.first["step"] == 10
+
+
+def test_one_sample_accuracy_flip_is_not_an_exceedance(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["accuracy"] = s["accuracy"].copy()
+    s["accuracy"][[20, 21, 22]] += 1 / 64
+    assert verdict_of(root, ref, members, "one", s, base_eval(N)).verdict == DRIFT
+    s["accuracy"][[20, 21, 22]] += 1 / 64                  # two samples, three steps running
+    p = verdict_of(root, ref, members, "two", s, base_eval(N))
+    assert p.verdict == BUG and p.first["series"] == "accuracy" and p.first["step"] == 20
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_value_is_a_divergence_at_that_step(fam, bad):
+    root, ref, members = fam
+    s = base_series(N)
+    s["param_norm"] = s["param_norm"].copy()
+    s["param_norm"][73] = bad
+    p = verdict_of(root, ref, members, "cand", s, base_eval(N))
+    assert p.verdict == BUG
+    assert p.first["step"] == 73 and p.first["series"] == "param_norm" and p.first["reason"] == "non-finite"
+    assert math.isinf(p.first["factor"])
+    assert p.checks["param_norm"].nonfinite_step == 73
+
+
+def test_non_finite_is_reported_even_after_saturation(tmp_path):
+    s, e = base_series(N), base_eval(N)
+    ref = load_run(write_run(tmp_path, "ref", s, e))
+    members = []
+    for j in (1, 2, 3):   # members that wander off by O(1) from step 30: the envelope saturates
+        m = {k: v.copy() for k, v in s.items()}
+        m["loss"][30:] *= 1 + 0.8 * j
+        members.append(load_run(write_run(tmp_path, f"m{j}", m, e, perturb=j)))
+    c = {k: v.copy() for k, v in s.items()}
+    c["loss"][60] = np.nan
+    p = compare(ref, [load_run(write_run(tmp_path, "c", c, e))], compute(ref, members), members).pairs[0]
+    assert p.verdict == BUG and p.first["step"] == 60 and p.first["reason"] == "non-finite"
+
+
+def test_saturated_envelope_is_inconclusive(tmp_path):
+    s, e = base_series(N), base_eval(N)
+    ref = load_run(write_run(tmp_path, "ref", s, e))
+    members = []
+    for j in (1, 2, 3):
+        m = {k: v.copy() for k, v in s.items()}
+        m["loss"][30:] *= 1 + 0.8 * j
+        members.append(load_run(write_run(tmp_path, f"m{j}", m, e, perturb=j)))
+    c = {k: v.copy() for k, v in s.items()}
+    c["loss"][40:] *= 2.5                                  # far off, but only where the envelope is O(1)
+    p = compare(ref, [load_run(write_run(tmp_path, "c", c, e))], compute(ref, members), members).pairs[0]
+    assert p.verdict == INCONCLUSIVE
+    assert p.saturated["loss"] <= 40 and "--stat" in " ".join(p.notes)
+
+
+def test_declared_difference_is_named(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["update_norm"] = s["update_norm"] * 1.02
+    decl = [{"id": "adam_epsilon_hat", "title": "...", "probe_keys": r"^(update\d+|opt\d+|buffer[1-9]\d*)/"}]
+    p = verdict_of(root, ref, members, "keras", s, base_eval(N), backend="keras-jax", declared=decl)
+    assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat"]
+
+
+def test_declared_difference_that_does_not_cover_the_probes_is_a_bug(fam):
+    from harness.compare import resolve
+    root, ref, members = fam
+    s = base_series(N)
+    s["update_norm"] = s["update_norm"] * 1.02
+    decl = [{"id": "adam_epsilon_hat", "probe_keys": r"^(update\d+|opt\d+|buffer[1-9]\d*)/"}]
+    cand = load_run(write_run(root, "keras", s, base_eval(N), backend="keras-jax", declared=decl))
+    for keys, want in ((["update0/fc1.kernel", "opt0/exp_avg/fc1.kernel"], DECLARED), (["forward/fc1"], BUG)):
+        p = check_pair(compute(ref, members), ref, cand)
+        p.localization = {"stage": "optimizer", "disagreeing_keys": keys}
+        resolve(p, True)
+        assert p.verdict == want, keys
+
+
+def test_different_batch_is_a_data_bug_even_inside_the_envelope(fam):
+    from harness.localize import Localizer
+    root, ref, members = fam
+    cs = [f"{i:012x}" for i in range(N)]
+    cs[12] = "ffffffffffff"
+    cand = load_run(write_run(root, "cand", base_series(N), base_eval(N), checksums=cs))
+    p = compare(ref, [cand], compute(ref, members), members, localize=Localizer(root)).pairs[0]
+    assert p.verdict == BUG and p.first["series"] == "batch_checksum" and p.first["step"] == 12
+    assert p.localization["stage"] == "data" and p.localization["step"] == 12
+
+
+def test_unreproduced_late_excess_is_inconclusive_but_step0_excess_is_a_bug(fam):
+    root, ref, members = fam
+    nothing = lambda pair: {"stage": None, "disagreeing_keys": []}     # probes and replay all agree
+    late, early = base_series(N), base_series(N)
+    late["grad_norm"] = late["grad_norm"].copy()
+    late["grad_norm"][60:] *= 1.001
+    early["grad_norm"] = early["grad_norm"] * 1.001
+    env = compute(ref, members)
+    for name, s, want in (("late", late, INCONCLUSIVE), ("early", early, BUG)):
+        cand = load_run(write_run(root, name, s, base_eval(N)))
+        p = compare(ref, [cand], env, members, localize=nothing).pairs[0]
+        assert p.verdict == want and p.first["step"] == (60 if name == "late" else 0), name
+    assert "--stat" in compare(ref, [load_run(root / "late")], env, members, localize=nothing).pairs[0].notes[-1]
+    # without localization the excess alone is a BUG, said so
+    p = compare(ref, [load_run(root / "late")], env, members).pairs[0]
+    assert p.verdict == BUG and "--no-localize" in p.notes[-1]
+
+
+def test_odd_one_out_among_three(fam):
+    root, ref, members = fam
+    rng = np.random.default_rng(3)
+    a = load_run(write_run(root, "a", jitter(base_series(N), rng, 1e-6), base_eval(N), backend="jax"))
+    s = base_series(N)
+    s["loss"] = s["loss"] * 1.01
+    b = load_run(write_run(root, "b", s, base_eval(N), backend="tensorflow"))
+    c = compare(ref, [a, b], compute(ref, members), members)
+    assert [p.verdict for p in c.pairs if p.with_reference] == [DRIFT, BUG]
+    assert c.odd and c.odd["backend"] == "tensorflow"
+
+
+# --------------------------------------------------------------------------- the command: outputs and bad input
+def test_cli_writes_csv_and_json_and_exit_code(fam):
+    root, ref, members = fam
+    s = base_series(N)
+    s["grad_norm"] = s["grad_norm"] * 1.5
+    write_run(root, "cand", s, base_eval(N))
+    env = [a for m in members for a in ("--envelope", str(m.path))]
+    out = root / "out"
+    r = cli(str(ref.path), str(root / "cand"), *env, "--no-localize", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert "BUG" in r.output and "grad_norm" in r.output
+    doc = json.loads((out / "comparison.json").read_text())
+    assert doc["verdicts"] == {"cand": "BUG"} and doc["pairs"][0]["first_divergence"]["series"] == "grad_norm"
+    assert doc["envelope"]["perturb_ulp_seeds"] == [1, 2, 3] and doc["rule"]["margin"] == 3.0
+    csv = (out / "comparison.csv").read_text().splitlines()
+    assert csv[0].startswith("reference,candidate") and ",BUG,0,grad_norm," in csv[1]
+    assert (out / "comparison-steps.csv").exists()
+    r = cli(str(ref.path), str(root / "ref__ulp1"), *env[2:], "--no-localize", "--json", "--out", str(out))
+    assert r.exit_code == 0 and json.loads(r.output)["verdicts"] == {"ref__ulp1": DRIFT}
+
+
+def _env_args(members):
+    return [a for m in members for a in ("--envelope", str(m.path))]
+
+
+def test_cli_refuses_a_run_of_another_spec_and_names_the_field(fam):
+    root, ref, members = fam
+    write_run(root, "other", base_series(N), base_eval(N), spec_hash="spec9999")
+    r = cli(str(ref.path), str(root / "other"), *_env_args(members), "--no-localize")
+    assert r.exit_code == 2
+    assert "spec_hash differs" in r.output and "spec0000" in r.output and "spec9999" in r.output
+    r = cli(str(ref.path), str(root / "other"), *_env_args(members), "--no-localize", "--force", "--out", str(root / "o"))
+    assert r.exit_code == 0 and r.output.count("FORCED: spec_hash differs") == 2
+    doc = json.loads((root / "o" / "comparison.json").read_text())
+    assert doc["forced"] and "FORCED" not in doc["forced"][0] and "spec_hash" in doc["forced"][0]
+    assert "spec_hash differs" in (root / "o" / "comparison.csv").read_text()
+
+
+def test_cli_mismatched_step_ranges(fam):
+    root, ref, members = fam
+    s, e = base_series(60), base_eval(60)
+    write_run(root, "short", s, e, hparams_hash="hp0060", hparams={"steps": 60, "batch_size": 64, "seed": 0})
+    r = cli(str(ref.path), str(root / "short"), *_env_args(members), "--no-localize")
+    assert r.exit_code == 2 and "hparams_hash differs" in r.output
+    r = cli(str(ref.path), str(root / "short"), *_env_args(members), "--no-localize", "--force", "--json")
+    doc = json.loads(r.output)
+    pair = doc["pairs"][0]
+    assert pair["steps"]["train"]["compared"] == 60 and "step ranges differ" in " ".join(pair["notes"])
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("no_steps", "steps.csv: missing"),
+    ("no_manifest", "no manifest.json"),
+    ("fewer_rows", "truncated: 80 rows"),
+    ("cut_line", "is truncated"),
+    ("garbage", "is not a number"),
+    ("no_column", "missing column(s) grad_norm"),
+    ("unsorted", "not strictly increasing"),
+    ("incomplete", "not 'complete'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(fam, damage, message):
+    root, ref, members = fam
+    d = write_run(root, "bad", base_series(N), base_eval(N))
+    steps = (d / "steps.csv").read_text().splitlines()
+    if damage == "no_steps":
+        (d / "steps.csv").unlink()
+    elif damage == "no_manifest":
+        (d / "manifest.json").unlink()
+    elif damage == "fewer_rows":
+        (d / "steps.csv").write_text("\n".join(steps[:81]) + "\n")
+    elif damage == "cut_line":
+        (d / "steps.csv").write_text("\n".join(steps[:-1] + [steps[-1][:25]]) + "\n")
+    elif damage == "garbage":
+        steps[5] = steps[5].replace(steps[5].split(",")[2], "1.2.3", 1)
+        (d / "steps.csv").write_text("\n".join(steps) + "\n")
+    elif damage == "no_column":
+        (d / "steps.csv").write_text("\n".join(",".join(x for i, x in enumerate(l.split(",")) if i != 4)
+                                               for l in steps) + "\n")
+    elif damage == "unsorted":
+        steps[10], steps[11] = steps[11], steps[10]
+        (d / "steps.csv").write_text("\n".join(steps) + "\n")
+    elif damage == "incomplete":
+        m = json.loads((d / "manifest.json").read_text())
+        m["status"] = "running"
+        (d / "manifest.json").write_text(json.dumps(m))
+    r = cli(str(ref.path), str(d), *_env_args(members), "--no-localize")
+    assert r.exit_code == 2, r.output
+    err = [l for l in r.output.splitlines() if l.startswith("duipai: error:")]
+    assert len(err) == 1 and message in err[0], r.output
+
+
+def test_cli_results_folder_groups_runs_and_skips_envelope_members(fam):
+    root, ref, members = fam
+    rng = np.random.default_rng(5)
+    write_run(root, "jaxrun", jitter(base_series(N), rng, 1e-6), base_eval(N), backend="jax")
+    write_run(root, "lonely", base_series(N), base_eval(N), spec_hash="specXXXX")
+    r = cli(str(root), *_env_args(members), "--no-localize", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["verdicts"] == {"jaxrun": DRIFT}
+    assert any("envelope runs, not candidates" in n for n in doc["notes"])
+    assert any("lonely" in n for n in doc["notes"])
+
+
+def test_cli_no_runs(tmp_path):
+    r = cli(str(tmp_path))
+    assert r.exit_code == 2 and "no complete run folders" in r.output
+
+
+# --------------------------------------------------------------------------- statistical mode
+def _seed_runs(root, backend, shift, seeds=range(5)):
+    rng = np.random.default_rng(hash(backend) % 1000)
+    out = []
+    for sd in seeds:
+        s, e = base_series(N), base_eval(N)
+        e = {k: v.copy() for k, v in e.items()}
+        e["eval_accuracy"][-1] = 0.95 + shift + 0.004 * rng.standard_normal()
+        e["eval_loss"][-1] = 0.15 - shift + 0.01 * rng.standard_normal()
+        out.append(write_run(root, f"{backend}_s{sd}", s, e, backend=backend, seed=sd))
+    return out
+
+
+def test_stat_mode_welch_t_test(tmp_path):
+    from scipy import stats
+    runs = _seed_runs(tmp_path, "torch", 0.0) + _seed_runs(tmp_path, "jax", 0.0) + _seed_runs(tmp_path, "tensorflow", 0.03)
+    r = cli("--stat", *map(str, runs), "--json", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.output)
+    assert doc["verdicts"]["jax"]["verdict"] == DRIFT and doc["verdicts"]["tensorflow"]["verdict"] == BUG
+    t = next(x for x in doc["tests"] if x["group"] == "tensorflow" and x["metric"] == "eval_accuracy")
+    a = [load_run(p).values["eval_accuracy"][-1] for p in runs[:5]]
+    b = [load_run(p).values["eval_accuracy"][-1] for p in runs[10:]]
+    assert t["p"] == pytest.approx(stats.ttest_ind(b, a, equal_var=False).pvalue)
+    assert t["d"] > 2 and t["step"] == N and t["n"] == 5
+    assert (tmp_path / "o" / "comparison.csv").read_text().count("tensorflow") == 3
+
+
+def test_stat_mode_needs_two_seeds_per_group(tmp_path):
+    runs = _seed_runs(tmp_path, "torch", 0.0, [0, 1]) + _seed_runs(tmp_path, "jax", 0.0, [0])
+    r = cli("--stat", *map(str, runs))
+    assert r.exit_code == 2 and ">= 2 seeds per group" in r.output
+
+
+# --------------------------------------------------------------------------- integration: real torch runs
+def _cli_json(*args: str) -> tuple[int, dict]:
+    r = cli(*args, "--json")
+    assert r.exit_code in (0, 1), r.output
+    return r.exit_code, json.loads(r.stdout)
+
+
+def _pair(doc: dict, name_part: str) -> dict:
+    return next(p for p in doc["pairs"] if p["with_reference"] and p["candidate"].endswith(name_part))
+
+
+@pytest.fixture(scope="module")
+def momentum(results_root):
+    """torch reference, lr x 1.001, flatten without permutation, two held-out 1-ULP runs and float64,
+    judged in one comparison (the envelope: --perturb-ulp 1..3 and a float64 run, trained on demand)."""
+    from .torch_runs import compare_root, run
+    root = compare_root(results_root)
+    runs = [run(root), run(root, fault="lr_scale_1.001"), run(root, fault="flatten_no_permute"),
+            run(root, perturb_ulp=4), run(root, perturb_ulp=5), run(root, dtype="float64")]
+    return _cli_json(*map(str, runs), "--out", str(root / "out-momentum"))
+
+
+def test_torch_lr_scale_is_a_bug_in_the_optimizer_update(momentum):
+    code, doc = momentum
+    assert code == 1
+    p = _pair(doc, "fault-lr_scale_1.001")
+    assert p["verdict"] == BUG and p["first_divergence"]["step"] == 0
+    assert p["first_divergence"]["factor"] > 100
+    loc = p["localization"]
+    assert loc["stage"] == "optimizer" and loc["probe"].startswith("update0/") and loc["method"] == "step-0 probes"
+    assert all(g["ok"] for g in loc["gradients"]) and all(l["ok"] for l in loc["layers"])
+
+
+def test_torch_flatten_without_permute_is_a_forward_bug_at_fc1(momentum):
+    _, doc = momentum
+    p = _pair(doc, "fault-flatten_no_permute")
+    assert p["verdict"] == BUG and p["first_divergence"]["step"] == 0
+    loc = p["localization"]
+    assert loc["stage"] == "forward" and loc["layer"] == "fc1"
+    rates = {l["layer"]: l for l in loc["layers"]}
+    assert rates["flatten_1"]["ok"] and not rates["fc1"]["ok"] and rates["fc1"]["R"] > 1e3
+    assert loc["max_R_layer"] == "fc1"
+
+
+def test_torch_ulp_and_float64_runs_are_drift(momentum):
+    _, doc = momentum
+    for part in ("__ulp4", "__ulp5", "__float64"):
+        p = _pair(doc, part)
+        assert p["verdict"] == DRIFT, (part, p["first_divergence"], p["notes"])
+    env = doc["envelope"]
+    assert env["perturb_ulp_seeds"] == [1, 2, 3, 1] and env["runs"][-1].endswith("__float64__ulp1")
+    # the drift-only candidates agree with each other too; the two bugs are not an odd one out
+    assert doc["odd_one_out"] is None
+
+
+@pytest.fixture(scope="module")
+def adam_grad_double(results_root):
+    from .torch_runs import compare_root, run
+    root = compare_root(results_root)
+    runs = [run(root, "adam"), run(root, "adam", fault="grad_double")]
+    # a 2-run envelope without the float64 run: two backend processes fewer; a x2 gradient is 1e6 x outside
+    return _cli_json(*map(str, runs), "-k", "2", "--no-fp64", "--out", str(root / "out-adam"))
+
+
+def test_torch_grad_double_under_adam_is_caught_through_grad_norm(adam_grad_double):
+    code, doc = adam_grad_double
+    p = doc["pairs"][0]
+    assert code == 1 and p["verdict"] == BUG
+    f = p["first_divergence"]
+    assert f["series"] == "grad_norm" and f["step"] == 0
+    assert f["b_value"] == pytest.approx(2 * f["a_value"], rel=1e-6)
+    # Adam hides the doubled gradient: the loss stays far closer than the gradient norm
+    loss, gn = p["series"]["loss"], p["series"]["grad_norm"]
+    assert loss["first_exceed_step"] is None or loss["first_exceed_step"] > 0
+    assert gn["max_ratio"] > 1e3 * max(loss["max_ratio"], 1e-3) or loss["max_ratio"] < 1e3
+    loc = p["localization"]
+    assert loc["stage"] == "backward" and loc["gradient_scale"] == pytest.approx(2.0, rel=1e-6)

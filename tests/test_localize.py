@@ -1,0 +1,128 @@
+"""Localization of a BUG: the analysis of probe comparisons on synthetic probes (fast), and the
+replay job mode of the worker on real torch runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness.localize import analyse, describe
+
+LAYERS = ["conv1", "relu_1", "pool1", "conv2", "relu_2", "flatten_1", "fc1", "relu_3", "fc2"]
+PARAMS = ["conv1.kernel", "conv1.bias", "conv2.kernel", "conv2.bias", "fc1.kernel", "fc1.bias", "fc2.kernel", "fc2.bias"]
+
+
+def probes(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = {f"forward/{l}": rng.standard_normal((4, 8)) for l in LAYERS}
+    p["loss"] = np.asarray(2.3)
+    p.update({f"grad/{q}": rng.standard_normal(6) for q in PARAMS})
+    for i in range(3):
+        p.update({f"update{i}/{q}": rng.standard_normal(6) * 1e-2 for q in PARAMS})
+        p.update({f"opt{i}/momentum/{q}": rng.standard_normal(6) for q in PARAMS})
+    return p
+
+
+def test_all_agree():
+    ref = probes()
+    got = {k: v * (1 + 1e-7) for k, v in ref.items()}
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] is None and res["disagreeing_keys"] == []
+    assert describe(res, "x") == ("", [])
+
+
+def test_forward_muffin_rule_and_change_rate():
+    ref = probes()
+    got = dict(ref)
+    for l in LAYERS[LAYERS.index("fc1"):]:       # fc1 computes something else; what follows inherits it
+        got[f"forward/{l}"] = ref[f"forward/{l}"] + 0.5
+    got["loss"] = ref["loss"] + 0.1
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "forward" and res["layer"] == "fc1" and res["probe"] == "forward/fc1"
+    rates = {t["layer"]: t for t in res["layers"]}
+    assert rates["flatten_1"]["ok"] and not rates["fc1"]["ok"] and rates["fc1"]["input_ok"]
+    assert rates["fc1"]["R"] > 1e5 and abs(rates["relu_3"]["R"]) < 10   # CRADLE: the jump is at fc1
+    assert res["max_R_layer"] == "fc1"
+    summary, lines = describe(res, "step-0 probes")
+    assert summary == "forward: fc1" and any("R (change rate)" in l for l in lines)
+
+
+def test_loss_stage():
+    ref = probes()
+    got = dict(ref, loss=ref["loss"] * 1.01)
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "loss"
+
+
+def test_backward_first_parameter_in_backward_order_and_uniform_scale():
+    ref = probes()
+    got = dict(ref)
+    for q in PARAMS:
+        got[f"grad/{q}"] = ref[f"grad/{q}"] * 2.0
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "backward" and res["parameter"] == "fc2.kernel"   # the last layer comes first
+    assert res["gradient_scale"] == pytest.approx(2.0)
+    got = dict(ref, **{"grad/conv2.kernel": ref["grad/conv2.kernel"] + 1.0})
+    res = analyse(got, ref, LAYERS)
+    assert res["parameter"] == "conv2.kernel" and "gradient_scale" not in res
+
+
+def test_optimizer_stage_when_gradients_agree():
+    ref = probes()
+    got = dict(ref)
+    for q in PARAMS:
+        got[f"update0/{q}"] = ref[f"update0/{q}"] * 1.001
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "optimizer" and res["parameter"] == "conv1.kernel" and res["optimizer_step"] == 0
+    got = dict(ref, **{"update1/fc1.bias": ref["update1/fc1.bias"] * 1.5})
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "optimizer" and res["optimizer_step"] == 1 and res["probe"] == "update1/fc1.bias"
+
+
+def test_running_statistics_are_the_forward_stage_of_their_layer():
+    ref = probes()
+    ref["buffer0/bn1.running_mean"] = np.zeros(4)
+    got = dict(ref, **{"buffer0/bn1.running_mean": np.ones(4)})
+    res = analyse(got, ref, LAYERS + ["bn1"])
+    assert res["stage"] == "forward" and res["layer"] == "bn1" and res["note"] == "running statistics"
+
+
+# --------------------------------------------------------------------------- the replay job mode, on torch runs
+def test_replay_probes_later_steps_from_the_reference_state(results_root):
+    from harness.localize import Localizer, _layers
+    from harness.runs import load_run
+
+    from .torch_runs import compare_root, run
+    root = compare_root(results_root)
+    ref, lr = load_run(run(root)), load_run(run(root, fault="lr_scale_1.001"))
+    rep = Localizer(root).replay(ref, lr, [24, 25])
+    assert rep["checkpoint_step"] == 20
+    # the reference, re-trained from its checkpoint, reproduces its own rows bit for bit
+    assert rep["reproduced"] == {"from_step": 20, "to_step": 24, "bitwise": True, "max_abs_diff": 0.0}
+    for t, got, want in rep["probes"]:
+        res = analyse(got, want, _layers(ref.manifest))
+        assert res["stage"] == "optimizer" and res["probe"].startswith("update0/"), t
+        # both backends start from the same saved state: forward and gradients agree bitwise
+        assert all(l["rel"] == 0 for l in res["layers"]) and all(g["rel"] == 0 for g in res["gradients"])
+
+
+@pytest.mark.slow
+def test_late_schedule_bug_is_localized_by_replay(results_root):
+    """lr_schedule_off_by_one under a step schedule: the step-0 probes agree (the lr changes at step 20),
+    the curves leave the envelope at step 19, and the replay of steps 18 and 19 finds the update."""
+    import json
+
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    from .torch_runs import compare_root, run
+    root = compare_root(results_root)
+    sched = {"schedule": "step", "step_size": 20, "gamma": 0.5}
+    runs = [run(root, hp=sched), run(root, hp=sched, fault="lr_schedule_off_by_one")]
+    r = CliRunner().invoke(main, ["compare", *map(str, runs), "--json", "--out", str(root / "out-sched")])
+    assert r.exit_code == 1, r.output
+    p = json.loads(r.stdout)["pairs"][0]
+    assert p["verdict"] == "BUG" and p["first_divergence"]["step"] == 19
+    loc = p["localization"]
+    assert loc["method"] == "replay of step 19 from the reference's state" and loc["stage"] == "optimizer"
+    assert loc["step0"]["stage"] is None and loc["replay"]["reproduced"]["bitwise"]

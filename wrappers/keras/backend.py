@@ -1,0 +1,284 @@
+"""Keras 3 backend (one module for keras-tensorflow, keras-jax and keras-torch): the spec as a functional
+keras.Model of Keras layers (layers.py), keras.optimizers, a logits cross-entropy, trained with
+`train_on_batch` through a custom `train_step` per Keras backend (train_step_<backend>.py).
+
+Conventions and conversions (canonical <-> Keras):
+* parameters: Keras layouts are the canonical ones; BatchNormalization(momentum = 1 - spec momentum,
+  epsilon = spec eps). Keras stores the BIASED running variance: exported as stored
+  (declared difference running_var_biased).
+* optimizer state: Keras SGD keeps the velocity v (v = mu v - lr_t g; p += v). The canonical
+  'momentum/<param>' is torch's buffer b (b = mu b + g; p -= lr_t b); we export b = -v / lr_t with lr_t
+  the (float32) learning rate of the last update, and load v = -b * lr_{step-1}. Equal to torch's b for
+  a constant lr; under a schedule the two recursions differ (declared difference keras_momentum_velocity).
+  Adam/AdamW: Keras' momentums/velocities are exp_avg/exp_avg_sq, 'step' = optimizer.iterations.
+* weight decay: Keras' weight_decay is decoupled, which is AdamW's; for sgd/momentum/nesterov/adam the
+  reference is coupled L2, added to the gradient (g + wd * p) inside the train step; the reported loss
+  and grad_norm are the DATA loss and its gradient (as torch reports them).
+* learning rate: assigned to optimizer.learning_rate (a variable) before every step: no retracing.
+* dropout: harness masks live in a non-trainable variable of a small layer, assigned before each step.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from typing import Any
+
+# XLA reads its flags when jax is first imported (the keras import below does that on keras-jax):
+# pin XLA CPU to one thread when the run asks for one thread (as the native jax backend does).
+if (os.environ.get("KERAS_BACKEND") == "jax" and os.environ.get("OMP_NUM_THREADS", "1") == "1"
+        and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import ops  # noqa: E402
+
+from algorithms.optim import HParams  # noqa: E402
+from algorithms.spec import ModelSpec  # noqa: E402
+
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
+from .layers import from_keras_layout, lower, to_keras_layout  # noqa: E402
+
+KBACKEND = keras.backend.backend()
+_ts = importlib.import_module(f".train_step_{KBACKEND}", __package__)
+
+
+class DuipaiModel(keras.Model):
+    """A functional keras.Model whose `train_step` is the per-backend custom step; the helpers below
+    are backend-neutral keras.ops code shared by the three steps."""
+
+    train_step = _ts.train_step
+
+    def configure(self, *, num_classes: int, smoothing: float, grad_scale: float, coupled_wd: float) -> None:
+        self.num_classes, self.smoothing = num_classes, smoothing
+        self.grad_scale, self.coupled_wd = grad_scale, coupled_wd
+
+    def data_loss(self, y, logits):
+        """The compiled loss on this batch (mean over the batch), labels as integers."""
+        y = ops.convert_to_tensor(y)
+        if self.smoothing:   # fault label_smoothing: CategoricalCrossentropy(label_smoothing) needs one-hot
+            return self.loss(ops.one_hot(ops.cast(y, "int32"), self.num_classes), logits)
+        return self.loss(y, logits)
+
+    def prepare_grads(self, grads, values):
+        """(gradients the optimizer sees, norm of the data gradients)."""
+        if self.grad_scale != 1.0:    # fault grad_double
+            grads = [g * self.grad_scale for g in grads]
+        grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+        if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p
+            grads = [g + ops.cast(self.coupled_wd, g.dtype) * v for g, v in zip(grads, values)]
+        return grads, grad_norm
+
+    def step_logs(self, loss, logits, y, grad_norm, before, after):
+        upd = ops.sqrt(sum(ops.sum(ops.square(a - b)) for a, b in zip(after, before)))
+        pn = ops.sqrt(sum(ops.sum(ops.square(a)) for a in after))
+        hit = ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), ops.cast(ops.convert_to_tensor(y), "int32"))
+        return {"loss": loss, "accuracy": ops.mean(ops.cast(hit, "float32")), "grad_norm": grad_norm,
+                "update_norm": upd, "param_norm": pn}
+
+
+def make_optimizer(hp: HParams, fault: str | None) -> tuple[keras.optimizers.Optimizer, float]:
+    """The keras.optimizers optimizer, and the coupled-L2 coefficient the train step adds to the gradient."""
+    lr = float(hp.lr)
+    coupled = hp.weight_decay if (hp.optimizer != "adamw" or fault == "l2_not_decoupled") else 0.0
+    if hp.optimizer == "sgd":
+        return keras.optimizers.SGD(learning_rate=lr, momentum=0.0), coupled
+    if hp.optimizer in ("momentum", "nesterov"):
+        return keras.optimizers.SGD(learning_rate=lr, momentum=hp.momentum,
+                                    nesterov=hp.optimizer == "nesterov"), coupled
+    kw = dict(learning_rate=lr, beta_1=hp.beta1, beta_2=hp.beta2, epsilon=hp.eps)
+    if hp.optimizer == "adam" or fault == "l2_not_decoupled":
+        return keras.optimizers.Adam(**kw), coupled
+    return keras.optimizers.AdamW(weight_decay=hp.weight_decay, **kw), 0.0
+
+
+def _np(t) -> np.ndarray:
+    return np.asarray(ops.convert_to_numpy(t))
+
+
+class KerasBackend(Backend):
+    framework = "keras"
+    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
+                        "label_smoothing", "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
+                        "l2_not_decoupled"})
+
+    def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
+        super().__init__(model, hp, opts)
+        if opts.devices != 1:
+            raise UnsupportedError(f"keras-{KBACKEND}: data parallelism is not implemented (devices={opts.devices})")
+        if opts.dtype not in ("float32", "float64"):
+            raise UnsupportedError(f"keras-{KBACKEND}: dtype {opts.dtype!r} is not supported")
+        if opts.dtype == "float64":
+            if KBACKEND == "jax":
+                import jax
+                if not jax.config.jax_enable_x64:
+                    raise UnsupportedError("keras-jax: float64 needs JAX_ENABLE_X64=1 before import")
+            keras.config.set_floatx("float64")
+        self._det = _ts.setup(opts.threads, opts.deterministic)
+        keras.utils.set_random_seed(hp.seed)
+        self.permute = opts.fault != "flatten_no_permute"
+        self.low = lower(model, batch_size=hp.batch_size, fault=opts.fault,
+                         native_dropout=opts.dropout == "native", seed=hp.seed)
+        self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
+        self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
+        self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
+        smoothing = 0.1 if opts.fault == "label_smoothing" else 0.0
+        loss = (keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=smoothing) if smoothing
+                else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self._jit = _ts.jit_options(opts.jit, opts.extra)
+        self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
+        self.net.configure(num_classes=model.num_classes, smoothing=smoothing,
+                           grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled))
+        self.optimizer.build(self.net.trainable_variables)
+        by_id = {id(v): n for n, v in self.low.variables.items()}
+        self.trainable = [by_id[id(v)] for v in self.net.trainable_variables]
+        assert sorted(self.trainable) == sorted(q.name for q in model.trainable), self.trainable
+        self.last_lr: np.float32 | None = None
+
+    # ---- environment
+    def versions(self) -> dict[str, str]:
+        return {"keras": keras.__version__, "keras_backend": KBACKEND, **_ts.versions(),
+                "python": platform.python_version(), "numpy": np.__version__}
+
+    def devices(self) -> list[str]:
+        return _ts.devices()
+
+    def determinism(self) -> dict[str, Any]:
+        return {"keras_backend": KBACKEND, "keras.utils.set_random_seed": self.hp.seed, "threads": self.opts.threads,
+                "floatx": keras.config.floatx(), "jit_compile": bool(self.net.jit_compile),
+                "run_eagerly": bool(self.net.run_eagerly), "dropout": self.opts.dropout,
+                "lowering_notes": self.low.notes, **self._det}
+
+    def declared_differences(self) -> list[str]:
+        h, out = self.hp, []
+        if h.optimizer in ("adam", "adamw"):
+            out.append("adam_epsilon_hat")
+        if h.optimizer in ("momentum", "nesterov") and h.schedule != "constant":
+            out.append("keras_momentum_velocity")
+        # keras-torch pads 'same' average pooling by replication only where the TF padding is asymmetric
+        # (a symmetric overhang goes to torch's avg_pool2d(count_include_pad=False): the reference)
+        if KBACKEND == "torch" and any(l.kind == "avgpool2d" and l.spec["padding"] == "same"
+                                       and any(lo != hi for lo, hi in l.padding) for l in self.model.layers):
+            out.append("keras_torch_avgpool_same")
+        if self.model.has("batchnorm2d"):
+            out.append("running_var_biased")
+        if self.model.has("dropout") and self.opts.dropout == "native":
+            out.append("native_dropout_masks")
+        return out
+
+    # ---- state
+    def _var(self, name: str):
+        return self.low.variables[name]
+
+    def _opt_slots(self, name: str) -> dict[str, Any]:
+        """canonical state kind -> the Keras optimizer variable of parameter `name`."""
+        o, v = self.optimizer, self._var(name)
+        i = o._get_variable_index(v)
+        if self.hp.optimizer in ("momentum", "nesterov"):
+            return {"momentum": o.momentums[i]}
+        if self.hp.optimizer in ("adam", "adamw"):
+            return {"exp_avg": o._momentums[i], "exp_avg_sq": o._velocities[i]}
+        return {}
+
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        for q in self.model.params:
+            var = self._var(q.name)
+            var.assign(to_keras_layout(self.model, q.name, np.asarray(params[q.name]), self.permute).astype(var.dtype))
+        lr_var = self.optimizer._learning_rate
+        for v in self.optimizer.variables:       # fresh optimizer state
+            if v is not lr_var:
+                v.assign(np.zeros(v.shape, v.dtype))
+        self.last_lr = None
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return {q.name: from_keras_layout(self.model, q.name, _np(self._var(q.name).value), self.permute)
+                for q in self.model.params}
+
+    def export_opt_state(self) -> dict[str, np.ndarray]:
+        it = int(_np(self.optimizer.iterations))
+        if it == 0:              # as torch: no optimizer state before the first step
+            return {}
+        out: dict[str, np.ndarray] = {}
+        for n in self.trainable:
+            for kind, slot in self._opt_slots(n).items():
+                a = _np(slot.value)
+                if kind == "momentum":        # torch buffer b = -v / lr_t (lr_t: the last update's lr)
+                    a = (-a.astype(np.float64) / np.float64(self.last_lr)).astype(a.dtype)
+                out[f"{kind}/{n}"] = from_keras_layout(self.model, n, a, self.permute)
+        if self.hp.optimizer in ("adam", "adamw"):
+            out["step"] = np.asarray(float(it))
+        return out
+
+    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        lr_prev = np.float32(self.lr_for(max(step - 1, 0)))
+        for n in self.trainable:
+            for kind, slot in self._opt_slots(n).items():
+                if f"{kind}/{n}" not in state:
+                    continue
+                a = to_keras_layout(self.model, n, np.asarray(state[f"{kind}/{n}"]), self.permute)
+                if kind == "momentum":        # Keras velocity v = -lr_{step-1} * b
+                    a = -a.astype(np.float64) * np.float64(lr_prev)
+                slot.assign(a.astype(slot.dtype))
+        it = int(float(state["step"])) if "step" in state else (step if state else 0)
+        self.optimizer.iterations.assign(it)
+        self.last_lr = lr_prev
+
+    # ---- computation
+    def _set_masks(self, masks: Masks) -> None:
+        if self.opts.dropout != "harness":
+            return
+        for name, layer in self.low.dropouts.items():
+            m = masks.get(name)
+            if m is None:
+                raise ValueError(f"no harness dropout mask for layer {name!r}")
+            layer.keep_mask.assign(np.asarray(m, np.float32))
+
+    def _xy(self, x: np.ndarray, y: np.ndarray | None = None):
+        x = np.ascontiguousarray(x, keras.config.floatx())
+        return x if y is None else (x, np.asarray(y, np.int32))
+
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        self._set_masks(masks)
+        self.optimizer.learning_rate = float(self.lr_for(step))    # assigns the variable: no retrace
+        x, y = self._xy(x, y)
+        logs = self.net.train_on_batch(x, y, return_dict=True)
+        self.last_lr = np.float32(_np(self.optimizer._learning_rate.value))
+        return StepStats(float(logs["loss"]), float(logs["accuracy"]), float(logs["grad_norm"]),
+                         float(logs["update_norm"]), float(logs["param_norm"]))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        x, y = self._xy(x, y)
+        logits = _np(self.net.predict_on_batch(x))
+        loss = float(_np(self.eval_loss(ops.convert_to_tensor(y), ops.convert_to_tensor(logits))))
+        return loss, float(np.mean(np.argmax(logits, -1) == y))
+
+    def _state_values(self, m: keras.Model) -> tuple[list, list]:
+        return [v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables]
+
+    def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
+        """Training-mode outputs via stateless_call: BatchNorm's moving statistics are not touched."""
+        self._set_masks(masks)
+        tv, ntv = self._state_values(self.recorder)
+        with _ts.no_grad():
+            outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=True)
+        return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        self._set_masks(masks)
+        x, y = self._xy(x, y)
+        xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+        tv, ntv = self._state_values(self.net)
+
+        def fn(values):
+            logits, _ = self.net.stateless_call(values, ntv, xt, training=True)
+            return self.net.data_loss(yt, logits), None
+
+        loss, _, grads = _ts.value_and_grad(fn, tv)
+        scale = self.net.grad_scale
+        return float(_np(loss)), {n: from_keras_layout(self.model, n, _np(g) * np.float32(scale), self.permute)
+                                  for n, g in zip(self.trainable, grads)}
+
+
+BACKEND = KerasBackend

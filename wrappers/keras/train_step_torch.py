@@ -1,0 +1,68 @@
+"""keras-torch: the custom `train_step` (loss.backward(), the documented way to customise fit on the
+torch backend), a stateless value-and-gradient for probes, and torch's determinism switches."""
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any, Callable
+
+import torch
+from keras import ops
+
+
+def train_step(self, data):
+    """One eager step: backward of THIS batch's data loss, then optimizer.apply under no_grad."""
+    x, y = data[0], data[1]
+    x, y = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+    tv = self.trainable_variables
+    self.zero_grad()
+    logits = self(x, training=True)
+    loss = self.data_loss(y, logits)
+    loss.backward()
+    with torch.no_grad():
+        grads = [torch.zeros_like(v.value) if v.value.grad is None else v.value.grad for v in tv]
+        before = [v.value.detach().clone() for v in tv]
+        grads, grad_norm = self.prepare_grads(grads, before)
+        self.optimizer.apply(grads, tv)
+        after = [v.value.detach() for v in tv]
+        return self.step_logs(loss.detach(), logits.detach(), y, grad_norm, before, after)
+
+
+def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:
+    """fn(values) -> (loss, aux); returns (loss, aux, d loss / d values), no state change."""
+    values = [v.detach().clone().requires_grad_(True) for v in values]
+    loss, aux = fn(values)
+    grads = torch.autograd.grad(loss, values, allow_unused=True)
+    return loss.detach(), aux, [torch.zeros_like(v) if g is None else g for g, v in zip(grads, values)]
+
+
+def no_grad():
+    return torch.no_grad()
+
+
+def setup(threads: int, deterministic: bool) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return {"torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "torch.num_threads": torch.get_num_threads(),
+            "cudnn.deterministic": torch.backends.cudnn.deterministic,
+            "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def versions() -> dict[str, str]:
+    return {"torch": torch.__version__}
+
+
+def devices() -> list[str]:
+    if torch.cuda.is_available():
+        return [f"cuda:0 {torch.cuda.get_device_name(0)}"]
+    return [f"cpu ({platform.processor() or platform.machine()})"]
+
+
+def jit_options(jit: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """Eager (Keras' 'auto' on torch); torch.compile only on request (extra torch_compile=true)."""
+    return {"run_eagerly": False, "jit_compile": bool(jit and extra.get("torch_compile", False))}
