@@ -27,8 +27,9 @@ class ProbeDiff:
     step: int          # optimizer step index for update/buffer/opt; 0 otherwise
     max_abs: float
     scale: float
-    rel: float
+    rel: float         # the candidate's error (vs the float64 reference when one is given)
     ok: bool
+    tol: float = REL_TOL   # the tolerance this key was held to
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,23 +43,52 @@ def kind_of(key: str) -> tuple[str, int]:
     return head, 0
 
 
+def _rel(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """(max|x - y|, scale, relative error); inf for shape mismatch or a non-finite value."""
+    if x.shape != y.shape:
+        return float("inf"), 0.0, float("inf")
+    d = float(np.max(np.abs(x - y))) if x.size else 0.0
+    if not np.isfinite(x).all() or not np.isfinite(y).all():
+        d = float("inf")
+    scale = max(float(np.max(np.abs(y))) if y.size else 0.0, ABS_FLOOR)
+    return d, scale, d / scale
+
+
+def _rms_rel(x: np.ndarray, y: np.ndarray) -> float:
+    """RMS of x - y over the tensor's scale max|y| (inf for shape mismatch or non-finite values)."""
+    if x.shape != y.shape or not np.isfinite(x).all() or not np.isfinite(y).all():
+        return float("inf")
+    if not x.size:
+        return 0.0
+    return float(np.sqrt(np.mean((x - y) ** 2))) / max(float(np.max(np.abs(y))), ABS_FLOOR)
+
+
 def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float = REL_TOL,
-            keys: list[str] | None = None) -> list[ProbeDiff]:
-    """Per-tensor relative error max|a - b| / max(max|b|, ABS_FLOOR), for keys present in both."""
+            keys: list[str] | None = None, ref64: dict[str, np.ndarray] | None = None,
+            margin: float = 3.0) -> list[ProbeDiff]:
+    """Candidate `a` against reference `b`, per tensor.
+
+    Without `ref64`: relative error max|a - b| / max(max|b|, ABS_FLOOR) <= rel_tol.
+    With `ref64` (the reference run in float64), the PyTorch-Inductor rule on RMS errors: the
+    candidate's RMS error against float64 may be `margin` times the float32 reference's own RMS
+    error against float64 (never less than rel_tol; errors over the tensor's scale max|ref64|). This is what keeps ill-conditioned probes honest: Adam's first update
+    lr * g / (|g| + eps) amplifies float32 rounding of near-zero gradients ~1e3-fold, so a fixed
+    tolerance either fails every framework there or is too loose everywhere else.
+    """
     out = []
     common = keys if keys is not None else [k for k in b if k in a]
     for k in common:
         x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
         kind, step = kind_of(k)
-        if x.shape != y.shape:
-            out.append(ProbeDiff(k, kind, step, float("inf"), 0.0, float("inf"), False))
-            continue
-        d = float(np.max(np.abs(x - y))) if x.size else 0.0
-        if not np.isfinite(x).all() or not np.isfinite(y).all():
-            d = float("inf")
-        scale = max(float(np.max(np.abs(y))) if y.size else 0.0, ABS_FLOOR)
-        rel = d / scale
-        out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= rel_tol))
+        if ref64 is not None and k in ref64:
+            z = np.asarray(ref64[k], np.float64)
+            d, scale, _ = _rel(x, z)
+            rel = _rms_rel(x, z)
+            tol = max(rel_tol, margin * _rms_rel(y, z))
+        else:
+            d, scale, rel = _rel(x, y)
+            tol = rel_tol
+        out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= tol, tol))
     out.sort(key=lambda p: (KIND_ORDER.get(p.kind, 9), p.step))
     return out
 
@@ -107,7 +137,7 @@ def run_cases(backend: str, model: str, cases: dict, out_root, *, fault: str | N
     from .runner import RunConfig, execute
     names = list(cases)
     cfg = RunConfig(model=model, backend=backend, hparams=cases[names[0]], data=data, fault=fault, **cfg_kw)
-    folder = execute(cfg, out_root, f"probe__{model}__{backend}__{fault or 'clean'}", mode="probe",
+    folder = execute(cfg, out_root, f"probe__{model}__{backend}__{fault or 'clean'}__{cfg.dtype}", mode="probe",
                      probe_steps=probe_steps, cases=[cases[n] for n in names])
     return {n: ProbeResult(load_npz(folder / f"probe-{i}.npz"),
                            json.loads((folder / f"probe-{i}.json").read_text())["declared_differences"])

@@ -34,11 +34,12 @@ def need(backend: str) -> None:
 _PROBES: dict = {}
 
 
-def probes_for(backend: str, model: str, root: Path, fault: str | None = None, cases: dict | None = None):
-    """Probe results per standard case, computed once per (backend, model, fault) per session."""
+def probes_for(backend: str, model: str, root: Path, fault: str | None = None, cases: dict | None = None,
+               dtype: str = "float32"):
+    """Probe results per standard case, computed once per (backend, model, fault, dtype) per session."""
     from harness.probes import run_cases, standard_cases
-    key = (backend, model, fault, tuple(cases) if cases else None)
+    key = (backend, model, fault, tuple(cases) if cases else None, dtype)
     if key not in _PROBES:
         need(backend)
-        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault)
+        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault, dtype=dtype)
     return _PROBES[key]

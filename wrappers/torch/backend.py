@@ -14,7 +14,7 @@ from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
 from ..base import Backend, Masks, RunOptions, StepStats
-from .layers import forward, from_torch_layout, nhwc, to_torch_layout
+from .layers import flat_from_canonical, flat_sources, flat_to_canonical, forward, from_torch_layout, nhwc, to_torch_layout
 
 BUFFER_ROLES = ("running_mean", "running_var")
 
@@ -54,7 +54,7 @@ class TorchBackend(Backend):
         self.opt: torch.optim.Optimizer | None = None
         self.prev_lr: float | None = None
         self.permute = opts.fault != "flatten_no_permute"
-        self.gen = torch.Generator().manual_seed(hp.seed)
+        torch.manual_seed(hp.seed)   # only native dropout draws from it
 
     # ---- environment
     def versions(self) -> dict[str, str]:
@@ -77,7 +77,9 @@ class TorchBackend(Backend):
 
     # ---- state
     def _t(self, a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(a), dtype=self.dtype, device=self.device)
+        # a copy: torch.as_tensor would share the NumPy buffer, and in-place optimizer updates would
+        # then overwrite the caller's canonical arrays
+        return torch.tensor(np.ascontiguousarray(a), dtype=self.dtype, device=self.device)
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.p = {}
@@ -90,7 +92,8 @@ class TorchBackend(Backend):
         self.prev_lr = None
 
     def _canon(self, name: str, t: torch.Tensor) -> np.ndarray:
-        return from_torch_layout(self.model, name, t.detach().cpu().numpy(), self.permute)
+        # a copy: .numpy() and the layout transposes are views of the live tensor
+        return np.array(from_torch_layout(self.model, name, t.detach().cpu().numpy(), self.permute), copy=True)
 
     def export_params(self) -> dict[str, np.ndarray]:
         return {n: self._canon(n, t) for n, t in self.p.items()}
@@ -124,7 +127,9 @@ class TorchBackend(Backend):
         return t.contiguous(memory_format=torch.channels_last) if self.channels_last else t.contiguous()
 
     def _masks(self, masks: Masks) -> dict[str, torch.Tensor]:
-        return {k: self._t(v) for k, v in masks.items()}
+        flat = flat_sources(self.model)
+        return {k: self._t(flat_from_canonical(v, flat[k]) if k in flat else
+                           (v.transpose(0, 3, 1, 2) if v.ndim == 4 else v)) for k, v in masks.items()}
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ls = 0.1 if self.opts.fault == "label_smoothing" else 0.0
@@ -180,7 +185,8 @@ class TorchBackend(Backend):
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
         rec: dict[str, torch.Tensor] = {}
         self._forward(self._input(x), True, self._masks(masks), rec, self._scratch())
-        return {k: nhwc(v) for k, v in rec.items()}
+        flat = flat_sources(self.model)
+        return {k: flat_to_canonical(nhwc(v), flat[k]) if k in flat else nhwc(v) for k, v in rec.items()}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         params = [self.p[n] for n in self.trainable]

@@ -41,6 +41,30 @@ def from_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool 
     return a
 
 
+def flat_sources(model: ModelSpec) -> dict[str, tuple[int, int, int]]:
+    """Layers whose output is a flattened (H, W, C) map (the flatten and element-wise layers after it):
+    torch holds these features in (C, H, W) order, the canonical layout in (H, W, C)."""
+    out, src = {}, None
+    for layer in model.layers:
+        if layer.kind == "flatten":
+            src = layer.in_shape if len(layer.in_shape) == 3 else None
+        elif layer.kind not in ("relu", "tanh", "dropout"):
+            src = None
+        if src is not None:
+            out[layer.name] = src
+    return out
+
+
+def flat_to_canonical(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
+    c = np.empty_like(a)
+    c[:, flatten_perm(*src)] = a
+    return c
+
+
+def flat_from_canonical(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
+    return a[:, flatten_perm(*src)]
+
+
 def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
     lname, role = pname.rsplit(".", 1)
     return next(l for l in model.layers if l.name == lname), role
