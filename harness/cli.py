@@ -67,6 +67,14 @@ def config_options(f):
                      help="harness: identical NumPy masks in every backend; native: the framework's RNG."),
         click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True),
         click.option("--no-jit", is_flag=True, help="Run the step eagerly (tf.function / jax.jit off)."),
+        click.option("--hosts", type=int, default=1, show_default=True,
+                     help="Local processes standing in for hosts (torchrun agents, TF workers, JAX processes)."),
+        click.option("--sync-bn", is_flag=True, help="Synchronized BatchNorm across replicas, where the framework has it."),
+        click.option("--port", type=int, default=0, help="Rendezvous port on 127.0.0.1 (default: a free one)."),
+        click.option("--xla", is_flag=True, help="tensorflow: compile the step with XLA (jit_compile=True)."),
+        click.option("--channels-last", is_flag=True, help="torch: channels_last memory format."),
+        click.option("--onednn", type=click.Choice(["default", "on", "off"]), default="default",
+                     help="TensorFlow's oneDNN kernels (TF_ENABLE_ONEDNN_OPTS)."),
         click.option("--perturb-ulp", type=int, default=None,
                      help="Move every initial weight by one ULP, signs drawn from this seed (envelope runs)."),
         click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True,
@@ -87,9 +95,22 @@ def make_config(kw: dict[str, Any]) -> RunConfig:
                      eval_every=min(50, kw["steps"]), checkpoint_every=min(50, kw["steps"]))
     except HParamError as e:
         fail(str(e))
+    extra: dict[str, Any] = {}
+    if kw["hosts"] != 1:
+        extra["hosts"] = kw["hosts"]
+    if kw["sync_bn"]:
+        extra["sync_bn"] = True
+    if kw["port"]:
+        extra["port"] = kw["port"]
+    if kw["xla"]:
+        extra["xla"] = True
+    if kw["channels_last"]:
+        extra["channels_last"] = True
+    if kw["onednn"] != "default":
+        extra["onednn"] = kw["onednn"]
     return RunConfig(model=kw["model"], backend=kw["backend"], hparams=hp, data=kw["data"], threads=kw["threads"],
                      fault=kw["fault"], devices=kw["devices"], dropout=kw["dropout"], dtype=kw["dtype"],
-                     jit=not kw["no_jit"], perturb_ulp=kw["perturb_ulp"])
+                     jit=not kw["no_jit"], perturb_ulp=kw["perturb_ulp"], extra=extra)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -85,7 +85,8 @@ class RunConfig:
         if not self.jit:
             parts.append("eager")
         for k, v in sorted(self.extra.items()):
-            parts.append(f"{k}-{v}")
+            if k != "port":          # where to meet, not what is computed
+                parts.append(k if v is True else f"{k}-{v}")
         return "__".join(parts)
 
 
@@ -153,8 +154,13 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
         h = cfg.hparams
         if cfg.devices < 1:
             raise BadInput(f"--devices must be >= 1, got {cfg.devices}")
+        if cfg.devices > h.batch_size:
+            raise BadInput(f"--devices {cfg.devices} is larger than the batch size {h.batch_size}")
         if h.batch_size % cfg.devices:
             raise BadInput(f"batch size {h.batch_size} is not divisible by --devices {cfg.devices}")
+        hosts = int(cfg.extra.get("hosts", 1))
+        if hosts < 1 or cfg.devices % hosts:
+            raise BadInput(f"--hosts {hosts} must divide --devices {cfg.devices} (devices per host)")
         order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
     except (SpecError, D.DataError, HParamError, ValueError) as e:
         raise BadInput(str(e)) from None
@@ -251,7 +257,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "hparams": cfg.hparams.to_dict(), "hparams_hash": _hash_json(cfg.hparams.to_dict()),
         "options": options, "fault": cfg.fault,
         "versions": worker.get("versions", {}), "devices": worker.get("devices", []),
-        "determinism": worker.get("determinism", {}),
+        "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
         "declared_differences": describe(worker.get("declared_differences", [])),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
                  "cpu_count": os.cpu_count(), "python": platform.python_version()},

@@ -1,7 +1,10 @@
 """Entry point of a backend process.
 
     python -m wrappers info            availability of every backend, as JSON (imports no framework)
-    python -m wrappers run JOB.json    run one job (train or probe) in this process
+    python -m wrappers run JOB.json    run one job (train, probe, replay); a multi-process job (DDP ranks,
+                                       host agents) is launched from here and watched: one process that
+                                       dies stops all of them, so nothing hangs
+    python -m wrappers rank JOB.json I process I of a multi-process job (started by `run`)
 
 The backend's environment (KERAS_BACKEND, XLA_FLAGS, thread counts) is set here, before its
 framework is imported: that is why every backend gets a process of its own.
@@ -28,8 +31,59 @@ def _set_env(entry, job: dict) -> None:
         os.environ[k] = v
 
 
+def _port(job: dict) -> int:
+    """The rendezvous port: the one asked for (refused loudly if taken) or a free one."""
+    import socket
+    want = int(job.get("options", {}).get("extra", {}).get("port", 0) or 0)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", want))
+        except OSError:
+            print(f"port {want} on 127.0.0.1 is already in use; choose another with --port", file=sys.stderr)
+            sys.exit(2)
+        return s.getsockname()[1]
+
+
+def launch(entry, job_path: str, job: dict) -> int:
+    """Start every process of a multi-process job, relay process 0's progress, fail fast."""
+    import subprocess
+    import threading
+    import time
+    n = entry.processes(job)
+    port = _port(job)
+    procs = []
+    for i in range(n):
+        cmd, env = entry.process_command(job, job_path, i, port)
+        procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, text=True,
+                                      stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL))
+
+    def relay() -> None:
+        for line in procs[0].stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    t = threading.Thread(target=relay, daemon=True)
+    t.start()
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            i, c = bad[0]
+            print(f"process {i} of {n} exited with code {c}; stopping the others", file=sys.stderr)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return 3 if c == 3 else 1
+        if all(c == 0 for c in codes):
+            t.join(timeout=5)
+            return 0
+        time.sleep(0.05)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("info", "run"):
+    if not argv or argv[0] not in ("info", "run", "rank"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "info":
@@ -47,6 +101,10 @@ def main(argv: list[str]) -> int:
         print(f"backend {entry.name}: package(s) not installed: {', '.join(missing)}", file=sys.stderr)
         return 4
     _set_env(entry, job)
+    if argv[0] == "run" and entry.processes(job) > 1:
+        return launch(entry, argv[1], job)
+    if argv[0] == "rank":
+        os.environ["DUIPAI_PROCESS_INDEX"] = argv[2]
     from .worker import main as run
     return run(argv[1])
 

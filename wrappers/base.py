@@ -39,6 +39,17 @@ class Entry:
         return {}
 
     @classmethod
+    def processes(cls, job: dict[str, Any]) -> int:
+        """OS processes this job needs (ranks or host agents); 1 = this process runs the job itself."""
+        return 1
+
+    @classmethod
+    def process_command(cls, job: dict[str, Any], job_path: str, index: int, port: int) -> tuple[list[str], dict[str, str]]:
+        """Command line and extra environment of process `index` of a multi-process job."""
+        import sys
+        return [sys.executable, "-m", "wrappers", "rank", job_path, str(index)], {}
+
+    @classmethod
     def sources(cls) -> list[str]:
         """The files whose content determines this backend's numbers (for run cache keys)."""
         here = Path(__file__).resolve().parent
@@ -84,6 +95,16 @@ class StepStats:
     grad_norm: float
     update_norm: float
     param_norm: float
+    replica_losses: list[float] | None = None   # data parallel: each replica's mean loss on its shard
+
+
+def shard_bounds(batch: int, replicas: int, fault: str | None = None) -> list[tuple[int, int]]:
+    """The harness's sharding: N contiguous shards of B/N in the harness-defined order.
+    With the `overlapping_shards` fault every replica gets the first shard (a sampler without rank offsets)."""
+    if batch % replicas:
+        raise UnsupportedError(f"global batch {batch} is not divisible by {replicas} replicas")
+    n = batch // replicas
+    return [(0, n) if fault == "overlapping_shards" else (r * n, (r + 1) * n) for r in range(replicas)]
 
 
 Masks = dict[str, np.ndarray]   # dropout layer name -> bool keep mask (B, *shape)
@@ -124,6 +145,16 @@ class Backend:
     def declared_differences(self) -> list[str]:
         """Ids from algorithms.differences that apply to this model and these hyper-parameters."""
         return []
+
+    def parallel_info(self) -> dict[str, Any]:
+        """For the manifest: the data-parallel strategy, replicas, devices and process layout."""
+        if self.opts.devices != 1:
+            raise UnsupportedError(f"backend {self.name} has no data-parallel implementation (--devices {self.opts.devices})")
+        return {"strategy": "single device", "replicas": 1, "processes": 1}
+
+    def is_primary(self) -> bool:
+        """Whether this process writes the results (rank 0 / chief / process 0 in multi-process runs)."""
+        return True
 
     # ---- state
     def load_params(self, params: dict[str, np.ndarray]) -> None:

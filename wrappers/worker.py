@@ -77,8 +77,9 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
         f.write(",".join(fmt(v) for v in (step, float(loss), float(acc))) + "\n")
         f.flush()
 
+    replicas = opts.devices
     with open(out_dir / "steps.csv", "w") as fs, open(out_dir / "eval.csv", "w") as fe:
-        fs.write(",".join(STEP_COLUMNS) + "\n")
+        fs.write(",".join(STEP_COLUMNS + ([f"replica_loss_{r}" for r in range(replicas)] if replicas > 1 else [])) + "\n")
         fe.write(",".join(EVAL_COLUMNS) + "\n")
         checkpoint(0)
         evaluate(0, fe)
@@ -92,6 +93,11 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
             dt = time.perf_counter() - t0
             row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
                    st.update_norm, st.param_norm, backend.lr_for(step), D.batch_checksum(x, y), dt)
+            if replicas > 1:
+                if not st.replica_losses or len(st.replica_losses) != replicas:
+                    raise RuntimeError(f"backend {backend.name} ran {replicas} replicas but returned "
+                                       f"{len(st.replica_losses or [])} replica losses")
+                row = row + tuple(st.replica_losses)
             fs.write(",".join(fmt(v) for v in row) + "\n")
             done = step + 1
             if done % hp.checkpoint_every == 0 or done == hp.steps:
@@ -204,8 +210,12 @@ def main(job_path: str) -> int:
             "backend": entry.name, "framework": cls.framework, "versions": backend.versions(),
             "devices": backend.devices(), "determinism": backend.determinism(),
             "declared_differences": backend.declared_differences(), "fault": backend.opts.fault,
-            "pid": os.getpid(),
+            "parallel": backend.parallel_info(), "pid": os.getpid(),
         }
+        if not backend.is_primary():   # another rank / host: compute in lock-step, write nothing that stays
+            import tempfile
+            out_dir = Path(tempfile.mkdtemp(prefix="duipai-rank-"))
+            channel = open(os.devnull, "w")
         t0 = time.perf_counter()
         modes = {"train": lambda: run_train(job, backend, out_dir, channel), "probe": lambda: run_probe(job, backend, out_dir),
                  "replay": lambda: run_replay(job, backend, out_dir)}
@@ -219,4 +229,7 @@ def main(job_path: str) -> int:
         return 3
     (out_dir / "worker.json").write_text(json.dumps(info, indent=2, default=str))
     progress(channel, done=True)
+    if not backend.is_primary():
+        import shutil
+        shutil.rmtree(out_dir, ignore_errors=True)
     return 0
