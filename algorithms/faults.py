@@ -54,7 +54,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "use_bias dropped in one port of a layer", "a layer with use_bias = true"),
     Fault("maxpool_ceil", "forward", "maxpool2d with 'valid' padding on an odd size",
           "torch MaxPool2d(ceil_mode=True) where the reference floors the output size",
-          "a valid maxpool2d on an odd-sized input"),
+          "a valid maxpool2d on an odd-sized input followed by global pooling (cnn2d_hard pool3)"),
     Fault("grad_double", "backward", "",
           "gradient counted twice (e.g. a parameter shared by two hooks; pytorch#160285); Adam hides it in the loss"),
     Fault("lr_scale_1.001", "optimizer", "", "learning rate off by 0.1 % (a mistyped hyper-parameter)"),

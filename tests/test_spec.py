@@ -27,6 +27,8 @@ def test_builtin_models_load_and_shapes():
     hard = load_model("cnn2d_hard")
     conv2 = next(l for l in hard.layers if l.name == "conv2")
     assert conv2.out_shape == (4, 4, 32) and conv2.padding == ((0, 1), (0, 1))   # TF SAME: odd pixel after
+    pool3 = next(l for l in hard.layers if l.name == "pool3")
+    assert pool3.in_shape == (3, 3, 64) and pool3.out_shape == (1, 1, 64)   # floor, where ceil would give 2x2
     assert hard.has("batchnorm2d") and hard.has("dropout") and hard.has("avgpool2d")
 
 
