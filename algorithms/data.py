@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,21 @@ def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str,
     return ds
 
 
-def load_digits() -> Dataset:
-    """scikit-learn's 1797 real 8x8 handwritten digits (they ship in the wheel), pixels 0..16."""
+def load_digits(cache_dir: str | Path | None = None) -> Dataset:
+    """scikit-learn's 1797 real 8x8 handwritten digits (they ship in the wheel), pixels 0..16.
+
+    With a cache folder the prepared arrays are kept per scikit-learn version (importing
+    scikit-learn costs seconds; a cached matrix rerun should not)."""
+    if cache_dir is not None:
+        import importlib.metadata as md
+        cache = Path(cache_dir) / f"digits-sklearn-{md.version('scikit-learn')}.npz"
+        if cache.exists():
+            z = load_npz(cache)
+            meta = json.loads(str(z.pop("meta")))
+            return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"], meta)
+        ds = load_digits()
+        save_npz(cache, {**ds.arrays(), "meta": np.array(json.dumps(ds.meta))})
+        return ds
     from sklearn.datasets import load_digits as _ld
     d = _ld()
     x = d.images.astype(np.float64)[..., None]
@@ -226,7 +240,7 @@ def load_data(spec: str, *, cache_dir: str | Path | None = None,
               image_shape: tuple[int, int, int] | None = None, classes: int = 10) -> Dataset:
     """`digits` | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`."""
     if spec == "digits":
-        return load_digits()
+        return load_digits(cache_dir)
     if spec.startswith("synthetic"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 1200
         return synthetic(n, image_shape or (8, 8, 1), classes)

@@ -18,6 +18,8 @@ from algorithms.optim import HParams, lr_at
 from algorithms.spec import ModelSpec
 
 REGISTRY: dict[str, type["Entry"]] = {}
+# module -> the distributions that may provide it (first found wins)
+DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly")}
 
 
 class Entry:
@@ -62,9 +64,16 @@ class Entry:
     def versions(cls) -> dict[str, str]:
         """Installed versions of the frameworks this backend uses, from package metadata (no import)."""
         import importlib.metadata as md
-        dists = md.packages_distributions()
+        out = {}
         mods = list(cls.requires) + (["jaxlib"] if "jax" in cls.requires else [])
-        return {m: md.version(dists[m][0]) for m in mods if m in dists}
+        for m in mods:
+            for dist in DISTRIBUTIONS.get(m, (m,)):
+                try:
+                    out[m] = md.version(dist)
+                    break
+                except md.PackageNotFoundError:
+                    continue
+        return out
 
     @classmethod
     def missing(cls) -> list[str]:
