@@ -22,6 +22,9 @@ Figures, each leaving out the first W=10 steps (tracing / compilation / first ca
 
     python bench/bench_step.py [--backends torch jax ...] [--steps 400] [--repeats 3] [--quick]
 
+Then, per backend, bench/step_breakdown.py runs the harness's train_step and the hand-written step
+interleaved in blocks inside one process (the most load-robust figure; --interleaved-rounds 0 skips it).
+
 Writes bench/results/bench_step.md and bench_step.json (with --quick: bench/results/quick/).
 """
 from __future__ import annotations
@@ -93,6 +96,25 @@ def run_harness(backend: str, steps: int, warmup: int, root: Path, name: str, ti
             "last_loss": float(rows[-1]["loss"])}
 
 
+def run_interleaved(backend: str, rounds: int, block: int, timeout: float) -> dict:
+    """bench/step_breakdown.py, variants `harness` (Backend.train_step) and `hand` only: the two steps
+    interleaved in blocks inside one process, so the load of the machine falls on both alike."""
+    with tempfile.TemporaryDirectory(prefix="duipai-interleaved-") as tmp:
+        out = Path(tmp) / "res.json"
+        r = subprocess.run([sys.executable, str(HERE / "step_breakdown.py"), "-b", backend, "--rounds", str(rounds),
+                            "--block", str(block), "--variants", "harness", "--json", str(out)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        if r.returncode != 0 or not out.exists():
+            tail = "\n".join("    " + l for l in r.stderr.strip().splitlines()[-6:])
+            raise RuntimeError(f"interleaved {backend} exited with code {r.returncode}\n{tail}")
+        res = json.loads(out.read_text())
+    v = {x["variant"]: x for x in res["variants"]}
+    return {"rounds": rounds, "block": block, "harness_p10_s": v["harness"]["p10_us"] / 1e6,
+            "hand_p10_s": v["hand"]["p10_us"] / 1e6, "harness_median_s": v["harness"]["median_us"] / 1e6,
+            "hand_median_s": v["hand"]["median_us"] / 1e6, "ratio_p10": v["harness"]["p10_ratio_to_hand"],
+            "ratio_median": v["harness"]["ratio_to_hand"]}
+
+
 def quantiles(times: list[float]) -> dict[str, float]:
     """Low quantiles of one run's step times: on a shared machine a step is either left alone or
     stretched by the scheduler, so the fast steps show the cost and the median shows the load."""
@@ -128,7 +150,7 @@ def med(vals: list[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarise(b: str, runs: list[dict], skipped: str | None) -> dict:
+def summarise(b: str, runs: list[dict], skipped: str | None, inter: dict | None = None) -> dict:
     h = [r["harness"] for r in runs if "harness" in r]
     l = [r["hand"] for r in runs if "hand" in r]
     row: dict = {"backend": b, "repeats": len(runs)}
@@ -148,6 +170,8 @@ def summarise(b: str, runs: list[dict], skipped: str | None) -> dict:
         row["pair_ratios_p10"] = [r["harness"]["p10_s"] / r["hand"]["p10_s"] for r in both]
         row["ok"] = row["ratio_per_step"] <= TARGET
         row["ok_p10"] = row["ratio_p10"] <= TARGET
+    if inter:
+        row["interleaved"] = inter
     return row
 
 
@@ -170,23 +194,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{' **Quick smoke run.**' if meta['quick'] else ''}",
              "", "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
              f"| backend | harness median (ms) | hand median (ms) | ratio, median | harness p10 (ms) | "
-             f"hand p10 (ms) | ratio, p10 | harness whole-loop (ms) | hand whole-loop (ms) | ratio, whole-loop | "
-             f"p10 ratio per pair |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"hand p10 (ms) | ratio, p10 | interleaved ratio, p10 (median) | harness whole-loop (ms) | "
+             f"hand whole-loop (ms) | ratio, whole-loop | p10 ratio per pair |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     notes = []
+
+    def inter(r: dict) -> str:
+        i = r.get("interleaved")
+        return "-" if not i else f"{mark(i['ratio_p10'])} ({i['ratio_median']:.2f})"
     for r in rows:
         if "ratio_per_step" in r:
             lines.append(f"| {r['backend']} | {ms(r['harness_per_step_s'])} | {ms(r['hand_per_step_s'])} | "
                          f"{mark(r['ratio_per_step'])} | {ms(r['harness_p10_s'])} | {ms(r['hand_p10_s'])} | "
-                         f"{mark(r['ratio_p10'])} | {ms(r['harness_whole_loop_s'])} | "
+                         f"{mark(r['ratio_p10'])} | {inter(r)} | {ms(r['harness_whole_loop_s'])} | "
                          f"{ms(r['hand_whole_loop_s'])} | {r['ratio_whole_loop']:.2f} | "
                          f"{', '.join(f'{p:.2f}' for p in r['pair_ratios_p10'])} |")
         elif "harness_per_step_s" in r or "hand_per_step_s" in r:
             lines.append(f"| {r['backend']} | {ms(r.get('harness_per_step_s'))} | {ms(r.get('hand_per_step_s'))} | - | "
-                         f"{ms(r.get('harness_p10_s'))} | {ms(r.get('hand_p10_s'))} | - | "
+                         f"{ms(r.get('harness_p10_s'))} | {ms(r.get('hand_p10_s'))} | - | {inter(r)} | "
                          f"{ms(r.get('harness_whole_loop_s'))} | {ms(r.get('hand_whole_loop_s'))} | - | |")
         else:
-            lines.append(f"| {r['backend']} | skipped | | | | | | | | | |")
+            lines.append(f"| {r['backend']} | skipped | | | | | | | | | | |")
         if r.get("skipped"):
             notes.append(f"- **{r['backend']}** skipped: {r['skipped']}")
     lines += ["", f"Target: ratio <= {TARGET}. Per-step figures are one run's step times (harness: steps.csv "
@@ -196,7 +224,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "then measures the load and the p10 measures the step, so the p10 ratio is the one to read there. "
               "Whole-loop: the training loop's wall time per step (harness: worker.json `train_wall_s`, which also "
               "holds the batch gather, checksum, CSV rows and the checkpoints and evaluations every 50 steps), "
-              "less the warm-up steps on both sides."]
+              "less the warm-up steps on both sides. Interleaved: bench/step_breakdown.py, the harness's "
+              "`Backend.train_step` and the hand-written step (for Keras: what `fit` runs per step) alternating "
+              f"in blocks of {meta.get('interleaved_block', 20)} steps for {meta.get('interleaved_rounds', 0)} "
+              "rounds inside one process: both see the same load, the most robust figure on a busy machine."]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -212,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fast smoke run: 60 steps, 1 pair, results/quick/")
     ap.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     ap.add_argument("--results", type=Path, default=None, help="output folder (default bench/results[/quick])")
+    ap.add_argument("--interleaved-rounds", type=int, default=None,
+                    help="rounds of the in-process interleaved comparison (default 10; --quick 4; 0: skip it)")
     args = ap.parse_args(argv)
     steps = args.steps or (60 if args.quick else 400)
     repeats = args.repeats or (1 if args.quick else 3)
     out_dir = args.results or (RESULTS / "quick" if args.quick else RESULTS)
+    rounds = args.interleaved_rounds if args.interleaved_rounds is not None else (4 if args.quick else 10)
     if steps <= args.warmup + 1:
         ap.error(f"--steps must exceed --warmup ({args.warmup}) + 1")
     unknown = [b for b in args.backends if b not in ALL_BACKENDS]
@@ -225,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "versions": versions(), "steps": steps, "repeats": repeats, "warmup": args.warmup,
             "quick": args.quick, "model": "cnn2d_2conv_2fc", "target_ratio": TARGET,
+            "interleaved_rounds": rounds, "interleaved_block": 20,
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
     installed = set(runner.installed_backends())
     skipped: dict[str, str] = {}
@@ -262,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ms(l['per_step_s'])} ms = {h['per_step_s'] / l['per_step_s']:.2f}; p10 harness "
                       f"{ms(h['p10_s'])} / hand {ms(l['p10_s'])} ms = {h['p10_s'] / l['p10_s']:.2f}",
                       file=sys.stderr, flush=True)
-    rows = [summarise(b, runs[b], skipped.get(b)) for b in args.backends]
+    inter: dict[str, dict] = {}
+    for b in args.backends:
+        if rounds <= 0 or not runs[b]:
+            continue
+        try:
+            inter[b] = run_interleaved(b, rounds, 20, args.timeout)
+            i = inter[b]
+            print(f"  {b:<17} interleaved: p10 harness {ms(i['harness_p10_s'])} / hand {ms(i['hand_p10_s'])} ms = "
+                  f"{i['ratio_p10']:.2f} (median {i['ratio_median']:.2f})", file=sys.stderr, flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError, KeyError) as e:
+            print(f"bench_step: interleaved {b} failed: {e}", file=sys.stderr)
+    rows = [summarise(b, runs[b], skipped.get(b), inter.get(b)) for b in args.backends]
     text = markdown(rows, meta)
     print(text)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,7 @@ def child(job_path: str, top: int) -> None:
     ps = pstats.Stats(prof, stream=s)
     ps.sort_stats("tottime").print_stats(top)
     res["profile_steps"] = hp.steps - half
+    res["train_step_s"] = t["train_step"]
     res["cprofile_tottime"] = s.getvalue()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(top)

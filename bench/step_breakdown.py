@@ -35,7 +35,7 @@ Step = Callable[[int, np.ndarray, np.ndarray], float]
 
 
 # ----------------------------------------------------------------------------- torch
-def torch_variants(make_backend) -> dict[str, Step]:
+def torch_variants(make_backend, data) -> dict[str, Step]:
     import torch
     from torch import nn
     from bench.hand_loops._common import LR, MOMENTUM, flatten_perm, problem
@@ -125,7 +125,7 @@ def torch_variants(make_backend) -> dict[str, Step]:
 
 
 # ----------------------------------------------------------------------------- keras
-def keras_variants(make_backend) -> dict[str, Step]:
+def keras_variants(make_backend, data) -> dict[str, Step]:
     import keras
     from bench.hand_loops._common import LR, MOMENTUM, problem
     kb = keras.backend.backend()
@@ -153,7 +153,21 @@ def keras_variants(make_backend) -> dict[str, Step]:
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
         return m
 
-    out: dict[str, Step] = {"harness": harness, "harness net, plain train_on_batch": tob}
+    ba, bb = make_backend(), make_backend()
+
+    def tob_lr_assign(step, x, y):
+        ba.optimizer.learning_rate = float(ba.lr_for(step))      # as the harness: a variable assign per step
+        logs = ba.net.train_on_batch(*ba._xy(x, y), return_dict=True)
+        return float(logs["loss"])
+
+    def tob_lr_readback(step, x, y):
+        logs = bb.net.train_on_batch(*bb._xy(x, y), return_dict=True)
+        bb.last_lr = np.float32(np.asarray(keras.ops.convert_to_numpy(bb.optimizer._learning_rate.value)))
+        return float(logs["loss"])
+
+    out: dict[str, Step] = {"harness": harness, "harness net, plain train_on_batch": tob,
+                            "harness net, train_on_batch + lr assign": tob_lr_assign,
+                            "harness net, train_on_batch + lr read back": tob_lr_readback}
     hm = hand_model()
 
     def hand_tob(step, x, y):
@@ -181,20 +195,41 @@ def keras_variants(make_backend) -> dict[str, Step]:
         bj = make_backend()
         out["harness net, fit-like state (no sync)"] = fit_like(bj.net)
         out["hand"] = fit_like(hand_model())
-    else:
+    elif kb == "tensorflow":
+        import tensorflow as tf
+        bf = make_backend()
+        own_fn = tf.function(lambda x, y: bf.net.train_step((x, y)))
+
+        def own_tf_function(step, x, y):
+            """The harness net's custom train_step in a tf.function of our own, fed tensors: no
+            train_on_batch machinery (reset_metrics, symbolic-build check, generator, log pythonify)."""
+            bf.optimizer.learning_rate.assign(bf.lr_for(step))
+            logs = own_fn(tf.constant(x), tf.constant(y))
+            return float(logs["loss"])
+        out["harness net, own tf.function(train_step), tensors in"] = own_tf_function
+    if kb != "jax":
         hm2 = hand_model()
         hm2.make_train_function()
         from keras.src.utils.python_utils import pythonify_logs
 
-        def fit_like_other(step, x, y):
-            logs = hm2.train_function(iter([(x, y, None)]) if kb == "tensorflow" else [(x, y, None)])
-            return float(pythonify_logs(logs)["loss"])
-        out["hand"] = fit_like_other
+        if kb == "tensorflow":
+            import tensorflow as tf
+            x_tr, y_tr, order = data          # fit's way: a tf.data iterator over the run's batches
+            flat = order.reshape(-1)
+            it = iter(tf.data.Dataset.from_tensor_slices((x_tr[flat], y_tr[flat])).batch(order.shape[1]).repeat())
+
+            def fit_like_tf(step, x, y):
+                return float(pythonify_logs(hm2.train_function(it))["loss"])
+            out["hand"] = fit_like_tf
+        else:
+            def fit_like_torch(step, x, y):
+                return float(pythonify_logs(hm2.train_function([(x, y, None)]))["loss"])
+            out["hand"] = fit_like_torch
     return out
 
 
 # ----------------------------------------------------------------------------- jax, tensorflow
-def jax_variants(make_backend) -> dict[str, Step]:
+def jax_variants(make_backend, data) -> dict[str, Step]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -280,7 +315,7 @@ def jax_variants(make_backend) -> dict[str, Step]:
             "harness, loss only": no_stats, "hand": hand}
 
 
-def tensorflow_variants(make_backend) -> dict[str, Step]:
+def tensorflow_variants(make_backend, data) -> dict[str, Step]:
     import tensorflow as tf
     from tensorflow.python.framework import config as tf_config
     from bench.hand_loops._common import LR, MOMENTUM, problem
@@ -348,7 +383,7 @@ VARIANTS = {"torch": torch_variants, "keras-jax": keras_variants, "keras-tensorf
             "keras-torch": keras_variants, "jax": jax_variants, "tensorflow": tensorflow_variants}
 
 
-def child(job_path: str, rounds: int, block: int, warmup: int) -> None:
+def child(job_path: str, rounds: int, block: int, warmup: int, only: list[str] | None = None) -> None:
     from wrappers.__main__ import _set_env
     from wrappers.registry import REGISTRY
     job = json.loads(Path(job_path).read_text())
@@ -366,10 +401,12 @@ def child(job_path: str, rounds: int, block: int, warmup: int) -> None:
         b.load_params(init)
         return b
 
-    variants = VARIANTS[job["backend"]](make_backend)
     arrays = load_npz(job["data"])
-    x_tr, y_tr = arrays["x_train"], arrays["y_train"]
     order = np.load(job["order"])
+    variants = VARIANTS[job["backend"]](make_backend, (arrays["x_train"], arrays["y_train"], order))
+    if only:
+        variants = {n: f for n, f in variants.items() if n in only or n == "hand"}   # hand: the reference
+    x_tr, y_tr = arrays["x_train"], arrays["y_train"]
     names = list(variants)
     steps = {n: 0 for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
@@ -414,16 +451,18 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=25, help="steps per block")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (e.g. harness hand)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.rounds, args.block, args.warmup)
+        child(args.child, args.rounds, args.block, args.warmup, args.variants)
         return 0
     with tempfile.TemporaryDirectory(prefix="duipai-breakdown-") as tmp:
         job = make_job(args.backend, 300, Path(tmp))
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="0")
         r = subprocess.run([sys.executable, __file__, "--child", str(job), "--rounds", str(args.rounds),
-                            "--block", str(args.block), "--warmup", str(args.warmup)],
+                            "--block", str(args.block), "--warmup", str(args.warmup),
+                            *(["--variants", *args.variants] if args.variants else [])],
                            capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((l for l in r.stdout.splitlines() if l.startswith("@@RESULT@@")), None)
     if r.returncode != 0 or line is None:

@@ -28,6 +28,7 @@ from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_ser
 from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run, mismatches
 
 IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
+DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
 SERIES_ORDER = {s: i for i, s in enumerate(("batch_checksum",) + SERIES)}
 
 
@@ -100,7 +101,7 @@ def _judge(p: Pair) -> None:
         i = int(np.searchsorted(p.a.step, p.checksum_step))
         j = int(np.searchsorted(p.b.step, p.checksum_step))
         cands.append({"step": p.checksum_step, "series": "batch_checksum", "factor": math.inf, "reason": "data",
-                      "a_value": str(p.a.checksum[i]), "b_value": str(p.b.checksum[j]), "deviation": None,
+                      "a_value": p.a.checksum[i].decode(), "b_value": p.b.checksum[j].decode(), "deviation": None,
                       "envelope": 0.0})
     for s, c in p.checks.items():
         if c.diverged_step is not None:
@@ -197,7 +198,7 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
             return None
         if p.verdict in (IDENTICAL, DRIFT):
             return "agree"
-        return "disagree" if p.verdict == BUG else None
+        return "disagree" if p.verdict in (BUG, DIFFER) else None
 
     for x in runs:
         others = [r for r in runs if r is not x]
@@ -223,7 +224,7 @@ class Comparison:
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(p.verdict == BUG for p in self.pairs) else 0
+        return 1 if any(p.verdict == BUG for p in self.pairs if p.with_reference) else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -266,6 +267,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
             for y in candidates[i + 1:]:
                 p = check_pair(envelope, x, y, rule, False)
                 p.declared = sorted(declared_of(p.a, p.b))
+                if p.verdict == BUG:
+                    p.verdict = DIFFER
                 pairs.append(p)
                 index[(x.name, y.name)] = p
     odd = odd_one_out(runs, index)
@@ -377,11 +380,19 @@ def steps_csv(c: Comparison) -> str:
     return pd.concat(frames, ignore_index=True).to_csv(index=False, float_format=None)
 
 
-def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool = True) -> dict[str, Path]:
+STEPS_CSV_AUTO_LIMIT = 100_000   # per-step rows written by default up to this many steps
+
+
+def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool | None = None) -> dict[str, Path]:
+    """comparison.json, comparison.csv and (by default for runs up to STEPS_CSV_AUTO_LIMIT steps)
+    comparison-steps.csv, each written atomically."""
     out_dir = Path(out_dir)
-    doc = jsonable(c.to_dict())
     paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
     if isinstance(c, Comparison):
+        if per_step is None:
+            per_step = len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT
+            if not per_step:
+                c.notes.append(f"comparison-steps.csv not written ({len(c.reference.step)} steps; --steps-csv writes it)")
         rows = [pair_row(p, c.forced) for p in c.pairs]
         atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
         if per_step:
@@ -389,6 +400,7 @@ def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool = True) 
             atomic_write(paths["steps"], steps_csv(c))
     else:
         atomic_write(paths["csv"], c.csv())
+    doc = jsonable(c.to_dict())
     doc["files"] = {k: str(v) for k, v in paths.items()}
     atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
     return paths
@@ -403,16 +415,32 @@ def _fmt_factor(x: Any) -> str:
     return f"{x:.3g}x"
 
 
+def labels(runs: list[Run]) -> dict[str, str]:
+    """Short names for the table: the parts of each folder name (split at '__') that not every run
+    shares, the backend first; the full name where that would be ambiguous."""
+    parts = {r.name: r.name.split("__") for r in runs}
+    common = set.intersection(*(set(p) for p in parts.values())) if runs else set()
+    out = {}
+    for r in runs:
+        rest = [x for x in parts[r.name] if x not in common and x != r.backend]
+        out[r.name] = " ".join([r.backend] + rest)
+    if len(set(out.values())) < len(out):
+        return {r.name: r.name for r in runs}
+    return out
+
+
 def render(c: Comparison) -> str:
     lines = []
+    lab = labels(c.runs)
     for f in c.forced:
         lines.append(f"FORCED: {f}")
-    env_desc = ", ".join(str(r.perturb_ulp) for r in c.envelope_runs)
     r = c.rule
     lines.append(f"reference: {c.reference.name} ({c.reference.backend})")
-    lines.append(f"envelope:  {len(c.envelope_runs)} {c.reference.backend} runs --perturb-ulp {env_desc}; "
-                 f"exceed = |diff| > {r.margin:g} x max(spread smoothed over +-{r.window}, "
-                 f"{r.ulps:g} float32 ULP, {r.abs_floor:g}); >= 2 consecutive or > {r.max_isolated} isolated = divergence")
+    kinds = ", ".join(f"--perturb-ulp {m.perturb_ulp}" + (" --dtype float64" if m.options.get("dtype") == "float64" else "")
+                      for m in c.envelope_runs)
+    lines.append(f"envelope:  {len(c.envelope_runs)} {c.reference.backend} runs ({kinds})")
+    lines.append(f"rule:      exceed = |diff| > {r.margin:g} x max(spread, max over +-{r.window} steps; {r.ulps:g} float32 "
+                 f"ULP; {r.abs_floor:g}); divergence = 2 consecutive exceedances or > {r.max_isolated} isolated")
     sat = {s: e.summary()["saturated_at_step"] for s, e in c.envelope.items() if e.saturated_at is not None}
     if sat:
         lines.append("saturated: " + ", ".join(f"{s} from step {t}" for s, t in sat.items()))
@@ -430,7 +458,7 @@ def render(c: Comparison) -> str:
         if p.verdict == DECLARED:
             where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
         inside = max((x.max_ratio for x in p.checks.values() if math.isfinite(x.max_ratio)), default=0.0)
-        rows.append((p.b.name, p.verdict, "-" if f.get("step") is None else str(f["step"]),
+        rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
                      f.get("series", "-"), _fmt_factor(f.get("factor")) if p.first else f"max {inside:.2g}x",
                      where))
     head = ("candidate", "verdict", "step", "series", "factor", "where")
@@ -445,7 +473,7 @@ def render(c: Comparison) -> str:
             continue
         if p.first or p.notes:
             lines.append("")
-            lines.append(f"{p.b.name}: {p.verdict}")
+            lines.append(f"{lab[p.b.name]}: {p.verdict}  ({p.b.name})")
         if p.first:
             f = p.first
             if f["series"] == "batch_checksum":
@@ -461,11 +489,13 @@ def render(c: Comparison) -> str:
     others = [p for p in c.pairs if not p.with_reference]
     if others:
         lines.append("")
-        lines.append("pairs without the reference (margin x{:g}): ".format(c.rule.margin * c.rule.pair_factor)
-                     + "; ".join(f"{p.a.name} ~ {p.b.name}: {p.verdict}"
-                                 + (f" at {p.first['step']} {p.first['series']}" if p.first else "") for p in others))
+        lines.append("pairs without the reference (margin x{:g}):".format(c.rule.margin * c.rule.pair_factor))
+        for p in others:
+            lines.append(f"  {lab[p.a.name]} ~ {lab[p.b.name]}: {p.verdict}"
+                         + (f" from step {p.first['step']} ({p.first['series']}, {_fmt_factor(p.first['factor'])})"
+                            if p.first else ""))
     if c.odd:
-        lines.append(f"odd one out: {c.odd['statement']}")
+        lines.append(f"odd one out: {lab[c.odd['run']]}: disagrees with every other run, and they all agree")
     for n in c.notes:
         lines.append(f"note: {n}")
     for f in c.forced:

@@ -103,7 +103,8 @@ def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
 @click.option("--no-localize", is_flag=True, help="Do not run probe/replay jobs to localize a BUG.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Folder for comparison.csv/.json (default: next to the runs).")
-@click.option("--no-steps-csv", is_flag=True, help="Skip comparison-steps.csv (every per-step number).")
+@click.option("--steps-csv/--no-steps-csv", "steps_csv", default=None,
+              help="Write comparison-steps.csv (every per-step number; default: for runs up to 100,000 steps).")
 @click.option("--json", "as_json", is_flag=True, help="Print comparison.json on stdout instead of the table.")
 @click.option("--timeout", type=float, default=None, help="Kill a backend job (envelope, probe, replay) after this many s.")
 @click.option("--stat", is_flag=True, help="Statistical mode: groups of seeds, Welch t-test per metric and step.")
@@ -112,14 +113,14 @@ def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
 @click.option("--metrics", default="eval_loss,eval_accuracy,loss", show_default=True, help="--stat: series compared.")
 @click.option("--alpha", type=float, default=0.05, show_default=True, help="--stat: significance level (Bonferroni).")
 def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths: tuple[Path, ...], no_fp64: bool,
-                margin: float | None, force: bool, no_localize: bool, out: Path | None, no_steps_csv: bool,
+                margin: float | None, force: bool, no_localize: bool, out: Path | None, steps_csv: bool | None,
                 as_json: bool, timeout: float | None, stat: bool, seeds: str | None, at: str | None,
                 metrics: str, alpha: float) -> None:
     """Compare runs of one configuration: IDENTICAL / DRIFT / BUG / DECLARED / INCONCLUSIVE per
     candidate against the reference's calibrated 1-ULP envelope; a BUG is localized to a stage,
     layer and parameter. PATHS: run folders, or one results folder."""
     try:
-        code = _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, no_steps_csv, as_json,
+        code = _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, steps_csv, as_json,
                      timeout, stat, seeds, at, metrics, alpha)
     except BadInput as e:
         _fail(str(e))
@@ -132,7 +133,7 @@ def _log(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, no_steps_csv, as_json, timeout,
+def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, steps_csv, as_json, timeout,
           stat, seeds, at, metrics, alpha) -> int:
     from .compare import compare, jsonable, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -183,11 +184,11 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
     if len(results) == 1:
         c = results[0]
         c.notes += notes
-        paths_written = write_outputs(c, out_dir, per_step=not no_steps_csv)
+        paths_written = write_outputs(c, out_dir, per_step=steps_csv)
         doc = json.loads(paths_written["json"].read_text())
         text = render(c)
     else:
-        paths_written, doc, text = _write_groups(results, out_dir, notes, no_steps_csv)
+        paths_written, doc, text = _write_groups(results, out_dir, notes, steps_csv)
     if as_json:
         click.echo(json.dumps(doc))
     else:
@@ -196,9 +197,9 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
     return code
 
 
-def _write_groups(results, out_dir: Path, notes: list[str], no_steps_csv: bool):
+def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | None):
     """Several comparable groups in one results folder: one document listing every comparison."""
-    from .compare import CSV_FIELDS, atomic_write, jsonable, pair_row, render, steps_csv, to_csv
+    from .compare import CSV_FIELDS, atomic_write, jsonable, pair_row, render, steps_csv as steps_table, to_csv
     rows, docs, texts = [], [], []
     for c in results:
         rows += [pair_row(p, c.forced) for p in c.pairs]
@@ -206,13 +207,16 @@ def _write_groups(results, out_dir: Path, notes: list[str], no_steps_csv: bool):
         texts.append(render(c))
     paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
     atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
-    if not no_steps_csv:
+    if steps_csv is None:
+        from .compare import STEPS_CSV_AUTO_LIMIT
+        steps_csv = all(len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT for c in results)
+    if steps_csv:
         paths["steps"] = out_dir / "comparison-steps.csv"
         import io
         import pandas as pd
         frames = []
         for c in results:
-            df = pd.read_csv(io.StringIO(steps_csv(c)))
+            df = pd.read_csv(io.StringIO(steps_table(c)))
             df.insert(0, "reference_run", c.reference.name)
             frames.append(df)
         atomic_write(paths["steps"], pd.concat(frames, ignore_index=True).to_csv(index=False))

@@ -51,10 +51,11 @@ def _param_order(keys: list[str], prefix: str, layers: list[str], backward: bool
 
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
-            rel_tol: float = probes.REL_TOL) -> dict[str, Any]:
-    """Compare candidate probes `a` with reference probes `b`: the stage and place of the first
-    disagreement, per-layer forward errors with the change rate R, per-parameter gradient errors."""
-    diffs = {d.key: d for d in probes.compare(a, b, rel_tol)}
+            rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
+    probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
+    of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64)}
     missing = probes.missing_keys(a, b)
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
@@ -70,9 +71,9 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
                       "input_ok": not table or table[-1]["ok"]})
         prev = rel
     out["layers"] = table
-    if table:
+    if table and not all(t["ok"] for t in table):   # CRADLE's suspect, when there is something to suspect
         top = max(table, key=lambda t: t["R"] if np.isfinite(t["R"]) else np.inf)
-        out["max_R_layer"] = top["layer"] if top["R"] > 0 else None
+        out["max_R_layer"] = top["layer"]
     grads = []
     for k in _param_order(list(diffs), "grad/", layers, backward=True):
         d = diffs[k]
@@ -143,7 +144,8 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
              f"gradients agree)")
     else:
         s = f"{st} ({res.get('probe')})"
-    summary = f"{st}: {res.get('layer') or res.get('parameter') or res.get('probe') or ''}".rstrip(": ")
+    where = res.get("layer") if st == "forward" else (res.get("parameter") or res.get("layer"))
+    summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")
     if res.get("layers"):
         lines.append("  layer            rel. error   R (change rate)  agrees")
@@ -160,6 +162,12 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
 
 
 # --------------------------------------------------------------------------- running probe and replay jobs
+def same_path(a: Run, b: Run) -> bool:
+    """Same backend and options (a fault or a weight perturbation aside): the same arithmetic."""
+    keys = ("dtype", "threads", "devices", "jit", "extra", "deterministic", "dropout")
+    return a.backend == b.backend and all(a.options.get(k) == b.options.get(k) for k in keys)
+
+
 def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
@@ -189,6 +197,19 @@ class Localizer:
         f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
         return load_npz(f / "probe-0.npz")
 
+    def probe64(self, ref: Run, cand: Run) -> dict[str, np.ndarray] | None:
+        """The reference configuration probed in float64, for the tolerance of probes computed by two
+        different code paths. None when the candidate runs the reference's own code path (same backend
+        and options: its correct probes are bitwise equal), when the reference is float64 already, or
+        when the backend cannot run float64."""
+        if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+            return None
+        try:
+            return self.probe0(ref, dtype="float64")
+        except runner.BackendFailed as e:
+            self.log(f"localize: no float64 reference probe ({str(e).splitlines()[0]}); fixed tolerance")
+            return None
+
     def replay(self, ref: Run, cand: Run, at: list[int]) -> dict[str, Any]:
         ck_dir = ref.path / "checkpoints"
         cks = sorted(int(p.stem.split("_")[1]) for p in ck_dir.glob("step_*.npz")) if ck_dir.is_dir() else []
@@ -203,6 +224,13 @@ class Localizer:
         states = {str(t): str(rf / f"state_{t:07d}.npz") for t in at}
         cf = self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
                        {"replay": {"at": at, "states": states, "probe_steps": 1}})
+        r64 = None
+        if ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand):
+            try:
+                r64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
+                                {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
+            except runner.BackendFailed as e:
+                self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / "worker.json").read_text())
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
         repro = None
@@ -215,7 +243,9 @@ class Localizer:
                      "max_abs_diff": float(np.max(np.abs(got - want)))}
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
                 "reproduced": repro,
-                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz(rf / f"probe-{i}.npz")) for i, t in enumerate(at)]}
+                "float64_job": str(r64) if r64 else None,
+                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz(rf / f"probe-{i}.npz"),
+                            load_npz(r64 / f"probe-{i}.npz") if r64 else None) for i, t in enumerate(at)]}
 
     # ----------------------------------------------------------------------- the procedure
     def __call__(self, pair) -> dict[str, Any]:
@@ -235,11 +265,11 @@ class Localizer:
             t = pair.checksum_step
             i, j = int(np.searchsorted(ref.step, t)), int(np.searchsorted(cand.step, t))
             line = (f"localized by batch checksums: data: step {t} was fed a different batch "
-                    f"({cand.checksum[j]} vs reference {ref.checksum[i]})")
+                    f"({cand.checksum[j].decode()} vs reference {ref.checksum[i].decode()})")
             return {"stage": "data", "method": "batch checksum", "step": t, "layer": None, "parameter": None,
                     "probe": None, "summary": f"data: batch of step {t}", "lines": [line], "disagreeing_keys": []}
         # (b) step-0 probes of both configurations
-        res = analyse(self.probe0(cand), self.probe0(ref), layers)
+        res = analyse(self.probe0(cand), self.probe0(ref), layers, ref64=self.probe64(ref, cand))
         method = "step-0 probes"
         if res["stage"] is not None:
             res = self._reduction(ref, cand, res, layers)
@@ -263,8 +293,8 @@ class Localizer:
                 if "error" in rep:
                     res = dict(step0, replay=rep)
                 else:
-                    for t, pa, pb in rep["probes"]:
-                        r = analyse(pa, pb, layers)
+                    for t, pa, pb, p64 in rep["probes"]:
+                        r = analyse(pa, pb, layers, ref64=p64)
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state"
                             res["step"] = t
@@ -274,8 +304,9 @@ class Localizer:
         summary, lines = describe(res, method)
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
-            lines = [f"not localized: {where} agree within rel {probes.REL_TOL:g}; the excess builds up over "
-                     "many steps or lies outside what one step's probes see"]
+            lines = [f"not localized: {where} agree (tolerance: 3x the reference's own float32 error against "
+                     f"its float64 probe, at least {probes.REL_TOL:g}); the excess builds up over many steps or "
+                     "lies outside what one step's probes see"]
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
@@ -292,7 +323,7 @@ class Localizer:
         """A candidate on several replicas that agrees with the reference once run on one."""
         if cand.options.get("devices", 1) == ref.options.get("devices", 1) or cand.options.get("devices", 1) == 1:
             return res
-        one = analyse(self.probe0(cand, devices=1), self.probe0(ref), layers)
+        one = analyse(self.probe0(cand, devices=1), self.probe0(ref), layers, ref64=self.probe64(ref, cand))
         if one["stage"] is None:
             stage = "data" if res["stage"] == "forward" else "reduction"
             res = dict(res, stage=stage, note=f"agrees with --devices 1: the replicas "

@@ -213,6 +213,7 @@ def test_odd_one_out_among_three(fam):
     b = load_run(write_run(root, "b", s, base_eval(N), backend="tensorflow"))
     c = compare(ref, [a, b], compute(ref, members), members)
     assert [p.verdict for p in c.pairs if p.with_reference] == [DRIFT, BUG]
+    assert [p.verdict for p in c.pairs if not p.with_reference] == ["DIFFER"]
     assert c.odd and c.odd["backend"] == "tensorflow"
 
 
@@ -320,6 +321,26 @@ def test_cli_results_folder_groups_runs_and_skips_envelope_members(fam):
     assert any("lonely" in n for n in doc["notes"])
 
 
+def test_cli_results_folder_with_two_configurations(tmp_path):
+    rng = np.random.default_rng(9)
+    for spec in ("specA", "specB"):
+        write_run(tmp_path, f"{spec}_torch", base_series(N), base_eval(N), spec_hash=spec)
+        s = base_series(N)
+        if spec == "specB":
+            s["loss"] = s["loss"] * 1.01
+        write_run(tmp_path, f"{spec}_jax", s, base_eval(N), spec_hash=spec, backend="jax")
+        for j in (1, 2, 3):
+            write_run(tmp_path, f"{spec}_torch__ulp{j}", jitter(base_series(N), rng, 1e-6), base_eval(N),
+                      spec_hash=spec, perturb=j)
+    env = [a for j in (1, 2, 3) for a in ("--envelope", str(tmp_path / f"specA_torch__ulp{j}"))]
+    r = cli(str(tmp_path), *env, "--no-localize", "--force")
+    assert r.exit_code == 1, r.output
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    assert doc["mode"] == "lockstep-groups" and len(doc["comparisons"]) == 2
+    assert [c["verdicts"] for c in doc["comparisons"]] == [{"specA_jax": IDENTICAL}, {"specB_jax": BUG}]
+    assert len((tmp_path / "comparison.csv").read_text().splitlines()) == 3
+
+
 def test_cli_no_runs(tmp_path):
     r = cli(str(tmp_path))
     assert r.exit_code == 2 and "no complete run folders" in r.output
@@ -419,8 +440,9 @@ def adam_grad_double(results_root):
     from .torch_runs import compare_root, run
     root = compare_root(results_root)
     runs = [run(root, "adam"), run(root, "adam", fault="grad_double")]
-    # a 2-run envelope without the float64 run: two backend processes fewer; a x2 gradient is 1e6 x outside
-    return _cli_json(*map(str, runs), "-k", "2", "--no-fp64", "--out", str(root / "out-adam"))
+    # a 1-run envelope without the float64 run and no localization jobs: three backend processes in all
+    # (a x2 gradient is ~1e6 x outside any envelope; the backward localization has its own unit test)
+    return _cli_json(*map(str, runs), "-k", "1", "--no-fp64", "--no-localize", "--out", str(root / "out-adam"))
 
 
 def test_torch_grad_double_under_adam_is_caught_through_grad_norm(adam_grad_double):
@@ -430,9 +452,8 @@ def test_torch_grad_double_under_adam_is_caught_through_grad_norm(adam_grad_doub
     f = p["first_divergence"]
     assert f["series"] == "grad_norm" and f["step"] == 0
     assert f["b_value"] == pytest.approx(2 * f["a_value"], rel=1e-6)
-    # Adam hides the doubled gradient: the loss stays far closer than the gradient norm
+    # Adam hides the doubled gradient: the loss stays inside for many steps and far closer than grad_norm
     loss, gn = p["series"]["loss"], p["series"]["grad_norm"]
-    assert loss["first_exceed_step"] is None or loss["first_exceed_step"] > 0
-    assert gn["max_ratio"] > 1e3 * max(loss["max_ratio"], 1e-3) or loss["max_ratio"] < 1e3
-    loc = p["localization"]
-    assert loc["stage"] == "backward" and loc["gradient_scale"] == pytest.approx(2.0, rel=1e-6)
+    assert loss["first_exceed_step"] is None or loss["first_exceed_step"] >= 10
+    assert gn["max_ratio"] > 1e3 * loss["max_ratio"]
+    assert "--no-localize" in p["notes"][-1]

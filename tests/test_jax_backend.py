@@ -300,10 +300,10 @@ F64_CHECK = textwrap.dedent("""
     from wrappers.base import RunOptions
     from wrappers.jax.backend import JaxBackend
     cases = json.loads(sys.argv[1])
-    m = load_model("cnn2d_hard")
+    m = load_model("cnn2d_2conv_2fc")
     rng = np.random.default_rng(0)
     x = rng.normal(0, 1, (16, 8, 8, 1)); y = rng.integers(0, 10, 16)
-    masks = {"drop1": np.ones((16, 64), bool)}
+    masks = {}
     worst = {}
     for name, (hpd, fault) in cases.items():
         hp = HParams(**hpd)

@@ -23,7 +23,7 @@ from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
 from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
-from .layers import BUFFER_ROLES, cross_entropy, forward, from_internal, to_internal
+from .layers import cross_entropy, forward, from_internal, to_internal
 
 ADAM_STATE = "ScaleByAdamState"
 INJECT_STATE = "InjectStatefulHyperparamsState"
@@ -52,8 +52,9 @@ def make_optimizer(hp: HParams, fault: str | None) -> optax.GradientTransformati
             lambda learning_rate, eps: l2(optax.adam(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps))
         )(learning_rate=hp.lr, eps=hp.eps)
     return optax.inject_hyperparams(
-        lambda learning_rate, eps: optax.adamw(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps, weight_decay=wd)
-    )(learning_rate=hp.lr, eps=hp.eps)
+        lambda learning_rate, eps, weight_decay: optax.adamw(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps,
+                                                             weight_decay=weight_decay)
+    )(learning_rate=hp.lr, eps=hp.eps, weight_decay=wd)
 
 
 def _in(tuple_name: str) -> Callable[[Any, Any], bool]:
@@ -75,6 +76,32 @@ def _set_field(tree: Any, tuple_name: str, field: str, value: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _set_field(v, tuple_name, field, value) for k, v in tree.items()}
     return tree
+
+
+def adam_hyperparams(hyper: dict[str, jax.Array], count: jax.Array, b1: float, b2: float) -> dict[str, jax.Array]:
+    """The learning rate, eps (and adamw's weight decay) to inject so that optax's Adam step equals
+    the reference's, whose bias corrections 1 - b^t are exact (float64 in torch and in
+    algorithms.optim). optax computes 1 - b^t in the parameters' dtype: in float32, b2 = 0.999 rounds
+    to 0.99900001287 and its 1 - b2^t is off by 1.3e-5 at t = 1 (up to 2e-5 later), a systematic
+    6e-6 on every update. With c1, c2 the accurate corrections (-expm1(t log b), log b from float64)
+    and c1', c2' optax's own, rho = sqrt(c2 / c2'):
+        lr' = lr * rho * c1' / c1,   eps' = eps * rho,   weight_decay' = weight_decay * c1 / (rho * c1')
+    turn optax's  lr' (m / c1') / (sqrt(v / c2') + eps') (+ lr' wd' p)  into  lr (m / c1) / (sqrt(v / c2) + eps)
+    (+ lr wd p) exactly; the rescaling costs float32 rounding only (~1e-7 relative)."""
+    dtype = hyper["learning_rate"].dtype
+    t = optax.safe_increment(count)                              # the count optax's update will use
+    ones = jnp.ones((), dtype)
+    inv_c1q = optax.tree.bias_correction(ones, b1, t)            # 1 / c1', optax's own expression
+    inv_c2q = optax.tree.bias_correction(ones, b2, t)
+    tf = t.astype(dtype)
+    c1 = -jnp.expm1(tf * jnp.asarray(math.log(b1), dtype))
+    c2 = -jnp.expm1(tf * jnp.asarray(math.log(b2), dtype))
+    rho = jnp.sqrt(c2 * inv_c2q)
+    gain = rho / (c1 * inv_c1q)                                  # lr' / lr
+    out = dict(hyper, learning_rate=hyper["learning_rate"] * gain, eps=hyper["eps"] * rho)
+    if "weight_decay" in hyper:
+        out["weight_decay"] = hyper["weight_decay"] / gain
+    return out
 
 
 def _global_norm(tree) -> jax.Array:
@@ -101,7 +128,8 @@ class Lowering:
         key = (hp.optimizer, hp.momentum, hp.beta1, hp.beta2, hp.weight_decay)
         if key not in self.steps:
             tx = make_optimizer(hp, self.fault)
-            self.steps[key] = (tx, self.wrap(functools.partial(self._step_fn, tx)))
+            adam = (hp.beta1, hp.beta2) if hp.optimizer in ("adam", "adamw") else None
+            self.steps[key] = (tx, self.wrap(functools.partial(self._step_fn, tx, adam)))
         return self.steps[key]
 
     def _loss_fn(self, params, buffers, x, y, masks, key):
@@ -115,12 +143,13 @@ class Lowering:
             grads = jax.tree.map(lambda g: g * 2.0, grads)
         return loss, aux, grads
 
-    def _step_fn(self, tx, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
+    def _step_fn(self, tx, adam, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
         key = jax.random.fold_in(base_key, step)          # native dropout only; harness masks otherwise
         loss, (logits, new_buffers), grads = self._grads_of(params, buffers, x, y, masks, key)
         hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
-        if "eps" in hyper:
+        if adam is not None:
             hyper["eps"] = eps.astype(self.dtype)
+            hyper = adam_hyperparams(hyper, otu.tree_get(opt_state, "count", filtering=_in(ADAM_STATE)), *adam)
         opt_state = opt_state._replace(hyperparams=hyper)
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -79,6 +79,16 @@ def _window(x: jax.Array, init: float, op, k: int, s: int, pads) -> jax.Array:
     return lax.reduce_window(x, init, op, (1, k, k, 1), (1, s, s, 1), ((0, 0), (t, b), (l, r), (0, 0)))
 
 
+def _window_counts(h: int, w: int, k: int, s: int, pads) -> np.ndarray:
+    """How many real (unpadded) pixels each pooling window covers, as a (1, OH, OW, 1) constant."""
+    def axis(size: int, lo: int, hi: int) -> np.ndarray:
+        n = (size + lo + hi - k) // s + 1
+        start = np.arange(n) * s - lo
+        return (np.minimum(start + k, size) - np.maximum(start, 0)).astype(np.float64)
+    (t, b), (l, r) = pads
+    return np.outer(axis(h, t, b), axis(w, l, r))[None, :, :, None]
+
+
 def _dropout_native(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
@@ -120,9 +130,8 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
                 # TF 'SAME' average: the padding is excluded from the count
                 pads = _pads(layer)
                 num = _window(x, 0.0, lax.add, o["pool"], o["stride"], pads)
-                ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
-                den = _window(ones, 0.0, lax.add, o["pool"], o["stride"], pads)
-                x = num / den
+                den = _window_counts(x.shape[1], x.shape[2], o["pool"], o["stride"], pads)
+                x = num / jnp.asarray(den, x.dtype)
             else:
                 x = _window(x, 0.0, lax.add, o["pool"], o["stride"], ((0, 0), (0, 0)))
                 x = x / float(o["pool"] * o["pool"])

@@ -38,10 +38,24 @@ from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import ModelSpec  # noqa: E402
 
 from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
-from .layers import from_keras_layout, lower, to_keras_layout  # noqa: E402
+from .layers import from_keras_layout, lower, to_keras_layout, torch_avgpool_replicates  # noqa: E402
 
 KBACKEND = keras.backend.backend()
 _ts = importlib.import_module(f".train_step_{KBACKEND}", __package__)
+
+
+class SmoothedSparseCrossentropy(keras.losses.Loss):
+    """Fault label_smoothing: integer labels, one-hot with label smoothing, logits (what torch's
+    F.cross_entropy(label_smoothing=...) computes); compiled like any Keras loss."""
+
+    def __init__(self, num_classes: int, label_smoothing: float, **kw: Any) -> None:
+        super().__init__(name="smoothed_sparse_categorical_crossentropy", **kw)
+        self.num_classes, self.label_smoothing = num_classes, label_smoothing
+
+    def call(self, y_true, y_pred):
+        onehot = ops.one_hot(ops.cast(ops.reshape(y_true, (-1,)), "int32"), self.num_classes, dtype=y_pred.dtype)
+        return keras.losses.categorical_crossentropy(onehot, y_pred, from_logits=True,
+                                                     label_smoothing=self.label_smoothing)
 
 
 class DuipaiModel(keras.Model):
@@ -50,16 +64,12 @@ class DuipaiModel(keras.Model):
 
     train_step = _ts.train_step
 
-    def configure(self, *, num_classes: int, smoothing: float, grad_scale: float, coupled_wd: float) -> None:
-        self.num_classes, self.smoothing = num_classes, smoothing
+    def configure(self, *, grad_scale: float, coupled_wd: float) -> None:
         self.grad_scale, self.coupled_wd = grad_scale, coupled_wd
 
     def data_loss(self, y, logits):
-        """The compiled loss on this batch (mean over the batch), labels as integers."""
-        y = ops.convert_to_tensor(y)
-        if self.smoothing:   # fault label_smoothing: CategoricalCrossentropy(label_smoothing) needs one-hot
-            return self.loss(ops.one_hot(ops.cast(y, "int32"), self.num_classes), logits)
-        return self.loss(y, logits)
+        """The compiled loss (integer labels, logits) on this batch: the mean over the batch."""
+        return self.loss(ops.convert_to_tensor(y), logits)
 
     def prepare_grads(self, grads, values):
         """(gradients the optimizer sees, norm of the data gradients)."""
@@ -123,14 +133,12 @@ class KerasBackend(Backend):
         self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
         self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
         self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
-        smoothing = 0.1 if opts.fault == "label_smoothing" else 0.0
-        loss = (keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=smoothing) if smoothing
+        loss = (SmoothedSparseCrossentropy(model.num_classes, 0.1) if opts.fault == "label_smoothing"
                 else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self._jit = _ts.jit_options(opts.jit, opts.extra)
         self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
-        self.net.configure(num_classes=model.num_classes, smoothing=smoothing,
-                           grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled))
+        self.net.configure(grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled))
         self.optimizer.build(self.net.trainable_variables)
         by_id = {id(v): n for n, v in self.low.variables.items()}
         self.trainable = [by_id[id(v)] for v in self.net.trainable_variables]
@@ -157,10 +165,8 @@ class KerasBackend(Backend):
             out.append("adam_epsilon_hat")
         if h.optimizer in ("momentum", "nesterov") and h.schedule != "constant":
             out.append("keras_momentum_velocity")
-        # keras-torch pads 'same' average pooling by replication only where the TF padding is asymmetric
-        # (a symmetric overhang goes to torch's avg_pool2d(count_include_pad=False): the reference)
-        if KBACKEND == "torch" and any(l.kind == "avgpool2d" and l.spec["padding"] == "same"
-                                       and any(lo != hi for lo, hi in l.padding) for l in self.model.layers):
+        # keras-torch: replicate padding of an asymmetric 'same' average pool, where it changes the numbers
+        if KBACKEND == "torch" and any(torch_avgpool_replicates(l) for l in self.model.layers):
             out.append("keras_torch_avgpool_same")
         if self.model.has("batchnorm2d"):
             out.append("running_var_biased")

@@ -119,6 +119,28 @@ class OrphanBias(keras.layers.Layer):
         return input_shape
 
 
+def torch_avgpool_replicates(layer: LayerInfo) -> bool:
+    """Whether Keras-on-torch's 'same' average pooling gives other numbers than the reference here.
+
+    keras-torch pads 'same' pooling by replication (F.pad mode='replicate', padded pixels counted)
+    when the TF padding is asymmetric in some dimension (then in every dimension); a symmetric
+    padding goes to avg_pool2d(count_include_pad=False), the reference. Replication is separable and
+    repeats the edge pixel, so an overhanging window with a single real pixel along a dimension
+    still averages to the reference; the numbers differ once an overhanging window holds >= 2 real
+    pixels along some dimension."""
+    if layer.kind != "avgpool2d" or layer.spec["padding"] != "same" or layer.padding is None:
+        return False
+    if all(lo == hi for lo, hi in layer.padding):
+        return False
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    for size, out, (lo, _hi) in zip(layer.in_shape[:2], layer.out_shape[:2], layer.padding):
+        for i in range(out):
+            start, end = i * s - lo, i * s - lo + k
+            if (start < 0 or end > size) and min(end, size) - max(start, 0) >= 2:
+                return True
+    return False
+
+
 # ----------------------------------------------------------------------------- the model
 @dataclass
 class Lowered:
@@ -222,5 +244,5 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
     return Lowered(inputs, x, outs, variables, dropouts, notes)
 
 
-__all__ = ["lower", "Lowered", "HarnessDropout", "ConstantPad2D", "OrphanBias", "to_keras_layout",
+__all__ = ["lower", "Lowered", "torch_avgpool_replicates", "HarnessDropout", "ConstantPad2D", "OrphanBias", "to_keras_layout",
            "from_keras_layout", "flatten_perm", "ceil_pool_pad"]

@@ -16,6 +16,10 @@ difference needs declaring. The fault `adam_eps_hat` feeds the plain eps instead
 Weight decay: coupled L2 (grad + wd*var before the kernel) for sgd/momentum/nesterov/adam; adamw is
 decoupled: var *= (1 - lr*wd), then the Adam kernel. The learning rate (and every per-step scalar)
 enters the compiled step as a tensor, so the step is traced once.
+
+Data parallelism (`--devices N`, `--hosts H`) is parallel.py: constructing a TensorflowBackend with
+devices > 1 or hosts > 1 gives a ParallelTensorflowBackend (tf.distribute). The single-device step
+here is left exactly as it was; the parallel one reuses its forward, loss and training kernels.
 """
 from __future__ import annotations
 
@@ -73,13 +77,30 @@ class TensorflowBackend(Backend):
     framework = "tensorflow"
     faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
                         "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
-                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
+                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
+                        "grad_sum_replicas", "overlapping_shards"})
+    PARALLEL_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
+
+    def __new__(cls, model: ModelSpec, hp: HParams, opts: RunOptions):
+        if cls is TensorflowBackend and (opts.devices != 1 or int(opts.extra.get("hosts", 1)) != 1):
+            from .parallel import ParallelTensorflowBackend
+            cls = ParallelTensorflowBackend
+        return super().__new__(cls)
+
+    def _before_runtime(self) -> None:
+        """What must be configured before TF's runtime starts (the parallel backend: its devices)."""
+        if self.opts.devices != 1:
+            raise UnsupportedError(f"backend tensorflow: --devices {self.opts.devices} needs the parallel backend")
+        if self.opts.fault in self.PARALLEL_FAULTS:
+            raise UnsupportedError(f"backend tensorflow: fault {self.opts.fault} needs data parallelism (--devices > 1)")
+
+    def _variable_scope(self):
+        """Where the variables are created (the parallel backend: its strategy's scope)."""
+        return tf.device(self.device)
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
-        if opts.devices != 1:
-            raise UnsupportedError(f"backend tensorflow: data parallelism (--devices {opts.devices}) is not "
-                                   "implemented; run with --devices 1")
+        self._before_runtime()
         _pin_threads(opts.threads)                 # before any op runs
         if opts.deterministic:
             tf.config.experimental.enable_op_determinism()
@@ -88,6 +109,7 @@ class TensorflowBackend(Backend):
             self.device = "/CPU:0"
         else:
             self.device = "/GPU:0"
+        self._after_runtime()
         self.dtype = tf.float64 if opts.dtype == "float64" else tf.float32
         self.np_dtype = np.float64 if opts.dtype == "float64" else np.float32
         self.fault = opts.fault
@@ -97,7 +119,7 @@ class TensorflowBackend(Backend):
         h = self.hp
         self.adam = h.optimizer in ("adam", "adamw")
         self.decoupled = h.optimizer == "adamw" and opts.fault != "l2_not_decoupled"
-        with tf.device(self.device):
+        with self._variable_scope():
             self.v: dict[str, tf.Variable] = {
                 q.name: tf.Variable(tf.zeros(q.shape, self.dtype), trainable=q.trainable,
                                     name=q.name.replace(".", "/")) for q in model.params}
@@ -120,6 +142,9 @@ class TensorflowBackend(Backend):
                 self._step, self._eval = _outside_op_determinism(self._step), _outside_op_determinism(self._eval)
         else:
             self._step, self._eval, self.mode = self._step_impl, self._eval_impl, "eager"
+
+    def _after_runtime(self) -> None:
+        """After threads and determinism are set, before the variables exist (the parallel backend: its strategy)."""
 
     # ---- environment
     def versions(self) -> dict[str, str]:
@@ -184,9 +209,10 @@ class TensorflowBackend(Backend):
         xt = tf.constant(np.asarray(x, self.np_dtype))
         return xt, {k: tf.constant(np.asarray(v, self.np_dtype)) for k, v in masks.items()}
 
-    def _forward(self, x, train, masks, record=None, new_buffers=None, seed=None):
-        return forward(self.model, self.v, x, train=train, masks=masks, fault=self.fault, record=record,
-                       new_buffers=new_buffers, native_dropout=self.native_dropout, dropout_seed=seed)
+    def _forward(self, x, train, masks, record=None, new_buffers=None, seed=None, params=None, moments=None):
+        return forward(self.model, self.v if params is None else params, x, train=train, masks=masks,
+                       fault=self.fault, record=record, new_buffers=new_buffers,
+                       native_dropout=self.native_dropout, dropout_seed=seed, moments=moments)
 
     def _loss(self, logits, y):
         return cross_entropy(logits, y, LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0)
@@ -203,16 +229,19 @@ class TensorflowBackend(Backend):
             grads = [g * 2.0 for g in grads]
         return logits, loss, grads
 
-    def _apply(self, var: tf.Variable, name: str, g: tf.Tensor, hyper: tf.Tensor) -> None:
-        """One parameter's update by TF's own training kernel."""
+    def _apply(self, var: tf.Variable, name: str, g: tf.Tensor, hyper: tf.Tensor,
+               slots: dict[str, tf.Variable] | None = None) -> None:
+        """One parameter's update by TF's own training kernel (`slots`: its optimizer slots, by default
+        self.slots[...][name]; the parallel backend passes one replica's components)."""
         h = self.hp
+        slot = (lambda s: self.slots[s][name]) if slots is None else slots.__getitem__
         lr = hyper[LR]
         if h.weight_decay and not self.decoupled:
             g = g + h.weight_decay * var              # coupled L2: through momentum / Adam's moments
         if h.optimizer == "sgd":
             tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=g)
         elif h.optimizer in ("momentum", "nesterov"):
-            accum = self.slots["momentum"][name]
+            accum = slot("momentum")
             if self.fault == "keras_momentum_schedule":   # Keras velocity v = mu v - lr g == buffer * lr_prev/lr
                 accum.assign(accum * hyper[MOM_SCALE])
             tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr, grad=g,
@@ -221,8 +250,8 @@ class TensorflowBackend(Backend):
         else:
             if self.decoupled and h.weight_decay:
                 var.assign(var * hyper[DECAY])
-            tf.raw_ops.ResourceApplyAdam(var=var.handle, m=self.slots["exp_avg"][name].handle,
-                                         v=self.slots["exp_avg_sq"][name].handle,
+            tf.raw_ops.ResourceApplyAdam(var=var.handle, m=slot("exp_avg").handle,
+                                         v=slot("exp_avg_sq").handle,
                                          beta1_power=hyper[B1P], beta2_power=hyper[B2P], lr=lr,
                                          beta1=tf.constant(h.beta1, self.dtype),
                                          beta2=tf.constant(h.beta2, self.dtype), epsilon=hyper[EPS], grad=g)

@@ -82,13 +82,16 @@ def torch_ceil_pool_out(size: int, k: int, s: int) -> int:
 def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: bool,
             masks: dict[str, tf.Tensor] | None, fault: str | None, record: dict[str, tf.Tensor] | None = None,
             new_buffers: dict[str, tf.Tensor] | None = None, native_dropout: bool = False,
-            dropout_seed=None) -> tf.Tensor:
+            dropout_seed=None, moments=None) -> tf.Tensor:
     """Logits for NHWC input `x` (parameters `p` in TF layout: tensors or variables).
 
     In training mode BatchNorm normalises with the batch statistics and, if `new_buffers` is given,
     stores there the updated running statistics (PyTorch convention: running = (1-m) running + m stat,
     running_var from the unbiased batch variance). `dropout_seed` is a shape-(2,) int tensor for the
-    framework's own dropout (--dropout native, or the fault dropout_in_eval)."""
+    framework's own dropout (--dropout native, or the fault dropout_in_eval).
+
+    `moments` (data parallel, synchronized BatchNorm) replaces tf.nn.moments: x -> (mean, biased var, n),
+    n the number of values per channel the statistics are taken over (all replicas together)."""
     skipped_bias = False
     n_native = 0
     for layer in model.layers:
@@ -128,10 +131,13 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
             gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]
             rm, rv = p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"]
             if train:
-                mean, var = tf.nn.moments(x, axes=[0, 1, 2])
+                if moments is None:
+                    mean, var = tf.nn.moments(x, axes=[0, 1, 2])
+                    n = math.prod(int(d) for d in x.shape[:3])
+                else:
+                    mean, var, n = moments(x)
                 x = tf.nn.batch_normalization(x, mean, var, beta, gamma, eps)
                 if new_buffers is not None:
-                    n = math.prod(int(d) for d in x.shape[:3])
                     unbiased = var * (n / (n - 1))
                     mean_s, var_s = tf.stop_gradient(mean), tf.stop_gradient(unbiased)
                     new_buffers[f"{layer.name}.running_mean"] = (1.0 - mom) * rm + mom * mean_s
@@ -163,14 +169,19 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
     return x
 
 
-def cross_entropy(logits: tf.Tensor, y: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
-    """Mean softmax cross-entropy from logits; with smoothing, targets (1 - ls) onehot + ls / K (torch's)."""
+def per_example_cross_entropy(logits: tf.Tensor, y: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
+    """Softmax cross-entropy per sample from logits; with smoothing, targets (1 - ls) onehot + ls / K (torch's)."""
     if not label_smoothing:
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
     k = logits.shape[-1]
     target = tf.one_hot(y, k, dtype=logits.dtype) * (1.0 - label_smoothing) + label_smoothing / k
-    return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=target, logits=logits))
+    return tf.nn.softmax_cross_entropy_with_logits(labels=target, logits=logits)
 
 
-__all__ = ["forward", "cross_entropy", "to_tf_layout", "from_tf_layout", "flatten_perm", "conv_padding",
+def cross_entropy(logits: tf.Tensor, y: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
+    """Mean softmax cross-entropy from logits (see per_example_cross_entropy)."""
+    return tf.reduce_mean(per_example_cross_entropy(logits, y, label_smoothing))
+
+
+__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_tf_layout", "from_tf_layout", "flatten_perm", "conv_padding",
            "torch_ceil_pool_out", "BUFFER_ROLES"]

@@ -1,9 +1,69 @@
-"""PyTorch: torch.nn.functional ops in NCHW, torch.optim optimizers."""
+"""PyTorch: torch.nn.functional ops in NCHW, torch.optim optimizers.
+
+Data parallel (`--devices N`, train jobs): DistributedDataParallel, one OS process per rank
+(gloo on CPU, NCCL with one GPU per rank when CUDA is present).
+  hosts == 1   the wrappers launcher starts N `python -m wrappers rank JOB i` processes itself and
+               gives each RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR=127.0.0.1 / MASTER_PORT=port
+               (env:// rendezvous on rank 0's TCPStore);
+  hosts == H   the launcher starts H torchrun node agents (c10d rendezvous on 127.0.0.1:port), each
+               running N/H ranks: H local agents stand in for H hosts.
+Probe and replay jobs stay in one process (see TorchBackend: the replicas are emulated there).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
 from ..base import Entry
+
+# torchrun's c10d rendezvous ranks the node agents by sorted (address, pid): each local "host" gets
+# its own loopback address, three digits so that the string order is the node order, so agent 0
+# (whose stdout the launcher relays) always holds global rank 0.
+HOST_ADDR = "127.0.0.{}"
+HOST_ADDR_BASE = 101
+RDZV_TIMEOUT_S = 60
+
+
+def _dp(job: dict[str, Any]) -> tuple[int, int]:
+    opts = job.get("options", {})
+    return int(opts.get("devices", 1)), int(opts.get("extra", {}).get("hosts", 1) or 1)
 
 
 class TorchEntry(Entry):
     name = "torch"
     requires = ("torch",)
     module = "wrappers.torch.backend"
-    description = "PyTorch eager, torch.nn.functional in NCHW, torch.optim"
+    description = "PyTorch eager, torch.nn.functional in NCHW, torch.optim; DistributedDataParallel for --devices N"
+
+    @classmethod
+    def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
+        # cuBLAS needs a fixed workspace for deterministic GEMMs on GPU; read when CUDA initialises,
+        # so set before import. No effect on CPU.
+        if job.get("options", {}).get("deterministic", True):
+            return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        return {}
+
+    @classmethod
+    def processes(cls, job: dict[str, Any]) -> int:
+        devices, hosts = _dp(job)
+        if devices <= 1 or job.get("mode", "train") != "train":
+            return 1                       # probes / replays: one process, replicas emulated
+        return devices if hosts <= 1 else hosts
+
+    @classmethod
+    def process_command(cls, job: dict[str, Any], job_path: str, index: int, port: int) -> tuple[list[str], dict[str, str]]:
+        devices, hosts = _dp(job)
+        if hosts <= 1:                     # rank `index` itself, env:// rendezvous on rank 0
+            return ([sys.executable, "-m", "wrappers", "rank", job_path, str(index)],
+                    {"RANK": str(index), "WORLD_SIZE": str(devices), "LOCAL_RANK": str(index),
+                     "LOCAL_WORLD_SIZE": str(devices), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port)})
+        # node agent `index` of `hosts`: torchrun, c10d rendezvous; agent 0 hosts the rendezvous store
+        per_host = devices // hosts
+        conf = f"is_host={'true' if index == 0 else 'false'},join_timeout={RDZV_TIMEOUT_S},read_timeout={RDZV_TIMEOUT_S}"
+        return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(index),
+                 "--nproc-per-node", str(per_host), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"duipai-{port}", "--rdzv-conf", conf,
+                 "--local-addr", HOST_ADDR.format(HOST_ADDR_BASE + index), "--max-restarts", "0",
+                 "--monitor-interval", "0.1", "-m", "wrappers", "rank", job_path, str(index)],
+                {})

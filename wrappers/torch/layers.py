@@ -88,8 +88,12 @@ def _same_pad(layer: LayerInfo, value: float, x: torch.Tensor, symmetric: bool =
 
 def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, train: bool,
             masks: dict[str, torch.Tensor] | None, fault: str | None, record: dict[str, torch.Tensor] | None = None,
-            native_dropout: bool = False, bn_momentum_flip: bool = False) -> torch.Tensor:
-    """Logits for NCHW input `x`. In training mode BatchNorm updates p's running buffers in place."""
+            native_dropout: bool = False, bn_momentum_flip: bool = False, sync_bn: Any = None) -> torch.Tensor:
+    """Logits for NCHW input `x`. In training mode BatchNorm updates p's running buffers in place.
+
+    `sync_bn`: a (process group, world size) pair: training-mode BatchNorm then uses the statistics
+    of the global batch across the group, as torch.nn.SyncBatchNorm does (its autograd function;
+    torch allows it on GPU only)."""
     skipped_bias = False
     for layer in model.layers:
         o = layer.spec.options
@@ -124,9 +128,15 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             if fault == "bn_momentum_flipped":
                 mom = 1.0 - mom
             eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
-            x = F.batch_norm(x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
-                             p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
-                             momentum=mom, eps=eps)
+            if train and sync_bn is not None and sync_bn[1] > 1:
+                from torch.nn.modules._functions import SyncBatchNorm
+                x = SyncBatchNorm.apply(x, p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"],
+                                        p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
+                                        eps, mom, sync_bn[0], sync_bn[1])
+            else:
+                x = F.batch_norm(x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
+                                 p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
+                                 momentum=mom, eps=eps)
         elif k == "dropout":
             if train and not native_dropout and masks is not None:
                 x = x * masks[layer.name] / (1.0 - o["rate"])
