@@ -1,0 +1,278 @@
+"""The comparison report: `report/index.html` (self-contained, figures embedded) and `summary.md`.
+
+Built only from files — comparison.json / comparison-steps.csv written by `duipai compare`, the
+run folders (steps.csv, manifest.json) and matrix.json — so `duipai report` regenerates it without
+training. Every piece of text that comes from a file is escaped.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .files import atomic_write_text
+
+SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
+COLOURS = {"IDENTICAL": "#cfe8cf", "DRIFT": "#dff0d8", "BUG": "#f2b8b5", "DECLARED": "#fde9b5",
+           "INCONCLUSIVE": "#d9d9f3", "DIFFER": "#f6d0cc", "FAILED": "#f2b8b5", "UNSUPPORTED": "#fde9b5",
+           "SKIPPED": "#e8e8e8"}
+
+
+def esc(x: Any) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def find_comparisons(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("comparison.json") if "runs" not in p.relative_to(folder).parts[:-1]
+                  and "report" not in p.relative_to(folder).parts)
+
+
+def _short(name: str, ref: str) -> str:
+    """The parts of a run name that differ from the reference's (the backend first)."""
+    a, b = name.split("__"), ref.split("__")
+    keep = [p for i, p in enumerate(a) if i >= len(b) or p != b[i]]
+    return "__".join(keep) or name
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+# --------------------------------------------------------------------------- figures
+def fig_curves(runs: dict[str, Path], title: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
+    for ax, s in zip(axes.ravel(), SERIES):
+        for label, folder in runs.items():
+            src = folder / ("eval.csv" if s.startswith("eval_") else "steps.csv")
+            try:
+                df = pd.read_csv(src)
+            except (OSError, pd.errors.ParserError):
+                continue
+            if s in df:
+                ax.plot(df["step"], df[s], label=label, lw=1, marker="o" if s.startswith("eval_") else None, ms=3)
+        ax.set_title(s, fontsize=10)
+        if s in ("loss", "grad_norm", "update_norm", "eval_loss"):
+            ax.set_yscale("log")
+    axes.ravel()[-1].axis("off")
+    handles, labels = axes.ravel()[0].get_legend_handles_labels()
+    axes.ravel()[-1].legend(handles, labels, loc="center", fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return _png(fig)
+
+
+def fig_differences(steps_csv: Path, comp: dict[str, Any]) -> str | None:
+    """|candidate - reference| per step (log axis), the envelope band (margin x envelope) shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not steps_csv.exists():
+        return None
+    df = pd.read_csv(steps_csv)
+    margin = comp.get("rule", {}).get("margin", 3.0)
+    ref = comp["reference"]["run"]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
+    for ax, s in zip(axes.ravel(), SERIES):
+        d = df[df["series"] == s]
+        if d.empty:
+            ax.axis("off")
+            continue
+        ax.fill_between(d["step"], 1e-12, (margin * d["envelope"]).clip(lower=1e-12), color="#9ecae1", alpha=0.5,
+                        label=f"{margin:g} x envelope", step="mid")
+        for col in [c for c in d.columns if c.endswith(":value")]:
+            diff = (d[col] - d["reference"]).abs().clip(lower=1e-12)
+            ax.plot(d["step"], diff, lw=1, label=_short(col[:-6], ref))
+        ax.set_yscale("log")
+        ax.set_title(f"|{s} - reference|", fontsize=10)
+    axes.ravel()[-1].axis("off")
+    handles, labels = axes.ravel()[0].get_legend_handles_labels()
+    axes.ravel()[-1].legend(handles, labels, loc="center", fontsize=8)
+    fig.suptitle(f"difference from {ref} and the calibrated envelope", fontsize=11)
+    return _png(fig)
+
+
+def fig_timing(runs: dict[str, Path]) -> str | None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = []
+    for label, folder in runs.items():
+        try:
+            t = pd.read_csv(folder / "steps.csv", usecols=["step_time_s"])["step_time_s"]
+            man = json.loads((folder / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        rows.append((label, 1e3 * float(t.iloc[min(10, len(t) - 1):].median()), man.get("options", {}).get("devices", 1)))
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.2))
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=["#6baed6" if r[2] == 1 else "#fd8d3c" for r in rows])
+    ax.set_xlabel("median step time (ms), first 10 steps excluded; orange: data parallel")
+    ax.invert_yaxis()
+    return _png(fig)
+
+
+# --------------------------------------------------------------------------- page
+CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}h1{font-size:22px}h2{font-size:18px;margin-top:1.6em}img{max-width:100%}
+.small{color:#666;font-size:12px}code{background:#f6f6f6;padding:0 3px}"""
+
+
+def _verdict_cell(v: str) -> str:
+    return f'<td style="background:{COLOURS.get(v, "#fff")}"><b>{esc(v)}</b></td>'
+
+
+def _series_cell(s: dict[str, Any] | None) -> str:
+    if not s:
+        return "<td>-</td>"
+    if s.get("diverged_step") is not None:
+        return (f'<td style="background:{COLOURS["BUG"]}">step {esc(s["diverged_step"])}, '
+                f'{esc(_fmt(s.get("factor")))}x</td>')
+    if s.get("identical"):
+        return f'<td style="background:{COLOURS["IDENTICAL"]}">bitwise</td>'
+    return f'<td style="background:{COLOURS["DRIFT"]}">max {esc(_fmt(s.get("max_ratio")))} of env</td>'
+
+
+def verdict_table(comp: dict[str, Any]) -> str:
+    ref = comp["reference"]["run"]
+    odd = comp.get("odd_one_out") or {}
+    head = "".join(f"<th>{esc(s)}</th>" for s in SERIES)
+    rows = []
+    for p in comp["pairs"]:
+        if not p.get("with_reference"):
+            continue
+        f = p.get("first_divergence") or {}
+        loc = p.get("localization") or {}
+        where = " / ".join(esc(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
+        series = "".join(_series_cell(p["series"].get(s)) for s in SERIES)
+        extra = ""
+        if p.get("declared_differences"):
+            extra = "declared: " + esc(", ".join(p["declared_differences"]))
+        if odd and odd.get("backend") == p.get("candidate_backend"):
+            extra += " odd one out"
+        rows.append(f"<tr><td>{esc(_short(p['candidate'], ref))}</td>{_verdict_cell(p['verdict'])}"
+                    f"<td>{esc(f.get('step', '-'))}</td><td>{esc(f.get('series', '-'))}</td>"
+                    f"<td>{esc(_fmt(f.get('factor')))}</td><td>{where or '-'}</td><td>{extra}</td>{series}</tr>")
+    return (f"<table><tr><th>candidate (vs {esc(ref)})</th><th>verdict</th><th>first divergent step</th>"
+            f"<th>series</th><th>factor over envelope</th><th>located stage / layer</th><th>notes</th>{head}</tr>"
+            + "".join(rows) + "</table>")
+
+
+def environment_table(folders: list[Path]) -> str:
+    rows = []
+    for f in folders:
+        try:
+            m = json.loads((f / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        det = ", ".join(f"{k}={v}" for k, v in (m.get("determinism") or {}).items())
+        par = m.get("parallel") or {}
+        rows.append(f"<tr><td>{esc(f.name)}</td><td>{esc(', '.join(f'{k} {v}' for k, v in m.get('versions', {}).items()))}</td>"
+                    f"<td>{esc(', '.join(m.get('devices', [])))}</td><td>{esc(par.get('strategy', ''))}</td>"
+                    f"<td class=small>{esc(det)}</td><td>{esc((m.get('host') or {}).get('hostname'))}</td></tr>")
+    return ("<table><tr><th>run</th><th>versions</th><th>devices</th><th>parallel</th><th>determinism</th><th>host</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def declared_table(folders: list[Path]) -> str:
+    seen: dict[str, tuple[dict, list[str]]] = {}
+    for f in folders:
+        try:
+            m = json.loads((f / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for d in m.get("declared_differences", []):
+            seen.setdefault(d["id"], (d, []))[1].append(m.get("backend", "?"))
+    if not seen:
+        return "<p>No run declared a semantic difference.</p>"
+    rows = "".join(f"<tr><td><code>{esc(i)}</code></td><td>{esc(d['title'])}</td><td>{esc(d['formula'])}</td>"
+                   f"<td>{esc(', '.join(sorted(set(b))))}</td></tr>" for i, (d, b) in seen.items())
+    return f"<table><tr><th>id</th><th>difference</th><th>formula</th><th>backends</th></tr>{rows}</table>"
+
+
+def problems_table(status: dict[str, Any] | None) -> str:
+    if not status:
+        return ""
+    bad = [e for e in status.get("entries", []) if e["status"] in ("failed", "unsupported", "skipped")]
+    if not bad:
+        return ""
+    rows = "".join(f"<tr>{_verdict_cell(e['status'].upper())}<td>{esc(e['name'])}</td><td>{esc(e['message'])}</td>"
+                   f"<td>{esc(e.get('log', ''))}</td></tr>" for e in bad)
+    return ("<h2>Runs that did not complete</h2><table><tr><th>status</th><th>run</th><th>why</th><th>log</th></tr>"
+            + rows + "</table>")
+
+
+def build(folder: Path, out: Path | None = None) -> Path:
+    """Write <folder>/report/index.html and summary.md from the comparisons found under `folder`."""
+    folder = Path(folder)
+    out = out or folder / "report"
+    comps = find_comparisons(folder)
+    status = None
+    if (folder / "matrix.json").exists():
+        status = json.loads((folder / "matrix.json").read_text())
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>duipai report: {esc(folder.name)}</title>"
+             f"<style>{CSS}</style></head><body><h1>duipai report: {esc(folder.name)}</h1>"
+             f"<p class=small>generated {esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} from "
+             f"{esc(folder.resolve())}; regenerate with <code>duipai report {esc(folder)}</code></p>"]
+    md = [f"# duipai: {folder.name}", ""]
+    all_runs: list[Path] = []
+    if not comps:
+        parts.append("<p><b>No comparison found.</b> Run <code>duipai compare</code> on this folder first.</p>")
+    for c in comps:
+        comp = json.loads(c.read_text())
+        ref = comp["reference"]["run"]
+        runs = {(_short(r["run"], ref) if r["run"] != ref else f"{r['backend']} (reference)"): Path(r["path"])
+                for r in comp["runs"]}
+        all_runs += list(runs.values())
+        parts.append(f"<h2>Verdicts: {esc(ref)}</h2>")
+        for note in comp.get("forced", []) + comp.get("notes", []):
+            parts.append(f"<p><b>Note:</b> {esc(note)}</p>")
+        parts.append(verdict_table(comp))
+        md += [f"## {ref}", "", "| candidate | verdict | first step | series | factor | located |", "|---|---|---|---|---|---|"]
+        for p in comp["pairs"]:
+            if p.get("with_reference"):
+                f = p.get("first_divergence") or {}
+                loc = p.get("localization") or {}
+                md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
+                          f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | "
+                          f"{' / '.join(str(x) for x in (loc.get('stage'), loc.get('layer') or loc.get('parameter')) if x) or '-'} |")
+        md.append("")
+        parts.append(f"<h3>Curves</h3><img alt='curves' src='{fig_curves(runs, ref)}'>")
+        diff = fig_differences(c.parent / "comparison-steps.csv", comp)
+        if diff:
+            parts.append(f"<h3>Differences and envelope</h3><img alt='differences' src='{diff}'>")
+        t = fig_timing(runs)
+        if t:
+            parts.append(f"<h3>Step time</h3><img alt='step time' src='{t}'>")
+    parts.append(problems_table(status))
+    if status:
+        bad = [e for e in status.get("entries", []) if e["status"] in ("failed", "unsupported", "skipped")]
+        for e in bad:
+            md.append(f"- **{e['status'].upper()}** {e['name']}: {e['message']}")
+    parts.append("<h2>Declared semantic differences</h2>" + declared_table(all_runs))
+    parts.append("<h2>Environment</h2>" + environment_table(all_runs))
+    parts.append("</body></html>")
+    atomic_write_text(out / "index.html", "\n".join(parts))
+    atomic_write_text(out / "summary.md", "\n".join(md) + "\n")
+    return out / "index.html"
