@@ -159,6 +159,17 @@ def test_sync_bn_is_refused_on_cpu_with_the_reason(runs):
     assert not list(runs.out.glob("*sync_bn*"))      # nothing published
 
 
+def test_a_port_in_use_is_refused(runs):
+    import socket
+    from harness.runner import BackendFailed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(BackendFailed, match=f"port {port} on 127.0.0.1 is already in use"):
+            runs.get(2, steps=2, extra={"port": port})
+
+
 def _emulate(folder: Path, out: Path) -> Path:
     """Re-run a dp=N train job in ONE process (the replicas emulated, as probes and replays do)."""
     man = json.loads((folder / "manifest.json").read_text())

@@ -69,6 +69,11 @@ def launch(entry, job_path: str, job: dict) -> int:
         bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if bad:
             i, c = bad[0]
+            if c == 3 and i != 0:   # a refusal: let process 0 say why (its reason goes to the harness) first
+                try:
+                    procs[0].wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
             print(f"process {i} of {n} exited with code {c}; stopping the others", file=sys.stderr)
             for p in procs:
                 if p.poll() is None:

@@ -200,12 +200,13 @@ class Backend:
         """Forward per layer, gradient per parameter, then len(masks_per_step) optimizer steps on this
         batch: the update per parameter, the buffers and the optimizer state after each."""
         out: dict[str, np.ndarray] = {}
-        for k, v in self.forward_layers(x, masks_per_step[0]).items():
-            out[f"forward/{k}"] = np.asarray(v)
+        fwd = self.forward_layers(x, masks_per_step[0])
+        for layer in self.model.layers:          # spec order, whatever order the framework returned
+            out[f"forward/{layer.name}"] = np.asarray(fwd[layer.name])
         loss, grads = self.gradients(x, y, masks_per_step[0])
         out["loss"] = np.asarray(loss, np.float64)
-        for k, v in grads.items():
-            out[f"grad/{k}"] = np.asarray(v)
+        for p in self.model.trainable:
+            out[f"grad/{p.name}"] = np.asarray(grads[p.name])
         for i, masks in enumerate(masks_per_step):
             before = self.export_params()
             self.train_step(start_step + i, x, y, masks)

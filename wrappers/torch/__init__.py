@@ -51,7 +51,8 @@ class TorchEntry(Entry):
         return devices if hosts <= 1 else hosts
 
     @classmethod
-    def process_command(cls, job: dict[str, Any], job_path: str, index: int, port: int) -> tuple[list[str], dict[str, str]]:
+    def process_command(cls, job: dict[str, Any], job_path: str, index: int,
+                        port: int) -> tuple[list[str], dict[str, str]]:
         devices, hosts = _dp(job)
         if hosts <= 1:                     # rank `index` itself, env:// rendezvous on rank 0
             return ([sys.executable, "-m", "wrappers", "rank", job_path, str(index)],
@@ -60,7 +61,8 @@ class TorchEntry(Entry):
                      "MASTER_PORT": str(port)})
         # node agent `index` of `hosts`: torchrun, c10d rendezvous; agent 0 hosts the rendezvous store
         per_host = devices // hosts
-        conf = f"is_host={'true' if index == 0 else 'false'},join_timeout={RDZV_TIMEOUT_S},read_timeout={RDZV_TIMEOUT_S}"
+        conf = (f"is_host={'true' if index == 0 else 'false'},join_timeout={RDZV_TIMEOUT_S},"
+                f"read_timeout={RDZV_TIMEOUT_S}")
         return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(index),
                  "--nproc-per-node", str(per_host), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"duipai-{port}", "--rdzv-conf", conf,
