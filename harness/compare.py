@@ -6,10 +6,14 @@ runner.execute.
 Verdicts per pair (reference, candidate):
   IDENTICAL     every series and every batch checksum bitwise equal
   DRIFT         inside the envelope everywhere
-  BUG           a series leaves the envelope: first divergent step, series, factor over the envelope
+  BUG           a series leaves the envelope: first divergent step, series, factor over the envelope;
+                localized (stage, layer, parameter)
   DECLARED      it leaves, and a declared difference (algorithms/differences.py) listed in either
                 manifest explains the disagreeing probes: named
-  INCONCLUSIVE  the envelope saturates (relative spread O(1)) before any excess: use --stat
+  INCONCLUSIVE  the envelope saturates (relative spread O(1)) before any excess, or the excess starts
+                after step 0 and no one-step probe reproduces it: use --stat
+Pairs without the reference (judged for the odd one out) are DIFFER when they leave the envelope.
+The rule and the numbers behind it: harness/envelope.py, docs/verdict.md.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
-from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run, mismatches
+from .runs import SERIES, Run, mismatches
 
 IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
 DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
@@ -92,8 +96,9 @@ def check_pair(env: dict[str, SeriesEnvelope], a: Run, b: Run, rule: Rule = DEFA
 
 def _judge(p: Pair) -> None:
     """IDENTICAL / DRIFT / INCONCLUSIVE, or the first divergence (resolved later to BUG or DECLARED)."""
-    tr = p.steps.get("train", {})
-    if tr.get("a_points") != tr.get("b_points") or p.steps.get("eval", {}).get("a_points") != p.steps.get("eval", {}).get("b_points"):
+    tr, ev = p.steps.get("train", {}), p.steps.get("eval", {})
+    ranges_differ = tr.get("a_points") != tr.get("b_points") or ev.get("a_points") != ev.get("b_points")
+    if ranges_differ:
         p.notes.append(f"step ranges differ: {p.a.name} has {tr.get('a_points')} steps, {p.b.name} {tr.get('b_points')}; "
                        f"compared the {tr.get('compared')} common steps {tr.get('first')}..{tr.get('last')}")
     cands = []
@@ -115,9 +120,7 @@ def _judge(p: Pair) -> None:
         p.first["also"] = sorted({d["series"] for d in cands} - {p.first["series"]}, key=SERIES_ORDER.get)
         p.verdict = BUG
         return
-    identical = p.checksum_step is None and all(c.identical for c in p.checks.values()) and not any(
-        "step ranges differ" in n for n in p.notes)
-    if identical:
+    if p.checksum_step is None and not ranges_differ and all(c.identical for c in p.checks.values()):
         p.verdict = IDENTICAL
     elif p.saturated:
         s, t = min(p.saturated.items(), key=lambda kv: kv[1])
@@ -504,4 +507,4 @@ def render(c: Comparison) -> str:
 
 
 __all__ = ["compare", "check_pair", "Comparison", "Pair", "render", "write_outputs", "check_comparable",
-           "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "STEP_SERIES", "EVAL_SERIES"]
+           "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER"]

@@ -5,7 +5,6 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -135,7 +134,7 @@ def _log(msg: str) -> None:
 
 def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, steps_csv, as_json, timeout,
           stat, seeds, at, metrics, alpha) -> int:
-    from .compare import compare, jsonable, render, write_outputs
+    from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
     from .localize import Localizer
     from .runs import load_run
@@ -147,10 +146,10 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
     if stat:
         return _stat(runs, reference, force, seeds, at, metrics, alpha, timeout, out_dir, as_json)
     if scanned is not None:   # a results folder: envelope runs are members, not candidates
-        members = [r for r in runs if r.perturb_ulp is not None]
+        perturbed = [r for r in runs if r.perturb_ulp is not None]
         runs = [r for r in runs if r.perturb_ulp is None]
-        if members:
-            notes.append(f"{len(members)} --perturb-ulp run(s) in {scanned} are envelope runs, not candidates")
+        if perturbed:
+            notes.append(f"{len(perturbed)} --perturb-ulp run(s) in {scanned} are envelope runs, not candidates")
     rule = DEFAULT_RULE if margin is None else replace(DEFAULT_RULE, margin=margin)
     groups, forced = _groups(runs, scanned is not None, force)
     results = []
@@ -165,18 +164,21 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
                          f"not compared ({', '.join(r.name for r in group)})")
             continue
         cands = [r for r in group if r is not ref]
+        group_forced = list(forced)
+        group_notes = [] if ref.is_clean() else [f"the reference {ref.name} is not a clean run (fault, perturbation "
+                                                 "or float64)"]
         if envelope_paths:
             members = [load_run(p) for p in envelope_paths]
-            from .compare import check_comparable
-            forced += check_comparable([ref] + members, force)
+            group_forced += check_comparable([ref] + members, force)
         else:
             avoid = {r.perturb_ulp for r in group if r.perturb_ulp is not None}
             members, env_notes = envelope_runs(ref, envelope_seeds(k, avoid), precision=not no_fp64,
                                                timeout=timeout, log=_log)
-            notes += env_notes
+            group_notes += env_notes
         env = compute(ref, members, rule)
         loc = None if no_localize else Localizer(ref.path.parent, timeout=timeout, log=_log)
-        c = compare(ref, cands, env, members, rule, forced=forced, localize=loc)
+        c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc)
+        c.notes += group_notes
         results.append(c)
     if not results:
         raise BadInput("nothing to compare: " + "; ".join(notes))
@@ -198,33 +200,37 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
 
 
 def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | None):
-    """Several comparable groups in one results folder: one document listing every comparison."""
-    from .compare import CSV_FIELDS, atomic_write, jsonable, pair_row, render, steps_csv as steps_table, to_csv
-    rows, docs, texts = [], [], []
+    """Several comparable groups in one results folder: each group's files in a folder of its own,
+    out_dir/<reference run>/ (every comparison.json is one comparison, as the report reads them)."""
+    from .compare import render, write_outputs
+    paths, docs, texts = {}, [], []
     for c in results:
-        rows += [pair_row(p, c.forced) for p in c.pairs]
-        docs.append(jsonable(c.to_dict()))
+        c.notes += notes
+        written = write_outputs(c, out_dir / c.reference.name, per_step=steps_csv)
+        paths.update({f"{c.reference.name}:{k}": v for k, v in written.items()})
+        docs.append(json.loads(written["json"].read_text()))
         texts.append(render(c))
-    paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
-    atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
-    if steps_csv is None:
-        from .compare import STEPS_CSV_AUTO_LIMIT
-        steps_csv = all(len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT for c in results)
-    if steps_csv:
-        paths["steps"] = out_dir / "comparison-steps.csv"
-        import io
-        import pandas as pd
-        frames = []
-        for c in results:
-            df = pd.read_csv(io.StringIO(steps_table(c)))
-            df.insert(0, "reference_run", c.reference.name)
-            frames.append(df)
-        atomic_write(paths["steps"], pd.concat(frames, ignore_index=True).to_csv(index=False))
-    doc = {"schema": 1, "tool": "duipai compare", "mode": "lockstep-groups", "notes": notes, "comparisons": docs,
-           "exit_code": max(c.exit_code for c in results), "files": {k: str(v) for k, v in paths.items()}}
-    atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
-    text = ("\n\n" + "=" * 78 + "\n").join(texts) + "".join(f"\nnote: {n}" for n in notes)
-    return paths, doc, text
+    doc = {"schema": 1, "tool": "duipai compare", "mode": "lockstep-groups", "comparisons": docs,
+           "exit_code": max(c.exit_code for c in results)}
+    return paths, doc, ("\n\n" + "=" * 78 + "\n").join(texts)
+
+
+def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, localize: bool = True,
+                   timeout: float | None = None) -> int:
+    """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
+    table on stdout, the files in folder (one subfolder per group when there are several). Returns
+    the exit status (0 no BUG, 1 BUG, 2 bad input, 3 a backend job failed)."""
+    folder = Path(folder)
+    runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
+    try:
+        return _main((runs_dir,), reference, k, (), False, None, False, not localize, folder, None, False, timeout,
+                     False, None, None, "eval_loss,eval_accuracy,loss", 0.05)
+    except BadInput as e:
+        click.echo(f"duipai: error: {e}", err=True)
+        return runner.EXIT_BAD_INPUT
+    except BackendFailed as e:
+        click.echo(f"duipai: error: {e}", err=True)
+        return runner.EXIT_CRASH
 
 
 def _stat(runs, reference, force, seeds, at, metrics, alpha, timeout, out_dir, as_json) -> int:
@@ -245,4 +251,4 @@ def _stat(runs, reference, force, seeds, at, metrics, alpha, timeout, out_dir, a
     return c.exit_code
 
 
-__all__ = ["compare_cmd"]
+__all__ = ["compare_cmd", "compare_folder"]

@@ -40,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from .runs import EVAL_SERIES, SERIES, Run, check_reproduces, config_of, load_run, same_config
+from .runs import SERIES, Run, check_reproduces, config_of, load_run, same_config
 
 BOUNDED = ("accuracy", "eval_accuracy")
 
@@ -241,7 +241,7 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
             cand.append((int(iso_pos[0]), "isolated"))
         if cand:
             diverged, reason = min(cand)
-    fin = np.isfinite(ratio)
+    fin = np.isfinite(ratio) & valid      # the largest factor where the series still has power
     mr_i = int(np.argmax(np.where(fin, ratio, -1))) if n else None
     if n and nonfinite.any():
         mr_i = int(np.argmax(nonfinite))
@@ -250,7 +250,8 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     return SeriesCheck(
         series=env.series, points=n, identical=ident,
         max_dev=float(np.max(dev)) if n else 0.0,
-        max_ratio=float(ratio[mr_i]) if n else 0.0, max_ratio_step=int(grid[mr_i]) if n else None,
+        max_ratio=float(ratio[mr_i]) if n and (fin[mr_i] or nonfinite[mr_i]) else 0.0,
+        max_ratio_step=int(grid[mr_i]) if n else None,
         exceedances=int(ex_idx.size), isolated=n_iso,
         first_exceed_step=int(grid[ex_idx[0]]) if ex_idx.size else None,
         diverged_step=None if diverged is None else int(grid[diverged]),
@@ -305,7 +306,7 @@ def _cached_run(ref: Run, change: dict, root: Path, timeout: float | None, log: 
     from . import runner
     cfg = config_of(ref.manifest, root, **change)
     prep = runner.prepare(cfg, root)
-    check_reproduces(ref.manifest, prep, "the envelope")
+    check_reproduces(ref.manifest, cfg, prep, "the envelope")
     folder = root / cfg.default_name(prep.model.name)
     if (folder / "manifest.json").is_file():
         try:
@@ -319,4 +320,4 @@ def _cached_run(ref: Run, change: dict, root: Path, timeout: float | None, log: 
 
 
 __all__ = ["Rule", "DEFAULT_RULE", "SeriesEnvelope", "SeriesCheck", "compute", "check_series", "envelope_runs",
-           "envelope_seeds", "deviation", "rolling_max", "ulp32", "EVAL_SERIES"]
+           "envelope_seeds", "deviation", "rolling_max", "ulp32"]

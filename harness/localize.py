@@ -9,7 +9,8 @@ In this order, the first that finds a disagreement answers:
                the first layer whose input agrees but whose output does not (layers in the spec's
                order), CRADLE's change rate R = (d_l - d_prev) / (d_prev + 1e-7) is given for every
                layer; the first gradient that disagrees, in backward order (last layer first);
-  (c) eval     only the evaluation series diverge while every training series stays inside;
+  (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
+               on, while every training series stays inside;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
                d-1 and d and saves its state there; both backends probe those steps from exactly
                those states (`replay` job mode of wrappers/worker.py).
@@ -143,7 +144,7 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
         s = (f"optimizer update, parameter {res['parameter']} ({res['probe']}, rel {res['rel']:.3g}; "
              f"gradients agree)")
     else:
-        s = f"{st} ({res.get('probe')})"
+        s = f"{st} ({res.get('probe')}" + (f"; {res['note']})" if res.get("note") else ")")
     where = res.get("layer") if st == "forward" else (res.get("parameter") or res.get("layer"))
     summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")
@@ -187,7 +188,7 @@ class Localizer:
             return folder
         cfg = config_of(run.manifest, self.root, **change)
         prep = runner.prepare(cfg, self.root)
-        check_reproduces(run.manifest, prep, f"the {mode} job")
+        check_reproduces(run.manifest, cfg, prep, f"the {mode} job")
         self.log(f"localize: {mode} {cfg.backend} ({name})")
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
                               job_extra=job_extra)
@@ -276,8 +277,8 @@ class Localizer:
         if res["stage"] is None:
             train_div = [c.diverged_step for s, c in pair.checks.items()
                          if s not in EVAL_SERIES and c.diverged_step is not None]
-            # (c) only the evaluation differs
-            if first["series"] in EVAL_SERIES and not train_div:
+            # (c) only the evaluation differs, from the evaluation of the initial weights on
+            if first["series"] in EVAL_SERIES and not train_div and d == 0:
                 line = (f"localized by series: eval: only {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
                         " diverge; every training series stays inside and the step-0 probes agree")
                 return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
@@ -304,9 +305,9 @@ class Localizer:
         summary, lines = describe(res, method)
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
-            lines = [f"not localized: {where} agree (tolerance: 3x the reference's own float32 error against "
-                     f"its float64 probe, at least {probes.REL_TOL:g}); the excess builds up over many steps or "
-                     "lies outside what one step's probes see"]
+            lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g}, or 3x the "
+                     "reference's own error against its float64 probe for another code path); the excess builds up "
+                     "over many steps or lies outside what one step's probes see"]
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")

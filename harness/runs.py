@@ -111,7 +111,7 @@ def _check_steps(path: Path, steps: np.ndarray) -> None:
         raise BadInput(f"{path}: steps are not strictly increasing (step {steps[i]} then {steps[i + 1]})")
 
 
-def load_run(path: str | Path, *, allow_incomplete: bool = False) -> Run:
+def load_run(path: str | Path) -> Run:
     """A complete published train run, or BadInput naming the file and the problem."""
     p = Path(path).resolve()   # backend jobs run in the project root: every path they get is absolute
     if not p.is_dir():
@@ -133,7 +133,7 @@ def load_run(path: str | Path, *, allow_incomplete: bool = False) -> Run:
     s = _read_csv(p / "steps.csv", STEP_COLUMNS, "per-step series")
     e = _read_csv(p / "eval.csv", EVAL_COLUMNS, "evaluation series")
     want = int((man.get("hparams") or {}).get("steps", len(s)))
-    if len(s) != want and not allow_incomplete:
+    if len(s) != want:
         raise BadInput(f"{p / 'steps.csv'}: truncated: {len(s)} rows, the manifest promises {want} steps")
     step = s["step"].to_numpy(np.int64)
     _check_steps(p / "steps.csv", step)
@@ -141,7 +141,7 @@ def load_run(path: str | Path, *, allow_incomplete: bool = False) -> Run:
         raise BadInput(f"{p / 'steps.csv'}: starts at step {step[0]}, not 0")
     estep = e["step"].to_numpy(np.int64)
     _check_steps(p / "eval.csv", estep)
-    if len(estep) and estep[-1] < want and not allow_incomplete:
+    if len(estep) and estep[-1] < want:
         raise BadInput(f"{p / 'eval.csv'}: truncated: last evaluation at step {estep[-1]}, the run has {want} steps")
     values = {c: s[c].to_numpy(np.float64) for c in STEP_SERIES}
     values.update({c: e[c].to_numpy(np.float64) for c in EVAL_SERIES})
@@ -242,18 +242,6 @@ def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
     return RunConfig(**cfg)
 
 
-def check_reproduces(man: dict[str, Any], prep, what: str) -> None:
-    """The prepared inputs of a regenerated configuration must be those of the original run."""
-    import hashlib
-    got = {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
-           "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
-           "base_weights_hash": prep.base_weights_hash}
-    for k, v in got.items():
-        if man.get(k) != v:
-            raise BadInput(f"cannot regenerate {what} of run {man.get('run')}: its {k} is {man.get(k)} "
-                           f"but the configuration now gives {v} (data or model file changed?)")
-
-
 def expected_hashes(cfg: RunConfig, prep) -> dict[str, str]:
     """The comparability fields a run of `cfg` (prepared as `prep`) will have in its manifest."""
     import hashlib
@@ -261,6 +249,14 @@ def expected_hashes(cfg: RunConfig, prep) -> dict[str, str]:
     return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
             "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
             "base_weights_hash": prep.base_weights_hash, "hparams_hash": _hash_json(cfg.hparams.to_dict())}
+
+
+def check_reproduces(man: dict[str, Any], cfg: RunConfig, prep, what: str) -> None:
+    """The prepared inputs of a regenerated configuration must be those of the original run."""
+    for k, v in expected_hashes(cfg, prep).items():
+        if man.get(k) != v:
+            raise BadInput(f"cannot regenerate {what} of run {man.get('run')}: its {k} is {man.get(k)} "
+                           f"but the configuration now gives {v} (data or model file changed?)")
 
 
 def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) -> bool:

@@ -131,9 +131,8 @@ def stat_compare(runs: list[Run], reference: str, metrics: list[str], at: list[i
             notes.append(f"{r.name}: a second run of seed {r.manifest['hparams']['seed']} in group '{lab}', left out")
             continue
         groups.setdefault(lab, []).append(r)
-    ref_lab = reference if reference in groups else next(
-        (k for k in groups if k.split(" ")[0] == reference and k == reference), None) or next(
-        (k for k in groups if k.split(" ")[0] == reference), None)
+    # the clean group of the reference backend is labelled by the backend alone; else any of its groups
+    ref_lab = reference if reference in groups else next((k for k in groups if k.split(" ")[0] == reference), None)
     if ref_lab is None:
         raise BadInput(f"no runs of reference {reference!r}; groups: {', '.join(groups)}")
     small = [f"'{k}' ({len(v)})" for k, v in groups.items() if len(v) < 2]
@@ -204,6 +203,8 @@ def render_stat(c: StatComparison) -> str:
 def ensure_seeds(runs: list[Run], seeds: list[int], root: Path | None, timeout: float | None, log) -> list[Run]:
     """Train the missing seeds of every group (one representative manifest per group), reusing any
     complete folder of the same name and configuration."""
+    from algorithms.optim import HParams
+
     from . import runner
     from .runs import config_of, expected_hashes, load_run, same_config
     out = list(runs)
@@ -216,8 +217,7 @@ def ensure_seeds(runs: list[Run], seeds: list[int], root: Path | None, timeout: 
         for s in seeds:
             if s in have:
                 continue
-            cfg = config_of(rep.manifest, base)
-            cfg = config_of(rep.manifest, base, hparams=cfg.hparams.with_(seed=s))
+            cfg = config_of(rep.manifest, base, hparams=HParams.from_dict({**rep.manifest["hparams"], "seed": s}))
             prep = runner.prepare(cfg, base)
             folder = base / cfg.default_name(prep.model.name)
             man_path = folder / "manifest.json"

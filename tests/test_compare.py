@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -333,12 +332,17 @@ def test_cli_results_folder_with_two_configurations(tmp_path):
             write_run(tmp_path, f"{spec}_torch__ulp{j}", jitter(base_series(N), rng, 1e-6), base_eval(N),
                       spec_hash=spec, perturb=j)
     env = [a for j in (1, 2, 3) for a in ("--envelope", str(tmp_path / f"specA_torch__ulp{j}"))]
-    r = cli(str(tmp_path), *env, "--no-localize", "--force")
+    r = cli(str(tmp_path), *env, "--no-localize", "--force", "--json")
     assert r.exit_code == 1, r.output
-    doc = json.loads((tmp_path / "comparison.json").read_text())
+    doc = json.loads(r.stdout)
     assert doc["mode"] == "lockstep-groups" and len(doc["comparisons"]) == 2
     assert [c["verdicts"] for c in doc["comparisons"]] == [{"specA_jax": IDENTICAL}, {"specB_jax": BUG}]
-    assert len((tmp_path / "comparison.csv").read_text().splitlines()) == 3
+    # one folder per group, each with one comparison (what the HTML report reads)
+    for group, verdict in (("specA_torch", IDENTICAL), ("specB_torch", BUG)):
+        one = json.loads((tmp_path / group / "comparison.json").read_text())
+        assert one["reference"]["run"] == group and list(one["verdicts"].values()) == [verdict]
+        assert len((tmp_path / group / "comparison.csv").read_text().splitlines()) == 2
+    assert not (tmp_path / "comparison.json").exists()
 
 
 def test_cli_no_runs(tmp_path):
@@ -457,3 +461,13 @@ def test_torch_grad_double_under_adam_is_caught_through_grad_norm(adam_grad_doub
     assert loss["first_exceed_step"] is None or loss["first_exceed_step"] >= 10
     assert gn["max_ratio"] > 1e3 * loss["max_ratio"]
     assert "--no-localize" in p["notes"][-1]
+
+
+def test_torch_vs_jax_is_drift(results_root, momentum):
+    """The same reference and (cached) envelope; one more backend process: the JAX run."""
+    from .torch_runs import compare_root, run
+    root = compare_root(results_root)
+    code, doc = _cli_json(str(run(root)), str(run(root, backend="jax")), "--out", str(root / "out-jax"))
+    p = doc["pairs"][0]
+    assert code == 0 and p["verdict"] == DRIFT, (p["first_divergence"], p["notes"])
+    assert p["candidate_backend"] == "jax" and len(doc["envelope"]["runs"]) == 4
