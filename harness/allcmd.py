@@ -68,26 +68,21 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
     m, entries = run_and_summarise(matrix_file, out, jobs, force)
     folder = out / m.name
     code = runner.EXIT_CRASH if any(e.status == "failed" for e in entries) else runner.EXIT_OK
-    try:
-        from .comparecmd import compare_folder   # the verdict engine
-    except ImportError:
-        compare_folder = None
-    if compare_folder is not None:
-        code = max(code, compare_folder(folder, reference=m.reference))
-    else:
-        _loss_table(entries, m.reference)
+    from .comparecmd import compare_folder
+    from .report import build
+    code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k))
+    index = build(folder)
+    click.echo(f"report:  {index.resolve()}")
     click.echo(f"results: {folder.resolve()}")
     sys.exit(code)
 
 
-def _loss_table(entries: list[M.Entry], reference: str) -> None:
-    """Fallback summary when no verdict engine is installed: max |loss difference| vs the reference."""
-    import pandas as pd
-    ok = [e for e in entries if e.status in ("ran", "cached")]
-    ref = next((e for e in ok if e.cfg.backend == reference and e.role == "run" and e.cfg.devices == 1), None)
-    if ref is None:
-        return
-    base = pd.read_csv(Path(ref.folder) / "steps.csv")["loss"]
-    rows = [{"run": e.name, "max|dloss|": float((pd.read_csv(Path(e.folder) / "steps.csv")["loss"] - base).abs().max())}
-            for e in ok if e is not ref]
-    click.echo(pd.DataFrame(rows).to_string(index=False))
+@click.command("report")
+@click.argument("folder", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def report_cmd(folder: Path) -> None:
+    """Regenerate FOLDER/report/index.html and summary.md from existing results (no training)."""
+    from .report import build, find_comparisons
+    if not find_comparisons(folder):
+        click.echo(f"duipai: error: {folder}: no comparison.json; run `duipai compare {folder}` first", err=True)
+        sys.exit(runner.EXIT_BAD_INPUT)
+    click.echo(str(build(folder).resolve()))

@@ -215,10 +215,13 @@ def faults() -> None:
         click.echo(f"{f.name:<24} [{f.stage}] {f.practice}")
 
 
-from .allcmd import all_cmd, matrix_cmd  # noqa: E402
+from .allcmd import all_cmd, matrix_cmd, report_cmd  # noqa: E402
+from .comparecmd import compare_cmd  # noqa: E402
 
 main.add_command(all_cmd)
 main.add_command(matrix_cmd)
+main.add_command(report_cmd)
+main.add_command(compare_cmd)
 
 
 
@@ -236,8 +239,6 @@ def entry() -> None:
         click.echo("duipai: interrupted", err=True)
         sys.exit(130)
 
-
-from .comparecmd import compare_cmd; main.add_command(compare_cmd)  # noqa: E402,E702
 
 if __name__ == "__main__":
     entry()

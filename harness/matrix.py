@@ -28,7 +28,7 @@ from .runner import BackendFailed, BadInput, RunConfig
 MATRICES_DIR = Path(__file__).parent / "matrices"
 LIST_FIELDS = {"models": str, "backends": str, "devices": int, "seeds": int, "optimizers": str, "faults": str}
 SCALAR_FIELDS = {"name": str, "data": str, "steps": int, "batch_size": int, "reference": str, "envelope_k": int,
-                 "timeout_s": (int, float), "description": str}
+                 "envelope_fp64": bool, "timeout_s": (int, float), "description": str}
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Matrix:
     batch_size: int = 64
     reference: str = "torch"
     envelope_k: int = 3
+    envelope_fp64: bool = True
     timeout_s: float = 900
     hparams: dict[str, Any] = field(default_factory=dict)
     description: str = ""
@@ -103,7 +104,7 @@ def load_matrix(path: str | Path) -> Matrix:
         kw[f] = v
     for f, typ in SCALAR_FIELDS.items():
         if f in raw:
-            if not isinstance(raw[f], typ) or isinstance(raw[f], bool):
+            if not isinstance(raw[f], typ) or (isinstance(raw[f], bool) and typ is not bool):
                 raise bad(f"field '{f}' has the wrong type: {raw[f]!r}")
             kw[f] = raw[f]
     if "hparams" in raw:
@@ -170,6 +171,9 @@ def expand(m: Matrix) -> list[Entry]:
         add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data), "run")
         for k in range(1, m.envelope_k + 1):
             add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data, perturb_ulp=k), "envelope")
+        if m.envelope_fp64:   # the float64 member: 1-ULP runs share the reference's rounding (docs/verdict.md)
+            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data, perturb_ulp=1, dtype="float64"),
+                "envelope")
         for b, n in itertools.product(m.backends, m.devices):
             add(RunConfig(model=model, backend=b, hparams=hp, data=m.data, devices=n), "run")
         for b, f in itertools.product(m.backends, m.faults):
