@@ -86,3 +86,17 @@ def report_cmd(folder: Path) -> None:
         click.echo(f"duipai: error: {folder}: no comparison.json; run `duipai compare {folder}` first", err=True)
         sys.exit(runner.EXIT_BAD_INPUT)
     click.echo(str(build(folder).resolve()))
+
+
+@click.command("selftest")
+@click.option("--reduced", is_flag=True, help="The CI version: torch only, 60 steps, a subset of faults and variants.")
+@click.option("--backends", default=None, help="Comma-separated backends (default: all six, or torch when reduced).")
+@click.option("--steps", type=int, default=None, help="Steps per run (default 300, or 60 when reduced).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
+@click.option("-j", "--jobs", type=int, default=1, show_default=True)
+def selftest_cmd(reduced: bool, backends: str | None, steps: int | None, out: Path, jobs: int) -> None:
+    """Inject every catalogued fault and run every drift-only variant; print and write the detection
+    matrix (<out>/selftest*/selftest.md). Exit 1 if a fault is missed or a variant is called a BUG."""
+    from .selftest import run_selftest
+    bs = tuple(b.strip() for b in backends.split(",")) if backends else None
+    sys.exit(run_selftest(out, reduced=reduced, backends=bs, steps=steps, jobs=jobs))

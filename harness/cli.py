@@ -215,13 +215,14 @@ def faults() -> None:
         click.echo(f"{f.name:<24} [{f.stage}] {f.practice}")
 
 
-from .allcmd import all_cmd, matrix_cmd, report_cmd  # noqa: E402
+from .allcmd import all_cmd, matrix_cmd, report_cmd, selftest_cmd  # noqa: E402
 from .comparecmd import compare_cmd  # noqa: E402
 
 main.add_command(all_cmd)
 main.add_command(matrix_cmd)
 main.add_command(report_cmd)
 main.add_command(compare_cmd)
+main.add_command(selftest_cmd)
 
 
 

@@ -211,11 +211,20 @@ def up_to_date(folder: Path, key: str) -> bool:
 
 def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Entry]:
-    """Run (or reuse) every entry; never raises for one backend's failure. Writes matrix.json."""
+    """Run (or reuse) every entry of the matrix; writes <out_root>/<name>/matrix.json."""
     out = Path(out_root) / m.name
+    entries = run_entries(expand(m), out, Path(out_root), jobs, force=force, timeout=m.timeout_s, log=log)
+    write_status(out, m, entries)
+    return entries
+
+
+def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1, *, force: bool = False,
+                timeout: float | None = None,
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Entry]:
+    """Run (or reuse) every entry into out/runs; never raises for one backend's failure."""
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    entries = expand(m)
+    out_root = cache_root
     info = runner.backend_info()
     preps: dict[tuple, runner.Prepared] = {}
     for e in entries:
@@ -223,7 +232,7 @@ def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
             e.status, e.message = "skipped", f"package(s) not installed: {', '.join(info[e.cfg.backend]['missing'])}"
             continue
         pk = (e.cfg.model, e.cfg.data, e.cfg.hparams, e.cfg.perturb_ulp, e.cfg.devices)
-        if pk not in preps:
+        if pk not in preps:  # noqa: SIM401
             preps[pk] = runner.prepare(e.cfg, Path(out_root))
         e.key = run_key(e.cfg, preps[pk])
         e.folder = str(runs / e.name)
@@ -237,8 +246,8 @@ def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
         t0 = time.time()
         pk = (e.cfg.model, e.cfg.data, e.cfg.hparams, e.cfg.perturb_ulp, e.cfg.devices)
         try:
-            runner.execute(e.cfg, runs, e.name, timeout=m.timeout_s, prepared=preps[pk],
-                           manifest_extra={"run_key": e.key, "matrix": m.name, "role": e.role})
+            runner.execute(e.cfg, runs, e.name, timeout=timeout, prepared=preps[pk],
+                           manifest_extra={"run_key": e.key, "matrix": out.name, "role": e.role})
             e.status = "ran"
         except BackendFailed as err:
             e.status = "unsupported" if err.unsupported else "failed"
@@ -256,11 +265,10 @@ def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for f in as_completed([pool.submit(one, e) for e in todo]):
             f.result()
-    write_status(out, m, entries)
     return entries
 
 
-def write_status(out: Path, m: Matrix, entries: list[Entry]) -> None:
+def write_status(out: Path, m: Matrix | Any, entries: list[Entry]) -> None:
     atomic_write_text(out / "matrix.json", json.dumps({"matrix": m.name, "source": m.source,
                                                         "entries": [e.to_dict() for e in entries]}, indent=2))
 

@@ -213,6 +213,7 @@ def test_dropout_uses_the_harness_masks():
     b = make(m, HP["adam"])
     masks = masks_for(m, 0, 0, len(x), "harness")
     out = b.forward_layers(x, masks)
+    assert list(out) == [l.name for l in m.layers]                 # layer order, not jit's sorted keys
     keep = masks["drop1"]
     np.testing.assert_allclose(out["drop1"], np.where(keep, out["gap"] / 0.75, 0.0), rtol=1e-6)
     other = masks_for(m, 0, 1, len(x), "harness")
@@ -342,6 +343,31 @@ def test_optax_steps_are_the_reference_update_in_float64():
     worst = json.loads(r.stdout.strip().splitlines()[-1])
     for name, err in worst.items():       # relative to the size of the update
         assert err < 1e-9, f"{name}: optax step differs from reference_update by {err:.2e} of the update"
+
+
+def test_adam_bias_correction_is_exact_in_float32():
+    """optax computes 1 - b2^t in float32 (b2 = 0.999 rounds up: 1.3e-5 off at t = 1); the injected
+    lr / eps / weight decay make the float32 step use the exact corrections of the reference."""
+    import jax.numpy as jnp
+    import optax
+
+    from wrappers.jax.backend import adam_hyperparams
+    b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 1e-2
+    counts = np.array([0, 1, 9, 99, 999, 2999])
+    c1 = 1 - b1 ** (counts + 1.0)
+    c2 = 1 - b2 ** (counts + 1.0)
+    base = {"learning_rate": jnp.float32(lr), "eps": jnp.float32(eps), "weight_decay": jnp.float32(wd)}
+    for n, e1, e2 in zip(counts, c1, c2):
+        h = adam_hyperparams(base, jnp.int32(n), b1, b2)
+        q1 = 1 / float(optax.tree.bias_correction(jnp.float32(1), b1, jnp.int32(n + 1)))   # optax's own
+        q2 = 1 / float(optax.tree.bias_correction(jnp.float32(1), b2, jnp.int32(n + 1)))
+        if n == 0:
+            assert abs(q2 / e2 - 1) > 1e-5           # the float32 error being corrected
+        # optax: lr' (m / q1) / (sqrt(v / q2) + eps') = (lr' sqrt(q2) / q1) m / (sqrt(v) + eps' sqrt(q2));
+        # the reference: (lr sqrt(c2) / c1) m / (sqrt(v) + eps sqrt(c2))
+        assert float(h["learning_rate"]) * np.sqrt(q2) / q1 == pytest.approx(lr * np.sqrt(e2) / e1, rel=1e-6)
+        assert float(h["eps"]) * np.sqrt(q2) == pytest.approx(eps * np.sqrt(e2), rel=1e-6)
+        assert float(h["learning_rate"]) * float(h["weight_decay"]) == pytest.approx(lr * wd, rel=1e-6)
 
 
 def test_l2_not_decoupled_is_adam_with_l2():

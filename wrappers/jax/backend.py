@@ -1,9 +1,11 @@
 """JAX backend: the spec lowered to jax.lax in NHWC (layers.py), optax optimizers, one jit-compiled step.
 
 The whole training step (forward, loss, backward, optax update, the step statistics) is one pure
-function, compiled once by jax.jit. The learning rate (and Adam's epsilon, for the `adam_eps_hat`
-fault) enter as traced arguments and are written into the `optax.inject_hyperparams` state inside
-the step, so a schedule never triggers a recompilation.
+function, compiled once per process by jax.jit. The learning rate (and Adam's eps) enter as traced
+arguments and are written into the `optax.inject_hyperparams` state inside the step, so a schedule
+never triggers a recompilation. For Adam the injected lr / eps / weight decay are rescaled so that
+optax's float32 bias correction (1 - b2^t from a float32-rounded b2) becomes the exact one of the
+reference (see `adam_hyperparams`).
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ class Lowering:
         key = (hp.optimizer, hp.momentum, hp.beta1, hp.beta2, hp.weight_decay)
         if key not in self.steps:
             tx = make_optimizer(hp, self.fault)
-            adam = (hp.beta1, hp.beta2) if hp.optimizer in ("adam", "adamw") else None
+            adam = (hp.beta1, hp.beta2, hp.weight_decay) if hp.optimizer in ("adam", "adamw") else None
             self.steps[key] = (tx, self.wrap(functools.partial(self._step_fn, tx, adam)))
         return self.steps[key]
 
@@ -146,10 +148,14 @@ class Lowering:
     def _step_fn(self, tx, adam, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
         key = jax.random.fold_in(base_key, step)          # native dropout only; harness masks otherwise
         loss, (logits, new_buffers), grads = self._grads_of(params, buffers, x, y, masks, key)
+        # every injected value is set afresh here (the state carries last step's, already rescaled)
         hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
         if adam is not None:
+            b1, b2, wd = adam
             hyper["eps"] = eps.astype(self.dtype)
-            hyper = adam_hyperparams(hyper, otu.tree_get(opt_state, "count", filtering=_in(ADAM_STATE)), *adam)
+            if "weight_decay" in hyper:
+                hyper["weight_decay"] = jnp.asarray(wd, self.dtype)
+            hyper = adam_hyperparams(hyper, otu.tree_get(opt_state, "count", filtering=_in(ADAM_STATE)), b1, b2)
         opt_state = opt_state._replace(hyperparams=hyper)
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -330,7 +336,8 @@ class JaxBackend(Backend):
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
         rec = self.lowering.fwd(self.params, self.buffers, self._x(x), self._masks(masks), self._probe_key())
-        return {k: np.array(v) for k, v in rec.items()}
+        # in layer order (a jit-returned dict comes back sorted by key; probe consumers read the order)
+        return {l.name: np.array(rec[l.name]) for l in self.model.layers}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         loss, grads = self.lowering.grads(self.params, self.buffers, self._x(x), self._y(y), self._masks(masks),

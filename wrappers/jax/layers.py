@@ -8,8 +8,6 @@ the same computation the torch backend's fault performs.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,6 @@ from algorithms.spec import LayerInfo, ModelSpec
 
 Params = dict[str, jax.Array]
 DN = ("NHWC", "HWIO", "NHWC")
-BUFFER_ROLES = ("running_mean", "running_var")
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -191,4 +188,4 @@ def cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0)
     return jnp.mean(nll)
 
 
-__all__ = ["forward", "cross_entropy", "to_internal", "from_internal", "flatten_perm", "BUFFER_ROLES"]
+__all__ = ["forward", "cross_entropy", "to_internal", "from_internal", "flatten_perm"]

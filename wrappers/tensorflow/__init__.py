@@ -53,3 +53,9 @@ class TensorflowEntry(Entry):
         workers = [f"127.0.0.1:{p}" for p in cls.worker_ports(job, job_path, port)]
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
         return cmd, env
+
+    @classmethod
+    def job_env(cls, job):
+        """--onednn on/off: TF_ENABLE_ONEDNN_OPTS must be set before TensorFlow is imported."""
+        mode = job.get("options", {}).get("extra", {}).get("onednn")
+        return {"TF_ENABLE_ONEDNN_OPTS": "1" if mode == "on" else "0"} if mode in ("on", "off") else {}

@@ -1,0 +1,245 @@
+"""`duipai selftest`: inject every catalogued fault into every backend that implements it, run the
+drift-only variants, compare each against the clean reference, and write the detection matrix.
+
+A fault is detected when its run is BUG and the localized stage is the catalogue's (and the layer,
+where the catalogue names one). A drift-only variant must never be BUG. Exit 1 otherwise.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from algorithms.faults import FAULTS
+from algorithms.optim import HParams
+
+from . import matrix as M
+from . import runner
+from .files import atomic_write_text
+from .runner import RunConfig
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The configuration in which a fault bites (or a variant runs), and what localization must say."""
+    model: str = "cnn2d_2conv_2fc"
+    optimizer: str = "momentum"
+    schedule: str = "constant"
+    weight_decay: float = 0.0
+    devices: int = 1
+    layer: str | None = None          # the layer a correct localization names (None: no layer)
+
+    def hparams(self, steps: int) -> HParams:
+        lr = 0.05 if self.optimizer in ("sgd", "momentum", "nesterov") else 1e-3
+        return HParams(optimizer=self.optimizer, lr=lr, schedule=self.schedule, weight_decay=self.weight_decay,
+                       step_size=max(steps // 3, 1), steps=steps, eval_every=min(50, steps // 2),
+                       checkpoint_every=min(50, steps // 2))
+
+
+FAULT_SCENARIOS: dict[str, Scenario] = {
+    "flatten_no_permute": Scenario(layer="fc1"),
+    "symmetric_same_padding": Scenario(model="cnn2d_hard", layer="conv2"),
+    "bn_momentum_flipped": Scenario(model="cnn2d_hard", layer="bn1"),
+    "bn_eps_keras": Scenario(model="cnn2d_hard", layer="bn1"),
+    "adam_eps_hat": Scenario(optimizer="adam"),
+    "keras_momentum_schedule": Scenario(schedule="step"),
+    "l2_not_decoupled": Scenario(optimizer="adamw", weight_decay=0.01),
+    "grad_sum_replicas": Scenario(devices=2),
+    "overlapping_shards": Scenario(devices=2),
+    "data_shift_one_batch": Scenario(),
+    "label_smoothing": Scenario(),
+    "lr_schedule_off_by_one": Scenario(schedule="step"),
+    "dropout_in_eval": Scenario(model="cnn2d_hard"),
+    "missing_bias": Scenario(layer="conv1"),
+    "maxpool_ceil": Scenario(model="cnn2d_hard", layer="pool3"),
+    "grad_double": Scenario(optimizer="adam"),
+    "lr_scale_1.001": Scenario(),
+}
+
+# drift-only variants: name -> (RunConfig overrides, backends it applies to)
+DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "dp2": ({"devices": 2}, ("torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow")),
+    "dp4": ({"devices": 4}, ("torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow")),
+    "threads2": ({"threads": 2}, ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch")),
+    "eager": ({"jit": False}, ("jax", "tensorflow")),
+    "xla": ({"extra": {"xla": True}}, ("tensorflow",)),
+    "float64": ({"dtype": "float64"}, ("torch",)),
+    "channels_last": ({"extra": {"channels_last": True}}, ("torch",)),
+    "onednn_off": ({"extra": {"onednn": "off"}}, ("tensorflow",)),
+}
+
+FULL_BACKENDS = ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch")
+REDUCED = {"backends": ("torch",), "steps": 60,
+           "faults": ("flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "adam_eps_hat",
+                      "grad_sum_replicas", "data_shift_one_batch", "label_smoothing", "grad_double", "lr_scale_1.001",
+                      "missing_bias"),
+           "variants": ("dp2", "threads2", "float64", "channels_last")}
+
+
+@dataclass
+class Plan:
+    entries: list[M.Entry] = field(default_factory=list)
+    expect: dict[str, dict[str, Any]] = field(default_factory=dict)    # run name -> what it must be
+
+
+def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str, ...], steps: int,
+         reference: str = "torch", k: int = 3) -> Plan:
+    p = Plan()
+    seen: set[str] = set()
+
+    def add(cfg: RunConfig, role: str, expect: dict[str, Any] | None = None) -> None:
+        from algorithms.spec import load_model
+        name = cfg.default_name(load_model(cfg.model).name)
+        if name in seen:
+            return
+        seen.add(name)
+        p.entries.append(M.Entry(cfg, name, role))
+        if expect:
+            p.expect[name] = expect
+
+    def group(sc: Scenario) -> HParams:
+        hp = sc.hparams(steps)
+        add(RunConfig(model=sc.model, backend=reference, hparams=hp), "run")
+        for s in range(1, k + 1):
+            add(RunConfig(model=sc.model, backend=reference, hparams=hp, perturb_ulp=s), "envelope")
+        add(RunConfig(model=sc.model, backend=reference, hparams=hp, perturb_ulp=1, dtype="float64"), "envelope")
+        return hp
+
+    for f in faults:
+        sc = FAULT_SCENARIOS[f]
+        hp = group(sc)
+        for b in backends:
+            add(RunConfig(model=sc.model, backend=b, hparams=hp, devices=sc.devices, fault=f), "fault",
+                {"kind": "fault", "fault": f, "backend": b, "stage": FAULTS[f].stage, "layer": sc.layer})
+    base = Scenario()
+    hp = group(base)
+    for b in backends:
+        if b != reference:
+            add(RunConfig(model=base.model, backend=b, hparams=hp), "run",
+                {"kind": "clean", "variant": "clean", "backend": b})
+    for v in variants:
+        over, applies = DRIFT_VARIANTS[v]
+        for b in backends:
+            if b in applies:
+                add(RunConfig(model=base.model, backend=b, hparams=hp, **over), "variant",
+                    {"kind": "variant", "variant": v, "backend": b})
+    return p
+
+
+def _comparisons(folder: Path) -> dict[str, dict[str, Any]]:
+    """candidate run name -> its pair record (with the reference), from every comparison.json."""
+    out = {}
+    for c in folder.rglob("comparison.json"):
+        if "runs" in c.relative_to(folder).parts[:-1]:
+            continue
+        doc = json.loads(c.read_text())
+        for pair in doc.get("pairs", []):
+            if pair.get("with_reference"):
+                out[pair["candidate"]] = pair
+    return out
+
+
+def judge(p: Plan, entries: list[M.Entry], folder: Path) -> list[dict[str, Any]]:
+    pairs = _comparisons(folder)
+    status = {e.name: e for e in entries}
+    rows = []
+    for name, exp in p.expect.items():
+        e = status[name]
+        row = {"kind": exp["kind"], "what": exp.get("fault") or exp.get("variant"), "backend": exp["backend"],
+               "run": name, "verdict": None, "stage": None, "layer": None, "step": None, "factor": None,
+               "expected": "", "correct": None, "note": ""}
+        if e.status in ("unsupported", "skipped"):
+            row.update(verdict="n/a", correct=None, note=e.message)
+            rows.append(row)
+            continue
+        if e.status == "failed":
+            row.update(verdict="FAILED", correct=False, note=e.message)
+            rows.append(row)
+            continue
+        pair = pairs.get(name)
+        if pair is None:
+            row.update(verdict="NOT COMPARED", correct=False, note="no comparison record")
+            rows.append(row)
+            continue
+        loc = pair.get("localization") or {}
+        first = pair.get("first_divergence") or {}
+        row.update(verdict=pair["verdict"], stage=loc.get("stage"), layer=loc.get("layer"),
+                   step=first.get("step"), factor=first.get("factor"))
+        if exp["kind"] == "fault":
+            row["expected"] = f"BUG, stage {exp['stage']}" + (f", layer {exp['layer']}" if exp["layer"] else "")
+            stage_ok = loc.get("stage") == exp["stage"]
+            layer_ok = exp["layer"] is None or loc.get("layer") == exp["layer"]
+            row["correct"] = pair["verdict"] == "BUG" and stage_ok
+            row["layer_correct"] = None if exp["layer"] is None else layer_ok
+        else:
+            row["expected"] = "not BUG"
+            row["correct"] = pair["verdict"] != "BUG"
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    def cell(r):
+        if r["verdict"] == "n/a":
+            return "n/a"
+        mark = "ok" if r["correct"] else "**MISSED**" if r["kind"] == "fault" else "**FALSE ALARM**"
+        where = " / ".join(str(x) for x in (r["stage"], r["layer"]) if x)
+        return f"{r['verdict']} {('(' + where + ')') if where else ''} {mark}".strip()
+    backends = sorted({r["backend"] for r in rows}, key=lambda b: FULL_BACKENDS.index(b) if b in FULL_BACKENDS else 99)
+    lines = [f"Detection matrix ({meta['when']}, {meta['machine']}, {meta['steps']} steps, "
+             f"`{meta['command']}`, {meta['seconds']:.0f} s)", ""]
+    for kind, title in (("fault", "fault"), ("variant", "drift-only variant"), ("clean", "clean run")):
+        sub = [r for r in rows if r["kind"] == kind]
+        if not sub:
+            continue
+        lines += [f"| {title} | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+        for what in dict.fromkeys(r["what"] for r in sub):
+            cells = []
+            for b in backends:
+                r = next((x for x in sub if x["what"] == what and x["backend"] == b), None)
+                cells.append(cell(r) if r else "-")
+            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+        lines.append("")
+    faults = [r for r in rows if r["kind"] == "fault" and r["verdict"] != "n/a"]
+    with_layer = [r for r in faults if r.get("layer_correct") is not None]
+    lines.append(f"Faults detected with the right stage: {sum(bool(r['correct']) for r in faults)}/{len(faults)}; "
+                 f"right layer: {sum(bool(r['layer_correct']) for r in with_layer)}/{len(with_layer)}; "
+                 f"drift-only variants called BUG: {sum(r['kind'] != 'fault' and r['verdict'] == 'BUG' for r in rows)}.")
+    return "\n".join(lines) + "\n"
+
+
+def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | None = None, steps: int | None = None,
+                 jobs: int = 1, timeout: float = 900) -> int:
+    t0 = time.time()
+    import platform
+    cfg = REDUCED if reduced else {"backends": FULL_BACKENDS, "steps": 300, "faults": tuple(FAULTS),
+                                   "variants": tuple(DRIFT_VARIANTS)}
+    backends = backends or cfg["backends"]
+    steps = steps or cfg["steps"]
+    installed = set(runner.installed_backends())
+    missing = [b for b in backends if b not in installed]
+    if missing:
+        print(f"SKIPPED backends (not installed): {', '.join(missing)}", file=sys.stderr)
+    backends = tuple(b for b in backends if b in installed)
+    name = "selftest-reduced" if reduced else "selftest"
+    folder = Path(out_root) / name
+    pl = plan(backends, cfg["faults"], cfg["variants"], steps)
+    entries = M.run_entries(pl.entries, folder, Path(out_root), jobs, timeout=timeout)
+    M.write_status(folder, type("S", (), {"name": name, "source": "duipai selftest"})(), entries)
+    from .comparecmd import compare_folder
+    compare_folder(folder, reference="torch", k=3)
+    rows = judge(pl, entries, folder)
+    meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} cores)",
+            "steps": steps, "command": "duipai selftest" + (" --reduced" if reduced else ""),
+            "seconds": time.time() - t0}
+    text = render(rows, meta)
+    atomic_write_text(folder / "selftest.md", text)
+    atomic_write_text(folder / "selftest.json", json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print(text)
+    bad = [r for r in rows if r["correct"] is False]
+    return runner.EXIT_BUG if bad else runner.EXIT_OK
