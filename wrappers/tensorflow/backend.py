@@ -92,7 +92,8 @@ class TensorflowBackend(Backend):
         if self.opts.devices != 1:
             raise UnsupportedError(f"backend tensorflow: --devices {self.opts.devices} needs the parallel backend")
         if self.opts.fault in self.PARALLEL_FAULTS:
-            raise UnsupportedError(f"backend tensorflow: fault {self.opts.fault} needs data parallelism (--devices > 1)")
+            raise UnsupportedError(f"backend tensorflow: fault {self.opts.fault} needs data parallelism "
+                                   "(--devices > 1)")
 
     def _variable_scope(self):
         """Where the variables are created (the parallel backend: its strategy's scope)."""

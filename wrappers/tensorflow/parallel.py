@@ -59,6 +59,7 @@ from .backend import TensorflowBackend
 from .layers import LABEL_SMOOTHING, per_example_cross_entropy
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+_STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}   # (hosts, devices per process, kind) -> the strategy
 
 
 def tf_config() -> dict[str, Any] | None:
@@ -105,7 +106,8 @@ class ParallelTensorflowBackend(TensorflowBackend):
                                        "(python -m wrappers run JOB.json)")
             workers = cfg["cluster"].get("worker", [])
             if len(workers) != self.hosts:
-                raise UnsupportedError(f"backend tensorflow: TF_CONFIG lists {len(workers)} workers for --hosts {self.hosts}")
+                raise UnsupportedError(f"backend tensorflow: TF_CONFIG lists {len(workers)} workers "
+                                       f"for --hosts {self.hosts}")
             self.task = int(cfg["task"]["index"])
         gpus = [] if o.extra.get("platform", "auto") == "cpu" else tf.config.list_physical_devices("GPU")
         self.kind = "GPU" if gpus else "CPU"
@@ -117,7 +119,8 @@ class ParallelTensorflowBackend(TensorflowBackend):
             try:
                 tf.config.set_visible_devices(gpus[first:first + self.local], "GPU")
             except RuntimeError as e:
-                raise UnsupportedError(f"backend tensorflow: cannot choose GPUs after TF's runtime started: {e}") from None
+                raise UnsupportedError(f"backend tensorflow: cannot choose GPUs after TF's runtime "
+                                       f"started: {e}") from None
         else:
             cpu = tf.config.list_physical_devices("CPU")[0]
             have = len(tf.config.get_logical_device_configuration(cpu) or [None])
@@ -136,15 +139,17 @@ class ParallelTensorflowBackend(TensorflowBackend):
             raise UnsupportedError(f"backend tensorflow: fault {self.opts.fault} needs --devices > 1")
 
     def _after_runtime(self) -> None:
-        if self.hosts > 1:
-            self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
-            self.strategy_name = "MultiWorkerMirroredStrategy"
-        else:
-            devs = [d.name for d in tf.config.list_logical_devices(self.kind)][:self.local]
-            # CPU: the sum is taken on replica 0's device (TF's choice for CPUs too), spelled out
-            cross = tf.distribute.ReductionToOneDevice(reduce_to_device=devs[0]) if self.kind == "CPU" else None
-            self.strategy = tf.distribute.MirroredStrategy(devices=devs, cross_device_ops=cross)
-            self.strategy_name = "MirroredStrategy"
+        key = (self.hosts, self.local, self.kind)
+        if key not in _STRATEGIES:      # one per process: a second MultiWorkerMirroredStrategy cannot start
+            if self.hosts > 1:
+                _STRATEGIES[key] = tf.distribute.MultiWorkerMirroredStrategy()
+            else:
+                devs = [d.name for d in tf.config.list_logical_devices(self.kind)][:self.local]
+                # CPU: the sum is taken on replica 0's device (TF's choice for CPUs too), spelled out
+                cross = tf.distribute.ReductionToOneDevice(reduce_to_device=devs[0]) if self.kind == "CPU" else None
+                _STRATEGIES[key] = tf.distribute.MirroredStrategy(devices=devs, cross_device_ops=cross)
+        self.strategy = _STRATEGIES[key]
+        self.strategy_name = "MultiWorkerMirroredStrategy" if self.hosts > 1 else "MirroredStrategy"
         ext = self.strategy.extended
         if self.strategy.num_replicas_in_sync != self.replicas or len(ext.worker_devices) != self.local:
             raise UnsupportedError(f"backend tensorflow: {self.strategy_name} has {self.strategy.num_replicas_in_sync} "
@@ -252,7 +257,8 @@ class ParallelTensorflowBackend(TensorflowBackend):
         with tf.GradientTape() as tape:
             logits = self._forward(x, True, masks, None, new_buffers, self._replica_seed(seed),
                                    params=self.v, moments=self._moments)
-            per_sample = per_example_cross_entropy(logits, y, LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0)
+            smoothing = LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0
+            per_sample = per_example_cross_entropy(logits, y, smoothing)
             mean = tf.reduce_mean(per_sample)
             if self.fault == "grad_sum_replicas":
                 loss = mean                      # the bug: a per-replica mean, then the SUM all-reduce
@@ -302,7 +308,8 @@ class ParallelTensorflowBackend(TensorflowBackend):
         def value(ctx):
             lo, hi = bounds[ctx.replica_id_in_sync_group]
             with tf.device(devices[ctx.replica_id_in_sync_group - self.task * self.local]):
-                return (tf.constant(xs[lo:hi]), tf.constant(ys[lo:hi]), {k: tf.constant(m[lo:hi]) for k, m in ms.items()})
+                return (tf.constant(xs[lo:hi]), tf.constant(ys[lo:hi]),
+                        {k: tf.constant(m[lo:hi]) for k, m in ms.items()})
         return self.strategy.experimental_distribute_values_from_function(value)
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
