@@ -50,7 +50,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "a non-constant schedule"),
     Fault("dropout_in_eval", "eval", "dropout layer",
           "model.train() left on during evaluation", "a dropout layer (shows in eval series only)"),
-    Fault("missing_bias", "forward", "first conv2d/dense layer with a bias",
+    # biases start at zero, so the forward pass agrees at step 0: the first disagreement is the unused bias's
+    # gradient (zero), i.e. the backward stage at that layer
+    Fault("missing_bias", "backward", "first conv2d/dense layer with a bias",
           "use_bias dropped in one port of a layer", "a layer with use_bias = true"),
     Fault("maxpool_ceil", "forward", "maxpool2d with 'valid' padding on an odd size",
           "torch MaxPool2d(ceil_mode=True) where the reference floors the output size",

@@ -324,7 +324,15 @@ class Localizer:
         """A candidate on several replicas that agrees with the reference once run on one."""
         if cand.options.get("devices", 1) == ref.options.get("devices", 1) or cand.options.get("devices", 1) == 1:
             return res
-        one = analyse(self.probe0(cand, devices=1), self.probe0(ref), layers, ref64=self.probe64(ref, cand))
+        try:
+            single = self.probe0(cand, devices=1)
+        except runner.BackendFailed as e:
+            if not e.unsupported:
+                raise
+            # a fault that exists only across replicas (grad_sum_replicas, overlapping_shards) is refused at
+            # --devices 1: the same code on one device is then the run without it
+            single = self.probe0(cand, devices=1, fault=None)
+        one = analyse(single, self.probe0(ref), layers, ref64=self.probe64(ref, cand))
         if one["stage"] is None:
             stage = "data" if res["stage"] == "forward" else "reduction"
             res = dict(res, stage=stage, note=f"agrees with --devices 1: the replicas "
