@@ -10,9 +10,11 @@ to bench/results/quick/SUMMARY.md, next to the quick results).
 from __future__ import annotations
 
 import argparse
+import collections
 import platform
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,17 +48,32 @@ def run_one(name: str, quick: bool, results: Path) -> tuple[str, str]:
             return f"{name}: skipped (no --quick mode)", ""
     started = time.time()
     print(f"run_all: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # stdout is kept (a benchmark's table); stderr (its progress) is passed through and its tail kept
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    assert proc.stdout is not None
+    stdout = proc.stdout.read()
+    proc.wait()
+    t.join()
     took = time.time() - started
-    if r.returncode != 0:
-        tail = "\n".join(r.stderr.strip().splitlines()[-15:])
-        return (f"{name}: FAILED (exit {r.returncode}, {took:.0f} s)",
-                f"## {name}: failed\n\nexit code {r.returncode} after {took:.0f} s:\n\n```\n{tail}\n```\n")
+    if proc.returncode != 0:
+        return (f"{name}: FAILED (exit {proc.returncode}, {took:.0f} s)",
+                f"## {name}: failed\n\nexit code {proc.returncode} after {took:.0f} s:\n\n```\n" + "\n".join(tail)
+                + "\n```\n")
     md = results / f"{name}.md"
     if md.exists() and md.stat().st_mtime >= started - 1:
         text = md.read_text()
     else:                       # a benchmark that wrote its table elsewhere: what it printed
-        text = r.stdout
+        text = stdout
     return f"{name}: ok ({took:.0f} s)", text.strip() + "\n"
 
 
