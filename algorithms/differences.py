@@ -26,7 +26,7 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         "Keras/TF-kernel Adam puts epsilon outside the bias correction ('epsilon hat')",
         "p -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps)  vs reference  p -= lr * m_hat / (sqrt(v_hat) + eps);"
         " equal to the reference with eps_eff = eps / sqrt(1-b2^t) (about 31.6 x eps at t=1)",
-        "optimizer adam or adamw on keras-* and on tensorflow (ResourceApplyAdam)",
+        "optimizer adam or adamw on keras-* (the native tensorflow backend feeds ResourceApplyAdam eps * sqrt(1-b2^t) and so computes the reference)",
         "update, update_norm, and every series after step 0",
         r"^(update\d+|opt\d+|buffer[1-9]\d*)/"),
     Difference(
@@ -44,7 +44,7 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         "forward output of that layer and everything after it"),
     Difference(
         "running_var_biased",
-        "Keras/flax store the biased running variance",
+        "Keras stores the biased running variance",
         "running_var += (1-mom)*(var_biased - running_var) vs reference var_unbiased = var_biased * n/(n-1)",
         "a batchnorm2d layer, on keras-* and wherever the framework's BatchNorm stores biased variance",
         "running_var buffers, eval loss/accuracy (not training loss)",
