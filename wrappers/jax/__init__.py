@@ -1,5 +1,19 @@
-"""JAX: jax.lax ops in NHWC/HWIO, optax optimizers, one jit-compiled step."""
+"""JAX: jax.lax ops in NHWC/HWIO, optax optimizers, one jit-compiled step.
+
+Data parallel (`--devices N`): one process, N host devices (XLA_FLAGS below), one jit step over
+Mesh('data'). With `--hosts H` (train jobs): H processes on 127.0.0.1 stand in for H hosts, each
+with N/H local devices, joined by jax.distributed.initialize (coordinator on process 0 at
+127.0.0.1:port, gloo CPU collectives); the mesh spans all N devices, process 0 writes the results.
+"""
+import sys
+from typing import Any
+
 from ..base import Entry
+
+
+def _dp(job: dict[str, Any]) -> tuple[int, int]:
+    opts = job.get("options", {})
+    return int(opts.get("devices", 1)), int(opts.get("extra", {}).get("hosts", 1) or 1)
 
 
 class JaxEntry(Entry):
@@ -11,9 +25,25 @@ class JaxEntry(Entry):
     @classmethod
     def job_env(cls, job):
         opts = job.get("options", {})
+        devices, hosts = _dp(job)
+        local = devices // hosts if hosts > 1 and devices % hosts == 0 else devices   # per process
         flags = ["--xla_cpu_multi_thread_eigen=false" if opts.get("threads", 1) == 1 else "",
-                 f"--xla_force_host_platform_device_count={opts.get('devices', 1)}"]
+                 f"--xla_force_host_platform_device_count={local}"]
         env = {"XLA_FLAGS": " ".join(f for f in flags if f), "JAX_PLATFORMS": opts.get("extra", {}).get("platform", "cpu")}
         if opts.get("dtype") == "float64":
             env["JAX_ENABLE_X64"] = "1"
         return env
+
+    @classmethod
+    def processes(cls, job):
+        devices, hosts = _dp(job)
+        if devices <= 1 or hosts <= 1 or job.get("mode", "train") != "train":
+            return 1
+        return hosts
+
+    @classmethod
+    def process_command(cls, job, job_path, index, port):
+        devices, hosts = _dp(job)
+        return ([sys.executable, "-m", "wrappers", "rank", job_path, str(index)],
+                {"DUIPAI_JAX_COORDINATOR": f"127.0.0.1:{port}", "DUIPAI_JAX_NUM_PROCESSES": str(hosts),
+                 "DUIPAI_JAX_PROCESS_ID": str(index)})

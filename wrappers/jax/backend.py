@@ -6,6 +6,24 @@ arguments and are written into the `optax.inject_hyperparams` state inside the s
 never triggers a recompilation. For Adam the injected lr / eps / weight decay are rescaled so that
 optax's float32 bias correction (1 - b2^t from a float32-rounded b2) becomes the exact one of the
 reference (see `adam_hyperparams`).
+
+Data parallel (`--devices N`): the same one jit-compiled step over a `jax.sharding.Mesh` of N
+devices (N host devices on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N, set by
+JaxEntry.job_env before jax is imported). The global batch, in the harness order, is placed with
+NamedSharding(mesh, P('data')): N contiguous shards of B/N, replica r = shard_bounds(B, N)[r];
+parameters, buffers and the optimizer state are replicated (NamedSharding(mesh, P())) and kept so by
+sharding constraints on the step's outputs. The loss differentiated is the mean of the N
+replicas' mean losses = the global-batch mean, so GSPMD's all-reduce yields the global mean
+gradient, as on one device. Replica losses: the per-sample losses reshaped (N, B/N), mean over
+axis 1. BatchNorm: per-replica statistics by default (each group of B/N samples, as the
+frameworks' replicas do; declared difference per_replica_batchnorm), running statistics folded
+from replica 0's statistics (what DDP's buffer broadcast leaves); `--sync-bn`: statistics over the
+global batch, exactly the single-device math. Faults: grad_sum_replicas (the replicas' mean losses
+summed, not averaged: N x the gradient), overlapping_shards (every replica gets shard 0).
+`--hosts H` (train jobs): H processes (wrappers launcher, jax.distributed.initialize on
+127.0.0.1, gloo CPU collectives), N/H local devices each, the same mesh over all N devices and the
+same program; inputs and state are built per process with jax.make_array_from_callback, replicated
+outputs read from the local shard; process 0 writes the results. Bitwise equal to one process.
 """
 from __future__ import annotations
 
@@ -24,8 +42,12 @@ from optax import tree_utils as otu
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
-from .layers import cross_entropy, forward, from_internal, to_internal
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from .layers import cross_entropy, forward, from_internal, per_example_cross_entropy, to_internal
+
+DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
 
 ADAM_STATE = "ScaleByAdamState"
 INJECT_STATE = "InjectStatefulHyperparamsState"
@@ -106,6 +128,21 @@ def adam_hyperparams(hyper: dict[str, jax.Array], count: jax.Array, b1: float, b
     return out
 
 
+def _host(a: Any) -> Any:
+    """A replicated array's value on this host (another host's devices are not addressable here)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return np.asarray(a.addressable_data(0))
+    return a
+
+
+def _global(tree: Any, sharding: NamedSharding) -> Any:
+    """Multi-host: every process holds the whole value; each places the pieces its own devices hold."""
+    def one(a):
+        h = np.asarray(a)
+        return jax.make_array_from_callback(h.shape, sharding, lambda idx: h[idx])
+    return jax.tree.map(one, tree)
+
+
 def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(tree)))
 
@@ -115,8 +152,12 @@ class Lowering:
     process and shared by every backend instance that needs the same graph: a probe that runs six
     optimizer cases compiles the forward pass and the gradients once, each optimizer's step once."""
 
-    def __init__(self, model: ModelSpec, fault: str | None, native_dropout: bool, dtype: Any, jit: bool) -> None:
+    def __init__(self, model: ModelSpec, fault: str | None, native_dropout: bool, dtype: Any, jit: bool,
+                 mesh: Mesh | None = None, bn_groups: int = 1) -> None:
         self.model, self.fault, self.native_dropout, self.dtype = model, fault, native_dropout, dtype
+        self.mesh = mesh                                    # None: the single-device path
+        self.replicas = mesh.size if mesh is not None else 1
+        self.bn_groups = bn_groups
         self.label_smoothing = 0.1 if fault == "label_smoothing" else 0.0
         self.wrap = jax.jit if jit else (lambda f: f)
         self.fwd = self.wrap(self._forward_layers_fn)
@@ -135,9 +176,21 @@ class Lowering:
         return self.steps[key]
 
     def _loss_fn(self, params, buffers, x, y, masks, key):
+        if self.mesh is not None:
+            return self._dp_loss_fn(params, buffers, x, y, masks, key)
         logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault,
                                       key=key, native_dropout=self.native_dropout)
         return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
+
+    def _dp_loss_fn(self, params, buffers, x, y, masks, key):
+        """Data parallel: the objective is the mean of the replicas' mean losses (the global-batch
+        mean; with grad_sum_replicas their sum). aux carries the replica losses."""
+        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault,
+                                      key=key, native_dropout=self.native_dropout, bn_groups=self.bn_groups)
+        per = per_example_cross_entropy(logits, y, self.label_smoothing)
+        reps = jnp.mean(per.reshape(self.replicas, -1), axis=1)
+        objective = jnp.sum(reps) if self.fault == "grad_sum_replicas" else jnp.mean(reps)
+        return objective, (logits, new_buffers, reps)
 
     def _grads_of(self, params, buffers, x, y, masks, key):
         (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, buffers, x, y, masks, key)
@@ -147,7 +200,10 @@ class Lowering:
 
     def _step_fn(self, tx, adam, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
         key = jax.random.fold_in(base_key, step)          # native dropout only; harness masks otherwise
-        loss, (logits, new_buffers), grads = self._grads_of(params, buffers, x, y, masks, key)
+        loss, aux, grads = self._grads_of(params, buffers, x, y, masks, key)
+        logits, new_buffers = aux[0], aux[1]
+        if self.mesh is not None:
+            loss = jnp.mean(aux[2])                   # the reported loss: the mean, whatever was differentiated
         # every injected value is set afresh here (the state carries last step's, already rescaled)
         hyper = dict(opt_state.hyperparams, learning_rate=lr.astype(self.dtype))
         if adam is not None:
@@ -164,6 +220,11 @@ class Lowering:
                  "grad_norm": _global_norm(grads),
                  "update_norm": _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)),
                  "param_norm": _global_norm(new_params)}
+        if self.mesh is not None:
+            stats["replica_losses"] = aux[2]
+            replicated = NamedSharding(self.mesh, P())
+            new_params, new_buffers, opt_state, stats = jax.lax.with_sharding_constraint(
+                (new_params, new_buffers, opt_state, stats), replicated)
         return new_params, new_buffers, opt_state, stats
 
     def _eval_fn(self, params, buffers, x, y, key):
@@ -171,23 +232,26 @@ class Lowering:
         return cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype))
 
     def _grads_fn(self, params, buffers, x, y, masks, key):
-        loss, _, grads = self._grads_of(params, buffers, x, y, masks, key)
+        loss, aux, grads = self._grads_of(params, buffers, x, y, masks, key)
+        if self.mesh is not None:
+            loss = jnp.mean(aux[2])
         return loss, grads
 
     def _forward_layers_fn(self, params, buffers, x, masks, key):
         rec: dict[str, jax.Array] = {}
         forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault, key=key,
-                native_dropout=self.native_dropout, record=rec)
+                native_dropout=self.native_dropout, record=rec, bn_groups=self.bn_groups)
         return rec
 
 
 _LOWERINGS: dict[tuple, Lowering] = {}
 
 
-def lowering(model: ModelSpec, opts: RunOptions, dtype: Any) -> Lowering:
-    key = (model.hash(), opts.fault, opts.dropout == "native", str(jnp.dtype(dtype)), bool(opts.jit))
+def lowering(model: ModelSpec, opts: RunOptions, dtype: Any, mesh: Mesh | None = None, bn_groups: int = 1) -> Lowering:
+    key = (model.hash(), opts.fault, opts.dropout == "native", str(jnp.dtype(dtype)), bool(opts.jit),
+           None if mesh is None else (mesh.size, tuple(d.id for d in mesh.devices.flat)), bn_groups)
     if key not in _LOWERINGS:
-        _LOWERINGS[key] = Lowering(model, opts.fault, opts.dropout == "native", dtype, opts.jit)
+        _LOWERINGS[key] = Lowering(model, opts.fault, opts.dropout == "native", dtype, opts.jit, mesh, bn_groups)
     return _LOWERINGS[key]
 
 
@@ -195,13 +259,39 @@ class JaxBackend(Backend):
     framework = "jax"
     faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
                         "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
-                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
+                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"}) | DP_FAULTS
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
-        if opts.devices != 1:
-            raise UnsupportedError(f"backend jax: data parallelism (--devices {opts.devices}) is not implemented; "
-                                   "run with --devices 1")
+        self.replicas = max(1, int(opts.devices))
+        self.hosts = int(opts.extra.get("hosts", 1) or 1)
+        self.sync_bn = bool(opts.extra.get("sync_bn", False))
+        if opts.fault in DP_FAULTS and self.replicas < 2:
+            raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
+        self.process_id, self.coordinator = 0, None
+        if self.hosts > 1:
+            if self.replicas % self.hosts:
+                raise UnsupportedError(f"--hosts {self.hosts} must divide --devices {self.replicas}")
+            if "DUIPAI_JAX_COORDINATOR" not in os.environ:
+                raise UnsupportedError(f"backend jax: --hosts {self.hosts} runs train jobs only (one process per "
+                                       "host, started by the wrappers launcher); probe / replay a multi-host run "
+                                       "with --devices N and no --hosts")
+            self.coordinator = os.environ["DUIPAI_JAX_COORDINATOR"]
+            self.process_id = int(os.environ["DUIPAI_JAX_PROCESS_ID"])
+            jax.distributed.initialize(coordinator_address=self.coordinator,
+                                       num_processes=int(os.environ["DUIPAI_JAX_NUM_PROCESSES"]),
+                                       process_id=self.process_id, initialization_timeout=60)
+        self.multi = self.hosts > 1
+        self.mesh: Mesh | None = None
+        if self.replicas > 1:
+            have = jax.devices()
+            if len(have) < self.replicas:
+                raise UnsupportedError(
+                    f"backend jax: --devices {self.replicas} but jax sees {len(have)} {jax.default_backend()} "
+                    f"device(s) (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+            self.mesh = Mesh(np.array(have[:self.replicas]), ("data",))
+            self.replicated = NamedSharding(self.mesh, P())
+            self.data_sharded = NamedSharding(self.mesh, P("data"))
         if opts.dtype not in ("float32", "float64"):
             raise UnsupportedError(f"backend jax: dtype {opts.dtype!r} is not supported (float32, float64)")
         if opts.dtype == "float64" and not jax.config.jax_enable_x64:
@@ -212,7 +302,8 @@ class JaxBackend(Backend):
         self.native_dropout = opts.dropout == "native"
         self.trainable: list[str] = [q.name for q in model.trainable]
         self.buffer_names: list[str] = [q.name for q in model.buffers]
-        self.lowering = lowering(model, opts, self.dtype)
+        self.bn_groups = 1 if (self.mesh is None or self.sync_bn) else self.replicas
+        self.lowering = lowering(model, opts, self.dtype, self.mesh, self.bn_groups)
         self.tx, self._step = self.lowering.step_for(self.hp)
         self.is_adam = self.hp.optimizer in ("adam", "adamw")
         self.has_momentum = self.hp.optimizer in ("momentum", "nesterov")
@@ -232,7 +323,10 @@ class JaxBackend(Backend):
     def devices(self) -> list[str]:
         proc = platform.processor() or platform.machine()
         return [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() + (f" ({proc})" if d.platform == "cpu" else "")
-                for d in jax.devices()][:max(1, self.opts.devices)]
+                for d in jax.devices()][:self.replicas]
+
+    def is_primary(self) -> bool:
+        return self.process_id == 0
 
     def determinism(self) -> dict[str, Any]:
         return {"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
@@ -243,7 +337,35 @@ class JaxBackend(Backend):
                 "dropout": self.opts.dropout, "backend_platform": jax.default_backend()}
 
     def declared_differences(self) -> list[str]:
-        return ["native_dropout_masks"] if self.model.has("dropout") and self.native_dropout else []
+        out = ["native_dropout_masks"] if self.model.has("dropout") and self.native_dropout else []
+        if self.replicas > 1 and self.model.has("batchnorm2d") and not self.sync_bn:
+            out.append("per_replica_batchnorm")
+        return out
+
+    def parallel_info(self) -> dict[str, Any]:
+        if self.mesh is None:
+            return super().parallel_info()
+        bn = ("n/a (no BatchNorm)" if not self.model.has("batchnorm2d") else
+              "synchronized: statistics over the global batch (the single-device math)" if self.sync_bn else
+              "per replica, over each replica's B/N samples; running statistics from replica 0's")
+        return {
+            "strategy": "jit over Mesh('data')", "replicas": self.replicas, "processes": self.hosts, "hosts": self.hosts,
+            **({"launcher": "wrappers launcher, jax.distributed.initialize (gloo CPU collectives)",
+                "coordinator": self.coordinator, "process_id": self.process_id,
+                "local_devices": len(jax.local_devices()),
+                "cpu_collectives": jax.config.jax_cpu_collectives_implementation} if self.multi else {}),
+            "devices": [f"{d.platform}:{d.id}" for d in self.mesh.devices.flat],
+            "sync_bn": self.sync_bn, "batchnorm_statistics": bn,
+            "sharding": "NamedSharding(mesh, P('data')): contiguous, replica r takes samples [r*B/N, (r+1)*B/N)"
+                        + (" (fault overlapping_shards: every replica takes [0, B/N))"
+                           if self.opts.fault == "overlapping_shards" else ""),
+            "params": "replicated, NamedSharding(mesh, P())",
+            "gradient_reduction": ("the SUM of the replicas' mean losses differentiated: N x the mean gradient "
+                                   "(fault grad_sum_replicas)" if self.opts.fault == "grad_sum_replicas" else
+                                   "gradient of the mean of the replicas' mean losses (the global-batch mean); "
+                                   "XLA GSPMD all-reduce"),
+            "loss": "mean of the replicas' mean losses, accuracy over the global batch",
+        }
 
     # ---- state
     def _to_jax(self, name: str, a: np.ndarray) -> jax.Array:
@@ -252,12 +374,12 @@ class JaxBackend(Backend):
                                     dtype=self.np_dtype, copy=True))
 
     def _canon(self, name: str, a: jax.Array) -> np.ndarray:
-        return from_internal(self.model, name, np.array(a, copy=True), self.no_permute)   # never a view of live state
+        return from_internal(self.model, name, np.array(_host(a), copy=True), self.no_permute)   # never a view of live state
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
-        self.params = {n: self._to_jax(n, params[n]) for n in self.trainable}
-        self.buffers = {n: self._to_jax(n, params[n]) for n in self.buffer_names}
-        self.opt_state = self.tx.init(self.params)
+        self.params = self._place({n: self._to_jax(n, params[n]) for n in self.trainable})
+        self.buffers = self._place({n: self._to_jax(n, params[n]) for n in self.buffer_names})
+        self.opt_state = self._place(self.tx.init(self.params))
         self.prev_lr = None
 
     def export_params(self) -> dict[str, np.ndarray]:
@@ -275,7 +397,7 @@ class JaxBackend(Backend):
             nu = otu.tree_get(self.opt_state, "nu")
             out.update({f"exp_avg/{n}": self._canon(n, mu[n]) for n in self.trainable})
             out.update({f"exp_avg_sq/{n}": self._canon(n, nu[n]) for n in self.trainable})
-            out["step"] = np.asarray(float(otu.tree_get(self.opt_state, "count", filtering=_in(ADAM_STATE))))
+            out["step"] = np.asarray(float(_host(otu.tree_get(self.opt_state, "count", filtering=_in(ADAM_STATE)))))
         return out
 
     def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
@@ -292,7 +414,7 @@ class JaxBackend(Backend):
             n_done = int(round(float(state["step"]))) if "step" in state else 0
             st = _set_field(st, ADAM_STATE, "count", jnp.asarray(n_done, jnp.int32))
         st = _set_field(st, INJECT_STATE, "count", jnp.asarray(step, jnp.int32))
-        self.opt_state = st
+        self.opt_state = self._place(st)
         self.prev_lr = self.lr_for(step - 1) if step > 0 else None
 
     # ---- computation
@@ -306,6 +428,28 @@ class JaxBackend(Backend):
     def _masks(self, masks: Masks) -> dict[str, np.ndarray]:
         return {k: np.asarray(v, dtype=self.np_dtype) for k, v in masks.items()}
 
+    def _place(self, tree: Any) -> Any:
+        """Data parallel: replicated over the mesh (params, buffers, optimizer state)."""
+        if self.mesh is None:
+            return tree
+        return _global(tree, self.replicated) if self.multi else jax.device_put(tree, self.replicated)
+
+    def _batch(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[Any, Any, Any]:
+        """The step's inputs: as they are on one device; data parallel, the replicas' shards
+        (shard_bounds, so the overlapping_shards fault gives every replica shard 0) laid out
+        contiguously and placed with NamedSharding(mesh, P('data'))."""
+        x, y, m = self._x(x), self._y(y), self._masks(masks)
+        if self.mesh is None:
+            return x, y, m
+        if len(x) % self.replicas:
+            raise UnsupportedError(f"global batch {len(x)} is not divisible by {self.replicas} replicas")
+        if self.opts.fault == "overlapping_shards":
+            idx = np.concatenate([np.arange(a, b) for a, b in shard_bounds(len(x), self.replicas, self.opts.fault)])
+            x, y, m = x[idx], y[idx], {k: v[idx] for k, v in m.items()}
+        if self.multi:
+            return _global((x, y, m), self.data_sharded)
+        return jax.device_put((x, y, m), self.data_sharded)
+
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         lr = self.lr_for(step)
         if self.opts.fault == "keras_momentum_schedule" and self.has_momentum \
@@ -318,31 +462,35 @@ class JaxBackend(Backend):
         eps = self.hp.eps
         if self.opts.fault == "adam_eps_hat":   # eps-hat form == reference eps / sqrt(1 - b2^t)
             eps = self.hp.eps / math.sqrt(1.0 - self.hp.beta2 ** (step + 1))
+        xb, yb, mb = self._batch(x, y, masks)
         self.params, self.buffers, self.opt_state, stats = self._step(
-            self.params, self.buffers, self.opt_state, self._x(x), self._y(y), self._masks(masks),
+            self.params, self.buffers, self.opt_state, xb, yb, mb,
             self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))
-        s = jax.device_get(stats)
+        s = jax.device_get(jax.tree.map(_host, stats))
+        reps = [float(v) for v in s["replica_losses"]] if "replica_losses" in s else None
         return StepStats(float(s["loss"]), float(s["accuracy"]), float(s["grad_norm"]), float(s["update_norm"]),
-                         float(s["param_norm"]))
+                         float(s["param_norm"]), reps)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         key = jax.random.fold_in(jax.random.fold_in(self.base_key, 0x0E7A1), self.eval_calls)
         self.eval_calls += 1
-        loss, acc = self.lowering.eval(self.params, self.buffers, self._x(x), self._y(y), key)
-        return float(loss), float(acc)
+        xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))
+        loss, acc = self.lowering.eval(self.params, self.buffers, xe, ye, key)
+        return float(_host(loss)), float(_host(acc))
 
     def _probe_key(self) -> jax.Array:
         return jax.random.fold_in(self.base_key, 0)
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
-        rec = self.lowering.fwd(self.params, self.buffers, self._x(x), self._masks(masks), self._probe_key())
+        xb, _, mb = self._batch(x, np.zeros(len(x), np.int32), masks)
+        rec = self.lowering.fwd(self.params, self.buffers, xb, mb, self._probe_key())
         # in layer order (a jit-returned dict comes back sorted by key; probe consumers read the order)
         return {l.name: np.array(rec[l.name]) for l in self.model.layers}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
-        loss, grads = self.lowering.grads(self.params, self.buffers, self._x(x), self._y(y), self._masks(masks),
-                                  self._probe_key())
-        return float(loss), {n: self._canon(n, grads[n]) for n in self.trainable}
+        xb, yb, mb = self._batch(x, y, masks)
+        loss, grads = self.lowering.grads(self.params, self.buffers, xb, yb, mb, self._probe_key())
+        return float(_host(loss)), {n: self._canon(n, grads[n]) for n in self.trainable}
 
 
 BACKEND = JaxBackend

@@ -94,10 +94,13 @@ def _dropout_native(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- forward
 def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train: bool,
             masks: dict[str, jax.Array] | None, fault: str | None, key: jax.Array | None = None,
-            native_dropout: bool = False, record: dict[str, jax.Array] | None = None
+            native_dropout: bool = False, record: dict[str, jax.Array] | None = None, bn_groups: int = 1
             ) -> tuple[jax.Array, Params]:
     """Logits for NHWC input `x`, and the buffers after this pass (updated running statistics in
-    training mode; `buffers` itself is never modified). `p` holds the trainable parameters."""
+    training mode; `buffers` itself is never modified). `p` holds the trainable parameters.
+    `bn_groups` > 1: training-mode BatchNorm statistics per contiguous group of B/bn_groups samples
+    (data-parallel replicas without synchronised BatchNorm); the running statistics are folded from
+    group 0's (replica 0's, as DDP's buffer broadcast leaves them)."""
     new_buffers = dict(buffers)
     skipped_bias = False
     for layer in model.layers:
@@ -143,7 +146,17 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
             gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]
             rm_key, rv_key = f"{layer.name}.running_mean", f"{layer.name}.running_var"
-            if train:
+            if train and bn_groups > 1:
+                xs = x.reshape(bn_groups, x.shape[0] // bn_groups, *x.shape[1:])
+                n = xs.shape[1] * xs.shape[2] * xs.shape[3]
+                mean = jnp.mean(xs, axis=(1, 2, 3), keepdims=True)                 # (G, 1, 1, 1, C)
+                var = jnp.mean(jnp.square(xs - mean), axis=(1, 2, 3), keepdims=True)
+                x = ((xs - mean) * lax.rsqrt(var + eps) * gamma + beta).reshape(x.shape)
+                mean_sg, var_sg = lax.stop_gradient(mean[0, 0, 0, 0]), lax.stop_gradient(var[0, 0, 0, 0])
+                unbiased = var_sg * (n / (n - 1)) if n > 1 else var_sg
+                new_buffers[rm_key] = (1.0 - mom) * buffers[rm_key] + mom * mean_sg
+                new_buffers[rv_key] = (1.0 - mom) * buffers[rv_key] + mom * unbiased
+            elif train:
                 n = x.shape[0] * x.shape[1] * x.shape[2]
                 mean = jnp.mean(x, axis=(0, 1, 2))
                 var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))          # biased: normalisation
@@ -188,4 +201,13 @@ def cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0)
     return jnp.mean(nll)
 
 
-__all__ = ["forward", "cross_entropy", "to_internal", "from_internal", "flatten_perm"]
+def per_example_cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    """The (B,) per-sample losses whose mean is `cross_entropy` (for per-replica means)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    if label_smoothing:
+        return (1.0 - label_smoothing) * nll + label_smoothing * (-jnp.mean(logp, axis=-1))
+    return nll
+
+
+__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_internal", "from_internal", "flatten_perm"]
