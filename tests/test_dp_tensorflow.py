@@ -218,6 +218,7 @@ def _rank_pids(job_dir: Path) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow   # ~30 s idle (two TF imports); the same launcher path is covered fast by test_dp_torch
 def test_a_worker_killed_mid_run_fails_the_job_fast(tmp_path):
     need("tensorflow")
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "-b", "tensorflow", "--steps", "100000",
