@@ -64,6 +64,7 @@ class Entry:
     folder: str = ""
     log: str = ""
     seconds: float = 0.0
+    cached: bool = False            # an earlier refusal of the same key, not asked again
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "backend": self.cfg.backend, "model": self.cfg.model,
@@ -238,6 +239,16 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
         e.folder = str(runs / e.name)
         if not force and up_to_date(runs / e.name, e.key):
             e.status = "cached"
+    previous = {}
+    try:   # a refusal is a property of the configuration: remembered by key like a result
+        previous = {x["name"]: x for x in load_status(out)["entries"]}
+    except (OSError, ValueError, KeyError):
+        pass
+    for e in entries:
+        p = previous.get(e.name)
+        if e.status == "pending" and not force and p and p.get("status") == "unsupported" and p.get("key") == e.key:
+            e.status, e.message, e.log = "unsupported", p.get("message", ""), p.get("log", "")
+            e.cached = True
     todo = [e for e in entries if e.status == "pending"]
     lock = threading.Lock()
     done = [0]

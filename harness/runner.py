@@ -237,7 +237,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     if rc != 0 or not (tmp / "worker.json").exists():
         kept = _fail(tmp, out_root, name)
         if "unsupported" in last:
-            raise BackendFailed(f"{cfg.backend}: {last['unsupported']}", kept / "run.log", unsupported=True)
+            raise BackendFailed(str(last["unsupported"]), kept / "run.log", unsupported=True)
         why = "timed out" if last.get("timeout") else f"exited with code {rc}"
         tail = _log_tail(kept / "run.log")
         raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / "run.log")
