@@ -45,7 +45,9 @@ def _short(name: str, ref: str) -> str:
     """The parts of a run name that differ from the reference's (the backend first)."""
     a, b = name.split("__"), ref.split("__")
     keep = [p for i, p in enumerate(a) if i >= len(b) or p != b[i]]
-    return "__".join(keep) or name
+    if len(a) > 1 and (not keep or keep[0] != a[1]):
+        keep.insert(0, a[1])          # always name the backend (model__backend__...)
+    return " ".join(keep) or name
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
