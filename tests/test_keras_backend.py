@@ -202,6 +202,16 @@ def collect(backend: str, path: str) -> None:
         xs, ys = _inputs(hard, 16)
         runs.append([vars(bd.train_step(t, xs, ys, _masks(hard, bd.hp, t))) for t in range(4)])
     res["determinism"] = runs
+    # float64 (last: floatx is process-global): end to end on keras-tensorflow/keras-jax, refused on keras-torch
+    from wrappers.base import RunOptions, UnsupportedError
+    try:
+        b64 = cls(m2, HP["momentum_const"], RunOptions(dtype="float64"))
+    except UnsupportedError as e:
+        res["float64"] = {"refused": str(e)}
+    else:
+        b64.load_params(init_params(m2, 0))
+        x64 = _inputs(m2, 16)[0].astype(np.float64) + 1e-9       # not representable in float32
+        res["float64"] = {"x": x64, "forward": b64.forward_layers(x64, {}), "params": init_params(m2, 0)}
     with open(path, "wb") as f:
         pickle.dump(res, f)
 
@@ -428,6 +438,18 @@ def test_optimizer_state_round_trip(backend, case, root):
 def test_two_fresh_backends_are_bit_identical(backend, root):
     a, b = collected(backend, root)["determinism"]
     assert a == b
+
+
+@pytest.mark.parametrize("backend", KERAS)
+def test_float64_is_float64_or_refused(backend, root):
+    r = collected(backend, root)["float64"]
+    if backend == "keras-torch":     # Keras 3.15 computes float64 matmuls in float32 there: said, not hidden
+        assert "float64" in r["refused"]
+        return
+    f, p = r["forward"], r["params"]
+    assert all(v.dtype == np.float64 for v in f.values())
+    want = f["flatten_1"] @ p["fc1.kernel"].astype(np.float64) + p["fc1.bias"]
+    assert _rel(f["fc1"], want) < 1e-12
 
 
 # ============================================================================ faults

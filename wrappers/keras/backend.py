@@ -16,6 +16,10 @@ Conventions and conversions (canonical <-> Keras):
   and grad_norm are the DATA loss and its gradient (as torch reports them).
 * learning rate: assigned to optimizer.learning_rate (a variable) before every step: no retracing.
 * dropout: harness masks live in a non-trainable variable of a small layer, assigned before each step.
+* probes: forward_layers/gradients use model.stateless_call (BatchNorm's moving statistics untouched)
+  with the backend's own autodiff (train_step_<backend>.value_and_grad).
+* float64: keras-tensorflow and keras-jax (jax_enable_x64 switched on before the model exists);
+  refused on keras-torch, where Keras 3.15 computes float64 matmuls in float32.
 """
 from __future__ import annotations
 
@@ -44,12 +48,21 @@ KBACKEND = keras.backend.backend()
 _ts = importlib.import_module(f".train_step_{KBACKEND}", __package__)
 
 
+def batch_mean(loss_fn: keras.losses.Loss, y, logits):
+    """loss_fn (reduction='sum') divided by the batch size: the sum-then-divide of Keras'
+    'sum_over_batch_size', bit for bit in float32, without its ops.divide_no_nan, whose result type
+    (Keras 3.15 dtypes.result_type maps 64-bit to 32-bit) rounds a float64 loss (to float32 on the
+    torch backend; keras-jax lost ~1e-11)."""
+    total = loss_fn(ops.convert_to_tensor(y), logits)
+    return total / ops.cast(ops.shape(logits)[0], total.dtype)
+
+
 class SmoothedSparseCrossentropy(keras.losses.Loss):
     """Fault label_smoothing: integer labels, one-hot with label smoothing, logits (what torch's
     F.cross_entropy(label_smoothing=...) computes); compiled like any Keras loss."""
 
     def __init__(self, num_classes: int, label_smoothing: float, **kw: Any) -> None:
-        super().__init__(name="smoothed_sparse_categorical_crossentropy", **kw)
+        super().__init__(name="smoothed_sparse_categorical_crossentropy", reduction="sum", **kw)
         self.num_classes, self.label_smoothing = num_classes, label_smoothing
 
     def call(self, y_true, y_pred):
@@ -69,7 +82,7 @@ class DuipaiModel(keras.Model):
 
     def data_loss(self, y, logits):
         """The compiled loss (integer labels, logits) on this batch: the mean over the batch."""
-        return self.loss(ops.convert_to_tensor(y), logits)
+        return batch_mean(self.loss, y, logits)
 
     def prepare_grads(self, grads, values):
         """(gradients the optimizer sees, norm of the data gradients)."""
@@ -119,12 +132,17 @@ class KerasBackend(Backend):
             raise UnsupportedError(f"keras-{KBACKEND}: data parallelism is not implemented (devices={opts.devices})")
         if opts.dtype not in ("float32", "float64"):
             raise UnsupportedError(f"keras-{KBACKEND}: dtype {opts.dtype!r} is not supported")
-        if opts.dtype == "float64":
-            if KBACKEND == "jax":
-                import jax
-                if not jax.config.jax_enable_x64:
-                    raise UnsupportedError("keras-jax: float64 needs JAX_ENABLE_X64=1 before import")
-            keras.config.set_floatx("float64")
+        if opts.dtype == "float64" and KBACKEND == "torch":
+            # Keras 3.15's dtypes.result_type maps 64-bit to 32-bit (BIT64_TO_BIT32_DTYPE), and the torch
+            # backend's matmul casts to that result type: Dense would silently run in float32
+            raise UnsupportedError("keras-torch: float64 is not float64 in Keras 3.15 (ops.matmul computes "
+                                   "float64 inputs in float32 on the torch backend); use keras-tensorflow or keras-jax")
+        if opts.dtype == "float64" and KBACKEND == "jax":     # before any array exists (the model is built below)
+            import jax
+            jax.config.update("jax_enable_x64", True)
+        # both: the global dtype policy, once created, no longer follows floatx (several backends per process)
+        keras.config.set_floatx(opts.dtype)
+        keras.config.set_dtype_policy(opts.dtype)
         self._det = _ts.setup(opts.threads, opts.deterministic)
         keras.utils.set_random_seed(hp.seed)
         self.permute = opts.fault != "flatten_no_permute"
@@ -134,8 +152,8 @@ class KerasBackend(Backend):
         self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
         self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
         loss = (SmoothedSparseCrossentropy(model.num_classes, 0.1) if opts.fault == "label_smoothing"
-                else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+        self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
         self._jit = _ts.jit_options(opts.jit, opts.extra)
         self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
         self.net.configure(grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled))
@@ -157,7 +175,10 @@ class KerasBackend(Backend):
         return {"keras_backend": KBACKEND, "keras.utils.set_random_seed": self.hp.seed, "threads": self.opts.threads,
                 "floatx": keras.config.floatx(), "jit_compile": bool(self.net.jit_compile),
                 "run_eagerly": bool(self.net.run_eagerly), "dropout": self.opts.dropout,
-                "lowering_notes": self.low.notes, **self._det}
+                "lowering_notes": self.low.notes, **self._det,
+                **({"float64_note": "Keras' float64: the TF backend's ops.cast(python float, float64) goes through "
+                    "float32, so SGD momentum 0.9 acts as 0.89999998 (~3e-8 relative per momentum update)"}
+                   if self.opts.dtype == "float64" and KBACKEND == "tensorflow" else {})}
 
     def declared_differences(self) -> list[str]:
         h, out = self.hp, []
@@ -239,7 +260,7 @@ class KerasBackend(Backend):
             m = masks.get(name)
             if m is None:
                 raise ValueError(f"no harness dropout mask for layer {name!r}")
-            layer.keep_mask.assign(np.asarray(m, np.float32))
+            layer.keep_mask.assign(np.asarray(m, layer.keep_mask.dtype))
 
     def _xy(self, x: np.ndarray, y: np.ndarray | None = None):
         x = np.ascontiguousarray(x, keras.config.floatx())
@@ -257,7 +278,7 @@ class KerasBackend(Backend):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         x, y = self._xy(x, y)
         logits = _np(self.net.predict_on_batch(x))
-        loss = float(_np(self.eval_loss(ops.convert_to_tensor(y), ops.convert_to_tensor(logits))))
+        loss = float(_np(batch_mean(self.eval_loss, y, ops.convert_to_tensor(logits))))
         return loss, float(np.mean(np.argmax(logits, -1) == y))
 
     def _state_values(self, m: keras.Model) -> tuple[list, list]:

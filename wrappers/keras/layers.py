@@ -69,7 +69,7 @@ class HarnessDropout(keras.layers.Layer):
 
     def build(self, input_shape) -> None:
         self.keep_mask = self.add_weight(shape=self.mask_shape, initializer="ones", trainable=False,
-                                         name="keep_mask", dtype="float32")
+                                         name="keep_mask")
         self.dropout.build(input_shape)
 
     def call(self, x, training=None):

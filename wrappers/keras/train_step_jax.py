@@ -7,7 +7,6 @@ import os
 from typing import Any, Callable
 
 import jax
-from keras import ops
 
 
 def train_step(self, state, data):

@@ -7,7 +7,6 @@ import os
 from typing import Any, Callable
 
 import tensorflow as tf
-from keras import ops
 
 
 def train_step(self, data):
