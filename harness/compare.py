@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from .files import atomic_write_text
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .runs import SERIES, Run, mismatches
 
@@ -296,15 +295,7 @@ def check_comparable(runs: list[Run], force: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- output
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
 
 
 def _num(x: Any) -> Any:
