@@ -40,7 +40,7 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         "keras_torch_avgpool_same",
         "Keras on the torch backend pads 'same' average pooling by replication",
         "padded pixels repeat the edge value and are counted, vs reference: padded pixels excluded from the mean",
-        "an avgpool2d layer with padding 'same' whose window overhangs, on keras-torch",
+        "on keras-torch, an avgpool2d 'same' layer with asymmetric padding whose overhanging window holds >= 2 real pixels along a dimension",
         "forward output of that layer and everything after it"),
     Difference(
         "running_var_biased",

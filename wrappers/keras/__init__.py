@@ -1,4 +1,4 @@
-"""Keras 3: the spec as a keras.Sequential of Keras layers, keras.optimizers; one entry per Keras backend."""
+"""Keras 3: the spec as a functional keras.Model subclass of Keras layers, keras.optimizers; one entry per Keras backend."""
 from ..base import Entry
 
 
@@ -12,6 +12,12 @@ class KerasTensorflowEntry(_KerasEntry):
     env = {"KERAS_BACKEND": "tensorflow"}
     description = "Keras 3 on its TensorFlow backend"
 
+    @classmethod
+    def job_env(cls, job):
+        """--onednn on/off: TF_ENABLE_ONEDNN_OPTS must be set before TensorFlow is imported."""
+        mode = job.get("options", {}).get("extra", {}).get("onednn")
+        return {"TF_ENABLE_ONEDNN_OPTS": "1" if mode == "on" else "0"} if mode in ("on", "off") else {}
+
 
 class KerasJaxEntry(_KerasEntry):
     name = "keras-jax"
@@ -21,8 +27,11 @@ class KerasJaxEntry(_KerasEntry):
 
     @classmethod
     def job_env(cls, job):
-        n = job.get("options", {}).get("devices", 1)
-        return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+        opts = job.get("options", {})
+        flags = [f"--xla_force_host_platform_device_count={opts.get('devices', 1)}"]
+        if opts.get("threads", 1) == 1:
+            flags.insert(0, "--xla_cpu_multi_thread_eigen=false")
+        return {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
 
 
 class KerasTorchEntry(_KerasEntry):
