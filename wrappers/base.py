@@ -223,6 +223,12 @@ class UnsupportedError(RuntimeError):
     """This backend cannot do what was asked; said loudly, never silently degraded."""
 
 
+# the lowering/optimizer faults a full wrapper implements, and those that exist only across replicas
+LOWERING_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
+                             "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
+                             "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
+DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
+
 # faults the generic worker loop injects for every backend (they change data handling, not lowering)
 WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"})
 

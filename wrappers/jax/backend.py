@@ -44,10 +44,9 @@ from algorithms.spec import ModelSpec
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
 from .layers import cross_entropy, forward, from_internal, per_example_cross_entropy, to_internal
 
-DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
 
 ADAM_STATE = "ScaleByAdamState"
 INJECT_STATE = "InjectStatefulHyperparamsState"
@@ -257,9 +256,7 @@ def lowering(model: ModelSpec, opts: RunOptions, dtype: Any, mesh: Mesh | None =
 
 class JaxBackend(Backend):
     framework = "jax"
-    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
-                        "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
-                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"}) | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

@@ -35,7 +35,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
+from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError
 from .layers import BUFFER_ROLES, LABEL_SMOOTHING, cross_entropy, forward, from_tf_layout, to_tf_layout
 
 # indices of the per-step scalars fed to the step as one tensor
@@ -75,11 +75,8 @@ def _outside_op_determinism(fn):
 
 class TensorflowBackend(Backend):
     framework = "tensorflow"
-    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
-                        "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
-                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
-                        "grad_sum_replicas", "overlapping_shards"})
-    PARALLEL_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
+    faults = LOWERING_FAULTS | DP_FAULTS
+    PARALLEL_FAULTS = DP_FAULTS
 
     def __new__(cls, model: ModelSpec, hp: HParams, opts: RunOptions):
         if cls is TensorflowBackend and (opts.devices != 1 or int(opts.extra.get("hosts", 1)) != 1):

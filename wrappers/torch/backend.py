@@ -36,12 +36,11 @@ from torch import nn
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
 from .layers import flat_from_canonical, flat_sources, flat_to_canonical, forward, from_torch_layout, nhwc, to_torch_layout
 
 BUFFER_ROLES = ("running_mean", "running_var")
 DIST_TIMEOUT_S = 60      # gloo/NCCL collectives and the rendezvous: a lost peer fails the run, never hangs it
-DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
 # DDP's reducer warns when a gradient's strides differ from its bucket view's, which they do only in the
 # stride of a size-1 dimension (a conv kernel with one input channel): harmless, and noise in run.log
 warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
@@ -101,9 +100,7 @@ def make_optimizer(hp: HParams, params: list[torch.Tensor], fault: str | None) -
 
 class TorchBackend(Backend):
     framework = "torch"
-    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
-                        "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
-                        "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"}) | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
