@@ -130,6 +130,12 @@ class Backend:
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         self.model, self.hp, self.opts = model, effective_hparams(hp, opts.fault), opts
+        # the data-parallel layout, read once here for every backend
+        self.replicas = max(1, int(opts.devices))
+        self.hosts = int(opts.extra.get("hosts", 1) or 1)
+        self.sync_bn = bool(opts.extra.get("sync_bn", False))
+        if opts.fault in DP_FAULTS and self.replicas < 2:
+            raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
         if opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS:
             raise UnsupportedError(f"backend {self.name} cannot inject fault {opts.fault!r}; "
                                    f"it supports: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")

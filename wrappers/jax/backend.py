@@ -260,11 +260,6 @@ class JaxBackend(Backend):
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
-        self.replicas = max(1, int(opts.devices))
-        self.hosts = int(opts.extra.get("hosts", 1) or 1)
-        self.sync_bn = bool(opts.extra.get("sync_bn", False))
-        if opts.fault in DP_FAULTS and self.replicas < 2:
-            raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
         self.process_id, self.coordinator = 0, None
         if self.hosts > 1:
             if self.replicas % self.hosts:

@@ -104,11 +104,6 @@ class TorchBackend(Backend):
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
-        self.replicas = max(1, int(opts.devices))
-        self.hosts = int(opts.extra.get("hosts", 1) or 1)
-        self.sync_bn = bool(opts.extra.get("sync_bn", False))
-        if opts.fault in DP_FAULTS and self.replicas < 2:
-            raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
         # a rank of a multi-process job (started by `python -m wrappers rank`), or one process for all
         self.distributed = self.replicas > 1 and "DUIPAI_PROCESS_INDEX" in os.environ
         self.rank, self.local_rank = 0, 0
