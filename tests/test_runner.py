@@ -113,14 +113,17 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     assert not [p for p in out.glob("*") if not p.name.startswith(".")] if out.exists() else True
 
 
-def test_backend_not_installed_is_bad_input(tmp_path):
-    # a child interpreter in which torch cannot be found: importlib.util.find_spec says None, as for a missing package
+@pytest.mark.parametrize("backend,package", [("torch", "torch"), ("keras-jax", "jax"), ("keras-tensorflow", "tensorflow")])
+def test_backend_not_installed_is_bad_input(tmp_path, backend, package):
+    # a child interpreter in which the package cannot be found: importlib.util.find_spec says None, as for a
+    # missing package (for keras-*: Keras present, the framework under it missing)
     (tmp_path / "sitecustomize.py").write_text(
         "import importlib.util as u\n_f = u.find_spec\n"
-        "u.find_spec = lambda name, *a: None if name.split('.')[0] == 'torch' else _f(name, *a)\n")
+        f"u.find_spec = lambda name, *a: None if name.split('.')[0] == {package!r} else _f(name, *a)\n")
     env = {"PYTHONPATH": str(tmp_path)}
-    r = duipai("run", "-b", "torch", "--steps", "5", "--out", str(tmp_path / "out"), env=env)
-    assert r.returncode == 2 and "backend 'torch' is not installed: missing Python package(s) torch" in r.stderr
+    r = duipai("run", "-b", backend, "--steps", "5", "--out", str(tmp_path / "out"), env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"backend '{backend}' is not installed: missing Python package(s) {package}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
