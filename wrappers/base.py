@@ -137,8 +137,8 @@ class Backend:
         if opts.fault in DP_FAULTS and self.replicas < 2:
             raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
         if opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS:
-            raise UnsupportedError(f"backend {self.name} cannot inject fault {opts.fault!r}; "
-                                   f"it supports: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")
+            raise UnsupportedError(f"fault {opts.fault!r} is not implemented in this backend's wrapper; "
+                                   f"it implements: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")
 
     name: str = ""
 
