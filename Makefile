@@ -3,17 +3,27 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.duipai-installed
+JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all test test-slow bench install clean
+.PHONY: all test test-slow bench check baselines install clean
 
+# every run is one process with one compute thread, so one run per core
 all: $(STAMP)
-	$(BIN)/duipai all
+	$(BIN)/duipai all -j $(JOBS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# rerun the CI matrix against the committed golden baselines (results/baselines/ci/), docs/ci.md
+check: $(STAMP)
+	$(BIN)/duipai check -j $(JOBS)
+
+# regenerate those baselines after an intended change; prints what changed
+baselines: $(STAMP)
+	$(BIN)/duipai check --update -j $(JOBS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

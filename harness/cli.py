@@ -217,12 +217,15 @@ def faults() -> None:
 
 from .allcmd import all_cmd, matrix_cmd, report_cmd, selftest_cmd  # noqa: E402
 from .comparecmd import compare_cmd  # noqa: E402
+from .checkcmd import baseline_group, check_cmd  # noqa: E402
 
 main.add_command(all_cmd)
 main.add_command(matrix_cmd)
 main.add_command(report_cmd)
 main.add_command(compare_cmd)
 main.add_command(selftest_cmd)
+main.add_command(check_cmd)
+main.add_command(baseline_group)
 
 
 

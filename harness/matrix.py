@@ -102,6 +102,8 @@ def load_matrix(path: str | Path) -> Matrix:
         dups = sorted({x for x in v if v.count(x) > 1}, key=str)
         if dups:
             raise bad(f"field '{f}': duplicate entries {dups}")
+        if not v and f != "faults":
+            raise bad(f"field '{f}' must not be empty (leave it out for the default)")
         kw[f] = v
     for f, typ in SCALAR_FIELDS.items():
         if f in raw:
@@ -120,17 +122,40 @@ def load_matrix(path: str | Path) -> Matrix:
     return m
 
 
+HPARAMS_FROM_FIELDS = {"optimizer": "optimizers", "steps": "steps", "batch_size": "batch_size", "seed": "seeds",
+                       "eval_every": "steps", "checkpoint_every": "steps"}
+
+
 def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
+    from dataclasses import fields
     from algorithms.spec import SpecError, load_model
+    for f, low in (("steps", 1), ("batch_size", 1), ("envelope_k", 0)):
+        if getattr(m, f) < low:
+            raise bad(f"field '{f}' must be >= {low}, got {getattr(m, f)}")
+    if m.timeout_s <= 0:
+        raise bad(f"field 'timeout_s' must be > 0, got {m.timeout_s}")
+    known_hp = {f.name for f in fields(HParams)}
+    for k in m.hparams:
+        if k in HPARAMS_FROM_FIELDS:
+            raise bad(f"[hparams]: '{k}' is set by the matrix field '{HPARAMS_FROM_FIELDS[k]}', not in [hparams]")
+        if k not in known_hp:
+            raise bad(f"[hparams]: unknown hyper-parameter '{k}'; known: "
+                      f"{', '.join(sorted(known_hp - set(HPARAMS_FROM_FIELDS)))}")
     info = runner.backend_info()
-    for b in m.backends + [m.reference]:
+    where = {b: "backends" for b in m.backends}
+    where.setdefault(m.reference, "reference")
+    for b, field_name in where.items():
         if b not in info:
-            raise bad(f"backends: unknown backend {b!r}; known: {', '.join(info)}")
+            raise bad(f"{field_name}: unknown backend {b!r}; known: {', '.join(info)}")
+    seen: dict[str, str] = {}
     for name in m.models:
         try:
-            load_model(name)
+            spec = load_model(name)
         except SpecError as e:
             raise bad(f"models: {name!r}: {e}") from None
+        if spec.name in seen:   # run folders are named after the model's name: they would collide
+            raise bad(f"models: {seen[spec.name]!r} and {name!r} are both model '{spec.name}' (duplicate entries)")
+        seen[spec.name] = name
     for o in m.optimizers:
         if o not in OPTIMIZERS:
             raise bad(f"optimizers: unknown optimizer {o!r}; known: {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,88 @@
+"""Bad matrix input (issue 7): an unknown model, backend or optimizer, duplicate entries, an impossible
+device count -> one clear error naming the entry, exit 2, nothing run -- for `duipai matrix`,
+`duipai all`, `duipai check` and `duipai baseline save`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+HEAD = 'models = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\nsteps = 5\n'
+MODEL_FILE = ROOT / "algorithms" / "models" / "cnn2d_2conv_2fc.toml"
+
+CASES = {
+    "unknown_model": ('models = ["cnn2d_nope"]\nbackends = ["torch"]\n', "models: 'cnn2d_nope': unknown model"),
+    "unknown_backend": ('models = ["cnn2d_2conv_2fc"]\nbackends = ["torch", "mxnet"]\n',
+                        "backends: unknown backend 'mxnet'"),
+    "unknown_reference": (HEAD + 'reference = "caffe"\n', "reference: unknown backend 'caffe'"),
+    "unknown_optimizer": (HEAD + 'optimizers = ["momentum", "adamax"]\n', "optimizers: unknown optimizer 'adamax'"),
+    "duplicate_backend": ('models = ["cnn2d_2conv_2fc"]\nbackends = ["torch", "jax", "torch"]\n',
+                          "field 'backends': duplicate entries ['torch']"),
+    "duplicate_device": (HEAD + "devices = [1, 2, 1]\n", "field 'devices': duplicate entries [1]"),
+    "duplicate_model_by_path": (f'models = ["cnn2d_2conv_2fc", "{MODEL_FILE}"]\nbackends = ["torch"]\n',
+                                "are both model 'cnn2d_2conv_2fc' (duplicate entries)"),
+    "devices_not_dividing_batch": (HEAD + "devices = [1, 3]\n", "devices: 3 is impossible with batch_size 64"),
+    "devices_over_batch": (HEAD + "batch_size = 8\ndevices = [16]\n", "devices: 16 is impossible with batch_size 8"),
+    "devices_zero": (HEAD + "devices = [0]\n", "devices: 0 is impossible"),
+    "empty_devices": (HEAD + "devices = []\n", "field 'devices' must not be empty"),
+    "unknown_fault": (HEAD + 'faults = ["off_by_two"]\n', "faults: unknown fault 'off_by_two'"),
+    "bad_steps": ('models = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\nsteps = 0\n', "field 'steps' must be >= 1"),
+    "negative_envelope": (HEAD + "envelope_k = -1\n", "field 'envelope_k' must be >= 0"),
+    "hparam_set_by_field": (HEAD + "[hparams]\nseed = 3\n", "[hparams]: 'seed' is set by the matrix field 'seeds'"),
+    "unknown_hparam": (HEAD + "[hparams]\nlearning_rate = 0.1\n", "[hparams]: unknown hyper-parameter 'learning_rate'"),
+    "unknown_field": (HEAD + "backend = 'torch'\n", "unknown field(s) backend"),
+    "wrong_type": ('models = "cnn2d_2conv_2fc"\nbackends = ["torch"]\n', "field 'models' must be a list of str"),
+    "not_toml": (HEAD + "devices = [1,\n", "not valid TOML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_load_matrix_names_the_entry(case, tmp_path):
+    from harness.matrix import load_matrix
+    from harness.runner import BadInput
+    text, message = CASES[case]
+    p = tmp_path / f"{case}.toml"
+    p.write_text(text)
+    with pytest.raises(BadInput) as e:
+        load_matrix(p)
+    assert str(e.value).startswith(f"matrix {p}: ") and message in str(e.value)
+
+
+@pytest.mark.parametrize("command, case", [
+    (["matrix"], "unknown_model"), (["all", "--matrix"], "devices_not_dividing_batch"),
+    (["check", "--matrix"], "unknown_backend"), (["check", "--matrix"], "duplicate_backend"),
+    (["baseline", "save", "--matrix"], "unknown_optimizer"),
+])
+def test_commands_exit_2_and_run_nothing(command, case, tmp_path):
+    text, message = CASES[case]
+    p = tmp_path / f"{case}.toml"
+    p.write_text(text)
+    out = tmp_path / "results"
+    extra = ["--baselines", str(tmp_path / "bl")] if command[0] in ("check", "baseline") else []
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *command, str(p), "--out", str(out), *extra],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = r.stderr.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith(f"duipai: error: matrix {p}: ") and message in line[0]
+    assert not out.exists() and not (tmp_path / "bl").exists()
+
+
+def test_ci_matrix_is_valid():
+    from harness.matrix import expand, load_matrix
+    m = load_matrix("ci")
+    assert m.name == "ci" and m.steps <= 50 and len(expand(m)) <= 8
+
+
+def test_missing_baselines_are_bad_input(tmp_path):
+    p = tmp_path / "m.toml"
+    p.write_text('name = "nobase"\n' + HEAD)
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--matrix", str(p), "--out",
+                        str(tmp_path / "results"), "--baselines", str(tmp_path / "bl")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    assert f"{tmp_path / 'bl' / 'nobase' / 'index.json'}: missing" in r.stderr
+    assert "duipai baseline save --matrix nobase" in r.stderr
+    assert not (tmp_path / "results").exists()
