@@ -157,7 +157,8 @@ def collect(backend: str, path: str) -> None:
     res["keras_backend"] = keras.backend.backend()
     m2 = load_model("cnn2d_2conv_2fc")
     for case in ("adam", "adamw", "momentum_step", "nesterov_step", "sgd_l2", "momentum_const"):
-        res[case] = _trace(cls, m2, HP[case], 3)[1]
+        bc, res[case] = _trace(cls, m2, HP[case], 3)
+        res[case]["traces"] = bc.net.traces
     # BatchNorm: inputs of bn1/bn2 before the step, buffers after one step (batch 8: n/(n-1) shows)
     hard = load_model("cnn2d_hard")
     hp_bn = HParams(optimizer="sgd", lr=0.1, **{**BASE, "batch_size": 8})
@@ -194,14 +195,21 @@ def collect(backend: str, path: str) -> None:
         s_res = resumed.train_step(2, x, y, {})
         res["resume"][case] = {"state": state, "state_back": state_back, "full": vars(s_full), "resumed": vars(s_res),
                                "p_full": _copy(full.export_params()), "p_res": _copy(resumed.export_params())}
-    # determinism inside one process: two fresh backends, same steps
+    # determinism inside one process: two fresh backends, same steps; a third that exports and evaluates
+    # between steps (keras-jax writes its state back into the Keras variables there)
     runs = []
-    for _ in range(2):
+    for synced in (False, False, True):
         bd = cls(hard, HP["momentum_const"].with_(batch_size=16), b.opts)
         bd.load_params(init_params(hard, 0))
         xs, ys = _inputs(hard, 16)
-        runs.append([vars(bd.train_step(t, xs, ys, _masks(hard, bd.hp, t))) for t in range(4)])
-    res["determinism"] = runs
+        steps = []
+        for t in range(4):
+            steps.append(vars(bd.train_step(t, xs, ys, _masks(hard, bd.hp, t))))
+            if synced:
+                bd.export_params(), bd.export_opt_state(), bd.evaluate(xs, ys)
+                bd.forward_layers(xs, _masks(hard, bd.hp, t))
+        runs.append(steps)
+    res["determinism"], res["determinism_synced"] = runs[:2], runs[2]
     # float64 (last: floatx is process-global): end to end on keras-tensorflow/keras-jax, refused on keras-torch
     from wrappers.base import RunOptions, UnsupportedError
     try:
@@ -438,6 +446,20 @@ def test_optimizer_state_round_trip(backend, case, root):
 def test_two_fresh_backends_are_bit_identical(backend, root):
     a, b = collected(backend, root)["determinism"]
     assert a == b
+
+
+@pytest.mark.parametrize("backend", KERAS)
+def test_state_written_back_between_steps_changes_nothing(backend, root):
+    """Exports, an evaluation and a probe between steps (keras-jax keeps its training state outside the
+    Keras variables between steps and writes it back there) leave every step statistic bit-identical."""
+    res = collected(backend, root)
+    assert res["determinism_synced"] == res["determinism"][0]
+
+
+@pytest.mark.parametrize("backend", ["keras-tensorflow", "keras-jax"])
+def test_the_step_is_traced_once_under_a_schedule(backend, root):
+    """The learning rate is a value of the optimizer's variable (state): halving it each step retraces nothing."""
+    assert collected(backend, root)["momentum_step"]["traces"] == 1
 
 
 @pytest.mark.parametrize("backend", KERAS)

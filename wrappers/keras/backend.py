@@ -1,6 +1,11 @@
 """Keras 3 backend (one module for keras-tensorflow, keras-jax and keras-torch): the spec as a functional
-keras.Model of Keras layers (layers.py), keras.optimizers, a logits cross-entropy, trained with
-`train_on_batch` through a custom `train_step` per Keras backend (train_step_<backend>.py).
+keras.Model of Keras layers (layers.py), keras.optimizers, a logits cross-entropy, trained by the
+model's own compiled train function around a custom `train_step` per Keras backend
+(train_step_<backend>.py), driven by that module's Stepper: keras-torch `train_on_batch`;
+keras-tensorflow the model's `train_function` as train_on_batch calls it; keras-jax `fit`'s way (the
+state kept as JAX arrays between steps, the model's `train_function` called per batch, the Keras
+variables written back only before an export, an evaluation, a probe or a load -- train_on_batch's
+per-call read and write of every variable cost more than the step itself).
 
 Conventions and conversions (canonical <-> Keras):
 * parameters: Keras layouts are the canonical ones; BatchNormalization(momentum = 1 - spec momentum,
@@ -14,8 +19,12 @@ Conventions and conversions (canonical <-> Keras):
 * weight decay: Keras' weight_decay is decoupled, which is AdamW's; for sgd/momentum/nesterov/adam the
   reference is coupled L2, added to the gradient (g + wd * p) inside the train step; the reported loss
   and grad_norm are the DATA loss and its gradient (as torch reports them).
-* learning rate: assigned to optimizer.learning_rate (a variable) before every step: no retracing.
-* dropout: harness masks live in a non-trainable variable of a small layer, assigned before each step.
+* learning rate: the value of the optimizer's learning_rate variable, set before every step (assigned,
+  or on keras-jax written into the optimizer state): a schedule never retraces.
+* dropout: harness masks live in a non-trainable variable of a small layer, set before each step.
+* data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow
+  tf.distribute.MirroredStrategy, both with the harness's contiguous shards (see train_step_jax.py and
+  train_step_tensorflow.py); keras-torch refuses (Keras has none on torch); --hosts is refused.
 * probes: forward_layers/gradients use model.stateless_call (BatchNorm's moving statistics untouched)
   with the backend's own autodiff (train_step_<backend>.value_and_grad).
 * float64: keras-tensorflow and keras-jax (jax_enable_x64 switched on before the model exists);
@@ -23,6 +32,7 @@ Conventions and conversions (canonical <-> Keras):
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import platform
@@ -41,7 +51,7 @@ from keras import ops  # noqa: E402
 from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import ModelSpec  # noqa: E402
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
+from ..base import DP_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
 from .layers import from_keras_layout, lower, to_keras_layout, torch_avgpool_replicates  # noqa: E402
 
 KBACKEND = keras.backend.backend()
@@ -77,20 +87,35 @@ class DuipaiModel(keras.Model):
 
     train_step = _ts.train_step
 
-    def configure(self, *, grad_scale: float, coupled_wd: float) -> None:
+    def configure(self, *, grad_scale: float, coupled_wd: float, replicas: int = 1, sum_replicas: bool = False,
+                  wd_share: float = 1.0) -> None:
+        """grad_scale: fault grad_double; coupled_wd: the reference's L2 coefficient, of which each
+        replica adds wd_share (1/N where the replicas' gradients are summed); replicas: the data-parallel
+        replicas (replica losses reported); sum_replicas: fault grad_sum_replicas."""
         self.grad_scale, self.coupled_wd = grad_scale, coupled_wd
+        self.replicas, self.sum_replicas, self.wd_share = replicas, sum_replicas, wd_share
+        self.traces = 0               # traces of train_step (a Python side effect: once per compilation)
 
     def data_loss(self, y, logits):
         """The compiled loss (integer labels, logits) on this batch: the mean over the batch."""
         return batch_mean(self.loss, y, logits)
 
-    def prepare_grads(self, grads, values):
-        """(gradients the optimizer sees, norm of the data gradients)."""
+    def replica_losses(self, y, logits):
+        """The mean loss of each of the N contiguous groups of B/N samples (each replica's shard)."""
+        n = self.replicas
+        k = ops.shape(logits)[0] // n
+        return ops.stack([batch_mean(self.loss, y[r * k:(r + 1) * k], logits[r * k:(r + 1) * k]) for r in range(n)])
+
+    def prepare_grads(self, grads, values, reduce=None):
+        """(gradients the optimizer sees, norm of the data gradients); `reduce`: the replicas' sum of
+        the gradients, for the norm, where the optimizer all-reduces them itself."""
         if self.grad_scale != 1.0:    # fault grad_double
             grads = [g * self.grad_scale for g in grads]
-        grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+        summed = grads if reduce is None else reduce(grads)
+        grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in summed))
         if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p
-            grads = [g + ops.cast(self.coupled_wd, g.dtype) * v for g, v in zip(grads, values)]
+            wd = self.coupled_wd * self.wd_share
+            grads = [g + ops.cast(wd, g.dtype) * v for g, v in zip(grads, values)]
         return grads, grad_norm
 
     def step_logs(self, loss, logits, y, grad_norm, before, after):
@@ -124,12 +149,10 @@ class KerasBackend(Backend):
     framework = "keras"
     faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
                         "label_smoothing", "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
-                        "l2_not_decoupled"})
+                        "l2_not_decoupled"}) | (DP_FAULTS if KBACKEND in ("jax", "tensorflow") else frozenset())
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
-        if opts.devices != 1:
-            raise UnsupportedError(f"keras-{KBACKEND}: data parallelism is not implemented (devices={opts.devices})")
         if opts.dtype not in ("float32", "float64"):
             raise UnsupportedError(f"keras-{KBACKEND}: dtype {opts.dtype!r} is not supported")
         if opts.dtype == "float64" and KBACKEND == "torch":
@@ -144,23 +167,34 @@ class KerasBackend(Backend):
         keras.config.set_floatx(opts.dtype)
         keras.config.set_dtype_policy(opts.dtype)
         self._det = _ts.setup(opts.threads, opts.deterministic)
+        # data parallelism (before any Keras object: devices and the strategy / distribution come first)
+        self.par = _ts.make_parallel(self.replicas, self.hosts, self.sync_bn, opts.fault, opts.extra)
         keras.utils.set_random_seed(hp.seed)
         self.permute = opts.fault != "flatten_no_permute"
-        self.low = lower(model, batch_size=hp.batch_size, fault=opts.fault,
-                         native_dropout=opts.dropout == "native", seed=hp.seed)
-        self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
-        self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
-        self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
-        loss = (SmoothedSparseCrossentropy(model.num_classes, 0.1) if opts.fault == "label_smoothing"
-                else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
-        self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-        self._jit = _ts.jit_options(opts.jit, opts.extra)
-        self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
-        self.net.configure(grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled))
-        self.optimizer.build(self.net.trainable_variables)
+        with self.par.scope() if self.par else contextlib.nullcontext():
+            self.low = lower(model, batch_size=hp.batch_size, fault=opts.fault,
+                             native_dropout=opts.dropout == "native", seed=hp.seed,
+                             synchronized_bn=self.sync_bn and KBACKEND == "tensorflow")
+            self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
+            self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
+            self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
+            loss = (SmoothedSparseCrossentropy(model.num_classes, 0.1) if opts.fault == "label_smoothing"
+                    else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+            self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+            self._jit = _ts.jit_options(opts.jit, opts.extra)
+            self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
+            # TF: the replicas' gradients are summed by the optimizer, so each adds its share of the L2 term
+            self.net.configure(grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled),
+                               replicas=self.replicas, sum_replicas=opts.fault == "grad_sum_replicas",
+                               wd_share=1.0 / self.replicas if KBACKEND == "tensorflow" else 1.0)
+            self.optimizer.build(self.net.trainable_variables)
+        if self.par is not None and KBACKEND == "tensorflow":
+            for layer in self.low.dropouts.values():     # each replica takes its rows of the (B, ...) mask
+                layer.select = self.par.mask_rows(hp.batch_size)
         by_id = {id(v): n for n, v in self.low.variables.items()}
         self.trainable = [by_id[id(v)] for v in self.net.trainable_variables]
         assert sorted(self.trainable) == sorted(q.name for q in model.trainable), self.trainable
+        self.stepper = _ts.Stepper(self.net, self.optimizer, self.par)
         self.last_lr: np.float32 | None = None
 
     # ---- environment
@@ -169,7 +203,12 @@ class KerasBackend(Backend):
                 "python": platform.python_version(), "numpy": np.__version__}
 
     def devices(self) -> list[str]:
-        return _ts.devices()
+        return self.par.devices if self.par is not None else _ts.devices()
+
+    def parallel_info(self) -> dict[str, Any]:
+        if self.par is None:
+            return super().parallel_info()
+        return self.par.info(self.opts.fault, self.model.has("batchnorm2d"))
 
     def determinism(self) -> dict[str, Any]:
         return {"keras_backend": KBACKEND, "keras.utils.set_random_seed": self.hp.seed, "threads": self.opts.threads,
@@ -191,6 +230,9 @@ class KerasBackend(Backend):
             out.append("keras_torch_avgpool_same")
         if self.model.has("batchnorm2d"):
             out.append("running_var_biased")
+            # keras-jax's DataParallel normalizes over the global batch (one GSPMD program): nothing to declare
+            if self.replicas > 1 and KBACKEND == "tensorflow" and not self.sync_bn:
+                out.append("per_replica_batchnorm")
         if self.model.has("dropout") and self.opts.dropout == "native":
             out.append("native_dropout_masks")
         return out
@@ -209,7 +251,18 @@ class KerasBackend(Backend):
             return {"exp_avg": o._momentums[i], "exp_avg_sq": o._velocities[i]}
         return {}
 
+    def _read(self, var) -> np.ndarray:
+        """A variable's value (data parallel on TF: replica 0's component)."""
+        if self.par is not None and KBACKEND == "tensorflow":
+            return self.par.primary(var)
+        return _np(var.value)
+
+    def _sync(self) -> None:
+        """The Keras variables current (keras-jax keeps the training state outside them between steps)."""
+        self.stepper.sync()
+
     def load_params(self, params: dict[str, np.ndarray]) -> None:
+        self._sync()
         for q in self.model.params:
             var = self._var(q.name)
             var.assign(to_keras_layout(self.model, q.name, np.asarray(params[q.name]), self.permute).astype(var.dtype))
@@ -220,17 +273,21 @@ class KerasBackend(Backend):
         self.last_lr = None
 
     def export_params(self) -> dict[str, np.ndarray]:
-        return {q.name: from_keras_layout(self.model, q.name, _np(self._var(q.name).value), self.permute)
+        self._sync()
+        if self.par is not None and KBACKEND == "tensorflow":   # the mirrored parameters must not have diverged
+            self.par.check_in_sync({n: self._var(n) for n in self.trainable})
+        return {q.name: from_keras_layout(self.model, q.name, self._read(self._var(q.name)), self.permute)
                 for q in self.model.params}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
-        it = int(_np(self.optimizer.iterations))
+        self._sync()
+        it = int(self._read(self.optimizer.iterations))
         if it == 0:              # as torch: no optimizer state before the first step
             return {}
         out: dict[str, np.ndarray] = {}
         for n in self.trainable:
             for kind, slot in self._opt_slots(n).items():
-                a = _np(slot.value)
+                a = self._read(slot)
                 if kind == "momentum":        # torch buffer b = -v / lr_t (lr_t: the last update's lr)
                     a = (-a.astype(np.float64) / np.float64(self.last_lr)).astype(a.dtype)
                 out[f"{kind}/{n}"] = from_keras_layout(self.model, n, a, self.permute)
@@ -239,6 +296,7 @@ class KerasBackend(Backend):
         return out
 
     def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        self._sync()
         lr_prev = np.float32(self.lr_for(max(step - 1, 0)))
         for n in self.trainable:
             for kind, slot in self._opt_slots(n).items():
@@ -253,31 +311,48 @@ class KerasBackend(Backend):
         self.last_lr = lr_prev
 
     # ---- computation
-    def _set_masks(self, masks: Masks) -> None:
+    def _mask_values(self, masks: Masks) -> list[tuple[Any, np.ndarray]]:
+        """(keep-mask variable, harness mask) of every dropout layer ([] with --dropout native)."""
         if self.opts.dropout != "harness":
-            return
+            return []
+        out = []
         for name, layer in self.low.dropouts.items():
             m = masks.get(name)
             if m is None:
                 raise ValueError(f"no harness dropout mask for layer {name!r}")
-            layer.keep_mask.assign(np.asarray(m, layer.keep_mask.dtype))
+            out.append((layer.keep_mask, np.asarray(m, layer.keep_mask.dtype)))
+        return out
+
+    def _set_masks(self, masks: Masks) -> None:
+        for var, m in self._mask_values(masks):
+            var.assign(m)
 
     def _xy(self, x: np.ndarray, y: np.ndarray | None = None):
         x = np.ascontiguousarray(x, keras.config.floatx())
         return x if y is None else (x, np.asarray(y, np.int32))
 
+    def _arrange(self, x: np.ndarray, y: np.ndarray, masks: Masks):
+        """Data parallel: the global batch as the replicas see it (the fault overlapping_shards repeats shard 0)."""
+        return (x, y, masks) if self.par is None else self.par.arrange(x, y, masks)
+
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
-        self._set_masks(masks)
-        self.optimizer.learning_rate = float(self.lr_for(step))    # assigns the variable: no retrace
+        x, y, masks = self._arrange(x, y, masks)
+        lr_var = self.optimizer._learning_rate
+        lr = np.asarray(self.lr_for(step), lr_var.dtype)   # a value of the optimizer's variable: no retrace
         x, y = self._xy(x, y)
-        logs = self.net.train_on_batch(x, y, return_dict=True)
-        self.last_lr = np.float32(_np(self.optimizer._learning_rate.value))
+        logs = self.stepper.step(x, y, [(lr_var, lr)] + self._mask_values(masks))
+        self.last_lr = np.float32(lr)
+        reps = [float(v) for v in np.asarray(logs["replica_losses"])] if self.replicas > 1 else None
         return StepStats(float(logs["loss"]), float(logs["accuracy"]), float(logs["grad_norm"]),
-                         float(logs["update_norm"]), float(logs["param_norm"]))
+                         float(logs["update_norm"]), float(logs["param_norm"]), reps)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        self._sync()
         x, y = self._xy(x, y)
-        logits = _np(self.net.predict_on_batch(x))
+        if self.par is not None and KBACKEND == "tensorflow":
+            logits = self.par.predict(self.net, x)
+        else:
+            logits = _np(self.net.predict_on_batch(x))
         loss = float(_np(batch_mean(self.eval_loss, y, ops.convert_to_tensor(logits))))
         return loss, float(np.mean(np.argmax(logits, -1) == y))
 
@@ -285,24 +360,40 @@ class KerasBackend(Backend):
         return [v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables]
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
-        """Training-mode outputs via stateless_call: BatchNorm's moving statistics are not touched."""
+        """Training-mode outputs via stateless_call: BatchNorm's moving statistics are not touched.
+        Data parallel on TF: each replica on its shard, the outputs concatenated in replica order."""
+        self._sync()
+        x, _, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
         self._set_masks(masks)
-        tv, ntv = self._state_values(self.recorder)
-        with _ts.no_grad():
-            outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=True)
+        if self.par is not None and KBACKEND == "tensorflow":
+            outs = self.par.forward(self.recorder, self._xy(x))
+        else:
+            tv, ntv = self._state_values(self.recorder)
+            with _ts.no_grad():
+                outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=True)
         return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        """The gradient the optimizer is given (data parallel: the replicas' combined one), no state change."""
+        self._sync()
+        x, y, masks = self._arrange(x, y, masks)
         self._set_masks(masks)
         x, y = self._xy(x, y)
-        xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
-        tv, ntv = self._state_values(self.net)
+        if self.par is not None and KBACKEND == "tensorflow":
+            loss, grads = self.par.gradients(self.net, x, y)
+        else:
+            xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+            tv, ntv = self._state_values(self.net)
+            net = self.net
 
-        def fn(values):
-            logits, _ = self.net.stateless_call(values, ntv, xt, training=True)
-            return self.net.data_loss(yt, logits), None
+            def fn(values):
+                logits, _ = net.stateless_call(values, ntv, xt, training=True)
+                loss = net.data_loss(yt, logits)
+                if net.replicas > 1 and net.sum_replicas:    # fault grad_sum_replicas (keras-jax)
+                    return ops.sum(net.replica_losses(yt, logits)), loss
+                return loss, loss
 
-        loss, _, grads = _ts.value_and_grad(fn, tv)
+            _, loss, grads = _ts.value_and_grad(fn, tv)
         scale = self.net.grad_scale
         return float(_np(loss)), {n: from_keras_layout(self.model, n, _np(g) * np.float32(scale), self.permute)
                                   for n, g in zip(self.trainable, grads)}

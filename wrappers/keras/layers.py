@@ -66,6 +66,7 @@ class HarnessDropout(keras.layers.Layer):
         self.native = native
         self.eval_dropout = eval_dropout
         self.dropout = keras.layers.Dropout(rate, seed=seed, name=f"{self.name}_native")
+        self.select = None      # data parallel (keras-tensorflow): a replica's rows of the global-batch mask
 
     def build(self, input_shape) -> None:
         self.keep_mask = self.add_weight(shape=self.mask_shape, initializer="ones", trainable=False,
@@ -74,7 +75,8 @@ class HarnessDropout(keras.layers.Layer):
 
     def call(self, x, training=None):
         if training and not self.native:
-            return x * self.keep_mask / (1.0 - self.rate)
+            mask = self.keep_mask if self.select is None else self.select(self.keep_mask)
+            return x * mask / (1.0 - self.rate)
         if training or self.eval_dropout:
             return self.dropout(x, training=True)
         return x
@@ -161,9 +163,10 @@ def ceil_pool_pad(size: int, k: int, s: int) -> int:
 
 
 def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropout: bool,
-          seed: int) -> Lowered:
+          seed: int, synchronized_bn: bool = False) -> Lowered:
     """The spec as Keras layers applied to a keras.Input; returns the symbolic graph and the
-    canonical-name -> keras.Variable map (filled once the layers are built, i.e. here)."""
+    canonical-name -> keras.Variable map (filled once the layers are built, i.e. here).
+    synchronized_bn: BatchNormalization(synchronized=True) (keras-tensorflow --sync-bn under a strategy)."""
     L = keras.layers
     inputs = keras.Input(shape=model.input_shape, name="duipai_input")
     x = inputs
@@ -221,7 +224,7 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
             mom = o["momentum"]                       # torch convention: r = (1-m) r + m x
             keras_mom = mom if fault == "bn_momentum_flipped" else 1.0 - mom   # Keras: r = M r + (1-M) x
             eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
-            bl = L.BatchNormalization(axis=-1, momentum=keras_mom, epsilon=eps, name=n)
+            bl = L.BatchNormalization(axis=-1, momentum=keras_mom, epsilon=eps, synchronized=synchronized_bn, name=n)
             x = bl(x)
             for role, attr in (("gamma", "gamma"), ("beta", "beta"), ("running_mean", "moving_mean"),
                                ("running_var", "moving_variance")):

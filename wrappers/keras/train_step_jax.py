@@ -1,5 +1,33 @@
 """keras-jax: the custom stateless `train_step(state, data)` (the documented way to customise fit on
-the JAX backend), a stateless value-and-gradient for probes, and the JAX/XLA determinism record."""
+the JAX backend), the Stepper that runs it the way `fit` does, data parallelism with
+keras.distribution.DataParallel, a stateless value-and-gradient for probes, and the JAX/XLA
+determinism record.
+
+The Stepper (why not train_on_batch): `train_on_batch` reads every Keras variable into a state tuple,
+runs the model's compiled `train_function` and assigns every variable back, on every call (about
+1.1-1.3 ms a step here, more than the step itself). `fit` instead keeps the state tuple as JAX arrays
+between batches and writes the variables back once, at the end (`jax_state_sync`). The Stepper does
+what fit does between two callbacks: the state (trainable, non-trainable, optimizer and metric
+variables) lives here as JAX arrays, each step calls the model's own `train_function` (made by
+`make_train_function`: the jitted `train_step` below, state donated) on one batch, and the values
+that change from outside between steps -- the learning rate (the optimizer's `learning_rate`
+variable, an entry of the optimizer state: a schedule is a new value, never a retrace) and the
+harness's dropout masks (non-trainable variables) -- are written into their slots of the state.
+`sync()` writes the state back into the Keras variables (before every export, evaluation, probe or
+load), after which the variables are the state again until the next step.
+
+Data parallel (`--devices N`, N forced host devices or GPUs): keras.distribution.DataParallel over
+the first N JAX devices, set (keras.distribution.set_distribution) before the model exists, so every
+variable is created replicated on the mesh and `make_train_function` compiles the step with the
+state's shardings. The global batch is placed with the distribution's data layout (batch axis on the
+mesh: device r holds the contiguous rows [r B/N, (r+1) B/N), base.shard_bounds) by
+keras.distribution.distribute_tensor. One GSPMD program over the global batch: the loss is the
+compiled loss over the global batch (sum / B), so its gradient is the global-batch mean, all-reduced
+by XLA. BatchNormalization sees the global batch too: its statistics are the global batch's
+(Keras' DataParallel on JAX has no per-replica statistics; BatchNormalization(synchronized=True) is
+TensorFlow-only and not needed). The replica losses are the mean losses of the N contiguous groups
+of B/N samples, i.e. of each device's shard.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +35,10 @@ import os
 from typing import Any, Callable
 
 import jax
+import numpy as np
+from keras import ops
+
+PARALLEL = "keras.distribution.DataParallel"
 
 
 def train_step(self, state, data):
@@ -14,16 +46,147 @@ def train_step(self, state, data):
     optimizer.stateless_apply. BatchNorm's moving statistics come back in non_trainable_variables."""
     trainable, non_trainable, opt_vars, metric_vars = state
     x, y = data[0], data[1]
+    self.traces += 1                                    # Python: counts traces, not steps
 
     def loss_fn(tv):
         logits, ntv = self.stateless_call(tv, non_trainable, x, training=True)
-        return self.data_loss(y, logits), (logits, ntv)
+        loss = self.data_loss(y, logits)
+        reps = self.replica_losses(y, logits) if self.replicas > 1 else None   # each device's shard
+        objective = ops.sum(reps) if self.sum_replicas else loss   # fault grad_sum_replicas: N x the gradient
+        return objective, (loss, logits, ntv, reps)
 
-    (loss, (logits, non_trainable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    (_, (loss, logits, non_trainable, reps)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     grads, grad_norm = self.prepare_grads(grads, trainable)
     new_trainable, opt_vars = self.optimizer.stateless_apply(opt_vars, grads, trainable)
     logs = self.step_logs(loss, logits, y, grad_norm, trainable, new_trainable)
+    if reps is not None:
+        logs["replica_losses"] = reps
     return logs, (new_trainable, non_trainable, opt_vars, metric_vars)
+
+
+class Stepper:
+    """Runs the model's compiled train_function on state kept as JAX arrays (fit's way; see above)."""
+
+    def __init__(self, net, optimizer, parallel: "Parallel | None" = None) -> None:
+        self.net, self.optimizer, self.parallel = net, optimizer, parallel
+        self.groups = (list(net.trainable_variables), list(net.non_trainable_variables),
+                       list(optimizer.variables), list(net.metrics_variables))
+        self.slots = {id(v): (g, i) for g, vs in enumerate(self.groups) for i, v in enumerate(vs)}
+        # data parallel: a value written into the state takes its variable's sharding (replicated on the mesh),
+        # which is also the step's output sharding of that slot (the state is donated: in and out must match)
+        self.shardings = ({id(v): v.value.sharding for vs in self.groups for v in vs}
+                          if parallel is not None else None)
+        self.state: list[list[Any]] | None = None      # None: the Keras variables hold the state
+        self.written: dict[int, np.ndarray] = {}       # the value last written into each slot (since the pull)
+
+    def step(self, x: np.ndarray, y: np.ndarray, values: list[tuple[Any, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One batch; `values`: (Keras variable, new value) written into the state first."""
+        net = self.net
+        if net.train_function is None:
+            net.make_train_function()
+        if self.state is None:
+            self.state = [[v.value for v in vs] for vs in self.groups]
+        for var, val in values:
+            k, val = id(var), np.asarray(val, var.dtype)
+            prev = self.written.get(k)
+            if prev is not None and prev.shape == val.shape and np.array_equal(prev, val):
+                continue                  # the slot holds it already (a constant lr: no transfer at all)
+            self.written[k] = val
+            g, i = self.slots[k]
+            self.state[g][i] = val if self.shardings is None else jax.device_put(val, self.shardings[k])
+        if self.parallel is not None:
+            x, y = self.parallel.distribute(x), self.parallel.distribute(y)
+        logs, state = net.train_function(tuple(self.state), iter([(x, y, None)]))
+        self.state = [list(s) for s in state]
+        return jax.device_get(logs)
+
+    def sync(self) -> None:
+        """The state into the Keras variables (fit's jax_state_sync); they hold it again afterwards."""
+        if self.state is None:
+            return
+        for vs, vals in zip(self.groups, self.state):
+            for v, a in zip(vs, vals):
+                v.assign(a)
+        self.state = None
+        self.written.clear()
+
+
+class Parallel:
+    """keras.distribution.DataParallel over the first N JAX devices (see the module docstring)."""
+
+    def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
+        import keras
+        from ..base import UnsupportedError
+        self.replicas, self.sync_bn, self.fault = replicas, sync_bn, fault
+        if hosts > 1:
+            raise UnsupportedError("keras-jax: --hosts is not implemented (a multi-process keras.distribution run "
+                                   "needs jax.distributed and per-process data feeding, not wired for Keras); use "
+                                   "--devices N in one process")
+        have = jax.devices()
+        if len(have) < replicas:
+            raise UnsupportedError(f"keras-jax: --devices {replicas} but jax sees {len(have)} {jax.default_backend()} "
+                                   f"device(s) (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+        self.dist = keras.distribution.DataParallel(devices=have[:replicas])
+        # before any Keras object exists: variables are then created replicated on the mesh
+        keras.distribution.set_distribution(self.dist)
+        self.devices = [f"{d.platform}:{d.id}" for d in np.asarray(self.dist.device_mesh.devices).flat]
+        self.checked = False
+
+    def scope(self):
+        return contextlib.nullcontext()       # set_distribution above: the distribution is global
+
+    def arrange(self, x: np.ndarray, y: np.ndarray, masks: dict[str, np.ndarray]):
+        """The global batch with the replicas' shards laid out contiguously in replica order (device r
+        holds rows [r B/N, (r+1) B/N) of it): as given, except under the fault overlapping_shards."""
+        if self.fault != "overlapping_shards":
+            return x, y, masks
+        from ..base import shard_bounds
+        idx = np.concatenate([np.arange(a, b) for a, b in shard_bounds(len(x), self.replicas, self.fault)])
+        return x[idx], y[idx], {k: v[idx] for k, v in masks.items()}
+
+    def distribute(self, a: np.ndarray):
+        """A global batch on the mesh with the distribution's data layout (batch axis sharded)."""
+        import keras
+        out = keras.distribution.distribute_tensor(a, self.dist.get_data_layout(a.shape))
+        if not self.checked:      # once: the layout gives mesh device r the rows [r B/N, (r+1) B/N)
+            n = len(a) // self.replicas
+            where = out.sharding.devices_indices_map(a.shape)
+            for r, d in enumerate(np.asarray(self.dist.device_mesh.devices).flat):
+                rows = where[d][0]
+                if (rows.start or 0, len(a) if rows.stop is None else rows.stop) != (r * n, (r + 1) * n):
+                    raise RuntimeError(f"keras-jax: DataParallel placed rows {rows} of the batch on mesh device {r} "
+                                       f"({d}); the harness's shard {r} is [{r * n}, {(r + 1) * n})")
+            self.checked = True
+        return out
+
+    def info(self, fault: str | None, has_bn: bool) -> dict[str, Any]:
+        mesh = self.dist.device_mesh
+        return {
+            "strategy": PARALLEL, "replicas": self.replicas, "processes": 1, "hosts": 1, "devices": self.devices,
+            "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names)}, "sync_bn": self.sync_bn,
+            "sharding": f"keras.distribution.distribute_tensor with DataParallel.get_data_layout: batch axis "
+                        f"'{self.dist.batch_dim_name}' on the mesh, replica r takes samples [r*B/N, (r+1)*B/N)"
+                        + (" (fault overlapping_shards: every replica takes [0, B/N))"
+                           if fault == "overlapping_shards" else ""),
+            "params": "replicated (DataParallel.get_variable_layout), optimizer state replicated",
+            "step": "the model's train_function (make_train_function: jit with the state's shardings), one GSPMD "
+                    "program over the global batch",
+            "gradient_reduction": ("the SUM of the replicas' mean losses differentiated: N x the mean gradient "
+                                   "(fault grad_sum_replicas)" if fault == "grad_sum_replicas" else
+                                   "gradient of the global-batch loss (sum / B): XLA GSPMD all-reduce"),
+            "loss": "the compiled loss over the global batch; replica losses: mean loss of each device's shard",
+            "batchnorm": ("n/a (no BatchNorm)" if not has_bn else
+                          "global-batch statistics, with or without --sync-bn (GSPMD: BatchNormalization over the "
+                          "sharded global batch; Keras on JAX has no per-replica statistics)"),
+        }
+
+
+def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
+    if replicas <= 1:
+        import keras
+        keras.distribution.set_distribution(None)     # a process may build backends one after another
+        return None
+    return Parallel(replicas, hosts, sync_bn, fault, extra)
 
 
 def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:

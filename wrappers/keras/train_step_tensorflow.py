@@ -1,28 +1,262 @@
 """keras-tensorflow: the custom `train_step` (GradientTape, the documented way to customise fit on
-the TensorFlow backend), a stateless value-and-gradient for probes, and TF's determinism switches."""
+the TensorFlow backend), the Stepper that runs it, data parallelism with tf.distribute, a stateless
+value-and-gradient for probes, and TF's determinism switches.
+
+Data parallel (`--devices N`): tf.distribute.MirroredStrategy over N logical CPU devices (configured
+before TF's runtime starts) or the first N GPUs; the model, its variables and the optimizer are
+created under strategy.scope() (Keras' rule: a model is trained by the strategy it was made under).
+Each step runs the model's own compiled `train_function` (Keras' `make_train_function`: a
+tf.function of strategy.run(train_step) and Keras' reduce_per_replica, mean over replicas) on the
+global batch cut into N contiguous shards in the harness's order (base.shard_bounds; the fault
+`overlapping_shards` gives every replica shard 0) and handed to the replicas by
+strategy.experimental_distribute_values_from_function -- not by fit's tf.data pipeline
+(experimental_distribute_dataset), whose rebatching does not promise replica r the rows
+[r B/N, (r+1) B/N). In each replica the step is Keras' own recipe for a strategy: the replica's mean
+loss scaled by 1/N (what keras' scale_loss_for_distribution does to a compiled loss), the tape's
+gradient, and optimizer.apply, whose TF optimizer all-reduces the gradients with a SUM
+(TFOptimizer._all_reduce_sum_gradients) and updates every mirrored component: the global-batch
+mean gradient. The fault `grad_sum_replicas` leaves out the 1/N: N x the gradient. Coupled L2 adds
+wd * p / N per replica (what a regularisation loss becomes under Keras' scaling), wd * p after the sum.
+
+Reported: loss and accuracy = Keras' mean over replicas of the replicas' shard means (equal shards:
+the global means); grad_norm = the norm of the SUM all-reduce of the replicas' (scaled) gradients,
+a second all-reduce of the same values taken for the statistic; update/param norms from the
+replica's own components (identical in every replica); replica losses: each replica's shard mean,
+scattered into a length-N vector and SUM all-reduced (x + 0 is exact).
+
+BatchNorm: per-replica batch statistics by default (declared difference per_replica_batchnorm); the
+moving statistics are then each replica's own (Keras' moving_mean is a MirroredVariable with
+aggregation NONE: every replica updates its own component); the exported and evaluated ones are
+replica 0's (what a Keras checkpoint saves: the primary component). `--sync-bn`:
+BatchNormalization(synchronized=True) (global-batch statistics through the replica context's
+all-reduce); every replica then holds the same moving statistics.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 from typing import Any, Callable
 
+import numpy as np
 import tensorflow as tf
+
+PARALLEL = "tf.distribute.MirroredStrategy"
+_STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}
 
 
 def train_step(self, data):
-    """One step inside Keras' tf.function: gradients of THIS batch's data loss, then optimizer.apply."""
+    """One step inside Keras' tf.function (inside strategy.run under data parallelism): gradients of
+    THIS batch's (this replica's shard's) data loss, then optimizer.apply."""
     x, y = data[0], data[1]
     tv = self.trainable_variables
+    self.traces += 1                                    # Python: counts traces, not steps
+    n = self.replicas
     with tf.GradientTape() as tape:
         logits = self(x, training=True)
         loss = self.data_loss(y, logits)
-    grads = tape.gradient(loss, tv)
+        # Keras' scaling of a replica's loss under a strategy (scale_loss_for_distribution): x 1/N
+        objective = loss if (n == 1 or self.sum_replicas) else loss * tf.cast(1.0 / n, loss.dtype)
+    grads = tape.gradient(objective, tv)
     grads = [tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, tv)]  # unused parameter
     before = [tf.identity(v.value) for v in tv]          # ordered before the update by tf.function's ACD
-    grads, grad_norm = self.prepare_grads(grads, before)
-    self.optimizer.apply(grads, tv)
+    ctx = tf.distribute.get_replica_context() if n > 1 else None
+    grads, grad_norm = self.prepare_grads(grads, before, reduce=(lambda g: ctx.all_reduce("sum", g)) if ctx else None)
+    self.optimizer.apply(grads, tv)                      # under a strategy: SUM all-reduce, then the update
     after = [tf.identity(v.value) for v in tv]
-    return self.step_logs(loss, logits, y, grad_norm, before, after)
+    logs = self.step_logs(loss, logits, y, grad_norm, before, after)
+    if ctx is not None:
+        rid = ctx.replica_id_in_sync_group
+        logs["replica_losses"] = ctx.all_reduce("sum", tf.one_hot(rid, n, dtype=loss.dtype) * loss)
+    return logs
+
+
+class Stepper:
+    """The model's own train_function (Keras' make_train_function) on one batch, as train_on_batch
+    calls it, without train_on_batch's per-call symbolic-build check and metric reset (this train_step
+    uses no compiled metric). The Keras variables are the state; the learning rate and the harness's
+    dropout masks are assigned to their variables first (an assign: no retrace). Data parallel: the
+    batch as the replicas' shards (see the module docstring)."""
+
+    def __init__(self, net, optimizer, parallel: "Parallel | None" = None) -> None:
+        self.net, self.parallel = net, parallel
+
+    def step(self, x, y, values):
+        for var, val in values:
+            var.assign(val)
+        if self.net.train_function is None:
+            self.net.make_train_function()
+        data = (x, y) if self.parallel is None else self.parallel.distribute(x, y)
+        return {k: np.asarray(v) for k, v in self.net.train_function([data]).items()}
+
+    def sync(self) -> None:
+        """Nothing to do: the variables are the state."""
+
+
+class Parallel:
+    """MirroredStrategy over N local devices, one per replica, and the harness's sharding."""
+
+    def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
+        from ..base import UnsupportedError
+        self.replicas, self.sync_bn, self.fault = replicas, sync_bn, fault
+        if hosts > 1:
+            raise UnsupportedError("keras-tensorflow: --hosts is not implemented (MultiWorkerMirroredStrategy with "
+                                   "the harness's exact shards per worker is not wired for Keras); use --devices N "
+                                   "in one process")
+        if extra.get("xla"):
+            raise UnsupportedError("keras-tensorflow: --xla with data parallelism is not supported (jit_compile "
+                                   "cannot span the replicas of a MirroredStrategy step); drop --xla")
+        gpus = [] if extra.get("platform", "auto") == "cpu" else tf.config.list_physical_devices("GPU")
+        self.kind = "GPU" if gpus else "CPU"
+        if gpus:    # untested here: no GPU build of TensorFlow on the test machine
+            if len(gpus) < replicas:
+                raise UnsupportedError(f"keras-tensorflow: --devices {replicas} needs {replicas} GPUs, {len(gpus)} "
+                                       "visible (extra platform=cpu uses logical CPU devices)")
+        else:
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            have = len(tf.config.get_logical_device_configuration(cpu) or [None])
+            if have < replicas:
+                try:
+                    tf.config.set_logical_device_configuration(
+                        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
+                except RuntimeError:
+                    raise UnsupportedError(
+                        f"keras-tensorflow: {replicas} logical CPU devices are needed but TF's runtime already "
+                        f"started in this process with {have}; they can only be configured before it starts "
+                        "(run each data-parallel job in a fresh process: python -m wrappers run)") from None
+        key = (replicas, self.kind)
+        if key not in _STRATEGIES:
+            devs = [d.name for d in tf.config.list_logical_devices(self.kind)][:replicas]
+            # CPU: the sum is taken on replica 0's device (TF's choice for CPUs too), spelled out
+            cross = tf.distribute.ReductionToOneDevice(reduce_to_device=devs[0]) if self.kind == "CPU" else None
+            _STRATEGIES[key] = tf.distribute.MirroredStrategy(devices=devs, cross_device_ops=cross)
+        self.strategy = _STRATEGIES[key]
+        self.devices = list(self.strategy.extended.worker_devices)
+        if self.strategy.num_replicas_in_sync != replicas:
+            raise UnsupportedError(f"keras-tensorflow: MirroredStrategy has {self.strategy.num_replicas_in_sync} "
+                                   f"replicas where {replicas} were asked for")
+        self.eval_fn: Callable | None = None
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def arrange(self, x: np.ndarray, y: np.ndarray, masks: dict[str, np.ndarray]):
+        """The global batch as given: the shards (and the overlapping_shards fault) are cut by distribute."""
+        return x, y, masks
+
+    def bounds(self, batch: int) -> list[tuple[int, int]]:
+        from ..base import shard_bounds
+        return shard_bounds(batch, self.replicas, self.fault)
+
+    def distribute(self, *arrays: np.ndarray):
+        """The global batch as per-replica shards: replica r gets rows bounds[r] of every array."""
+        bounds = self.bounds(len(arrays[0]))
+
+        def value(ctx):
+            r = ctx.replica_id_in_sync_group
+            lo, hi = bounds[r]
+            with tf.device(self.devices[r]):
+                return tuple(tf.constant(a[lo:hi]) for a in arrays)
+        return self.strategy.experimental_distribute_values_from_function(value)
+
+    def mask_rows(self, batch: int) -> Callable:
+        """For the harness dropout layers: this replica's rows of a (B, ...) keep mask."""
+        starts = tf.constant([lo for lo, _ in self.bounds(batch)], tf.int32)
+        rows = batch // self.replicas
+
+        def select(mask):
+            ctx = tf.distribute.get_replica_context()
+            if ctx is None or ctx.num_replicas_in_sync == 1:
+                return mask
+            return tf.gather(mask, tf.range(rows) + tf.gather(starts, ctx.replica_id_in_sync_group))
+        return select
+
+    def check_in_sync(self, named: dict[str, Any]) -> None:
+        """Every replica holds the same values of these (mirrored) variables."""
+        for name, var in named.items():
+            comps = [np.asarray(c.numpy()) for c in self.strategy.experimental_local_results(var.value)]
+            for i, c in enumerate(comps[1:], 1):
+                if not np.array_equal(c, comps[0], equal_nan=True):
+                    raise RuntimeError(f"replica {i} holds a different {name} than replica 0: the mirrored "
+                                       "variables diverged")
+
+    def primary(self, var) -> np.ndarray:
+        """Replica 0's component (what a Keras checkpoint of a MirroredVariable saves)."""
+        return np.asarray(self.strategy.experimental_local_results(var.value)[0].numpy())
+
+    def predict(self, net, x: np.ndarray) -> np.ndarray:
+        """Inference on replica 0's variables, on replica 0's device (cross-replica context)."""
+        if self.eval_fn is None:
+            self.eval_fn = tf.function(lambda t: net(t, training=False))
+        with tf.device(self.devices[0]):
+            return self.eval_fn(tf.constant(x)).numpy()
+
+    def run_gathered(self, fn: Callable, *arrays: np.ndarray):
+        """fn(*shards) in every replica; each output concatenated over the replicas in replica order."""
+        per = self.strategy.run(fn, args=self.distribute(*arrays))
+        return tf.nest.map_structure(lambda v: tf.concat(self.strategy.experimental_local_results(v), 0), per)
+
+    def run_reduced(self, fn: Callable, *arrays: np.ndarray):
+        """fn(*shards) in every replica; the outputs SUM-reduced over the replicas."""
+        per = self.strategy.run(fn, args=self.distribute(*arrays))
+        return tf.nest.map_structure(lambda v: self.strategy.reduce("SUM", v, axis=None), per)
+
+    def _replica_state(self, model) -> tuple[list, list]:
+        """In a replica: this replica's components of the model's variables, as tensors."""
+        return ([tf.identity(v.value) for v in model.trainable_variables],
+                [tf.identity(v.value) for v in model.non_trainable_variables])
+
+    def forward(self, recorder, x: np.ndarray) -> list:
+        """Every recorded layer output in training mode (stateless_call), each replica on its shard,
+        concatenated in replica order."""
+        def replica(xs):
+            tv, ntv = self._replica_state(recorder)
+            outs, _ = recorder.stateless_call(tv, ntv, xs, training=True)
+            return list(outs)
+        with self.strategy.scope():
+            return self.run_gathered(replica, x)
+
+    def gradients(self, net, x: np.ndarray, y: np.ndarray):
+        """(global mean loss, the gradient the optimizer applies): each replica's scaled loss differentiated
+        on its shard, SUM over the replicas (as train_step and the optimizer's all-reduce)."""
+        n = self.replicas
+
+        def replica(xs, ys):
+            tv, ntv = self._replica_state(net)
+            with tf.GradientTape() as tape:
+                tape.watch(tv)
+                logits, _ = net.stateless_call(tv, ntv, xs, training=True)
+                loss = net.data_loss(ys, logits)
+                objective = loss if net.sum_replicas else loss * tf.cast(1.0 / n, loss.dtype)
+            grads = tape.gradient(objective, tv)
+            return loss * tf.cast(1.0 / n, loss.dtype), [tf.zeros_like(v) if g is None else g
+                                                        for g, v in zip(grads, tv)]
+        with self.strategy.scope():
+            return self.run_reduced(replica, x, y)
+
+    def info(self, fault: str | None, has_bn: bool) -> dict[str, Any]:
+        return {
+            "strategy": "MirroredStrategy", "replicas": self.replicas, "devices": self.devices,
+            "devices_per_process": self.replicas, "processes": 1, "hosts": 1, "device_kind": self.kind,
+            "sync_bn": self.sync_bn,
+            "cross_device_ops": type(self.strategy.extended._cross_device_ops).__name__
+            if getattr(self.strategy.extended, "_cross_device_ops", None) else "default",
+            "sharding": "contiguous B/N shards (base.shard_bounds) by experimental_distribute_values_from_function"
+                        + (" (fault overlapping_shards: every replica takes [0, B/N))"
+                           if fault == "overlapping_shards" else ""),
+            "step": "the model's train_function (Keras make_train_function: tf.function of strategy.run(train_step), "
+                    "outputs averaged over replicas)",
+            "loss_scaling": ("none (fault grad_sum_replicas): each replica's mean loss, SUM all-reduce: N x the "
+                             "gradient" if fault == "grad_sum_replicas" else
+                             "each replica's mean loss x 1/N (keras scale_loss_for_distribution), SUM all-reduce "
+                             "in the Keras TF optimizer"),
+            "batchnorm": ("n/a (no BatchNorm)" if not has_bn else
+                          "BatchNormalization(synchronized=True): global-batch statistics" if self.sync_bn else
+                          "per replica; moving statistics per replica, replica 0's exported and evaluated"),
+        }
+
+
+def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
+    return Parallel(replicas, hosts, sync_bn, fault, extra) if replicas > 1 else None
 
 
 def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:

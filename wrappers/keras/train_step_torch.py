@@ -28,6 +28,32 @@ def train_step(self, data):
         return self.step_logs(loss.detach(), logits.detach(), y, grad_norm, before, after)
 
 
+class Stepper:
+    """train_on_batch, the Keras variables being the state: the learning rate and the harness's dropout
+    masks are assigned to their variables first (an assign: no retrace)."""
+
+    def __init__(self, net, optimizer, distribution=None) -> None:
+        self.net = net
+
+    def step(self, x, y, values):
+        for var, val in values:
+            var.assign(val)
+        return self.net.train_on_batch(x, y, return_dict=True)
+
+    def sync(self) -> None:
+        """Nothing to do: the variables are the state."""
+
+
+def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
+    """Keras 3 has no data parallelism on its torch backend: refused loudly."""
+    if replicas > 1 or hosts > 1:
+        from ..base import UnsupportedError
+        raise UnsupportedError(f"keras-torch: Keras has no data parallelism on the torch backend (--devices {replicas}"
+                               f"{f', --hosts {hosts}' if hosts > 1 else ''}): keras.distribution is JAX-only and "
+                               "tf.distribute is TensorFlow's; use keras-jax or keras-tensorflow, or torch for DDP")
+    return None
+
+
 def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:
     """fn(values) -> (loss, aux); returns (loss, aux, d loss / d values), no state change."""
     values = [v.detach().clone().requires_grad_(True) for v in values]
