@@ -95,10 +95,13 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
          reference: str = "torch", k: int = 3) -> Plan:
     p = Plan()
     seen: set[str] = set()
+    default_eval_every = Scenario().hparams(steps).eval_every
 
     def add(cfg: RunConfig, role: str, expect: dict[str, Any] | None = None) -> None:
         from algorithms.spec import load_model
         name = cfg.default_name(load_model(cfg.model).name)
+        if cfg.hparams.eval_every != default_eval_every:   # the run name does not carry eval_every
+            name += f"__eval{cfg.hparams.eval_every}"
         if name in seen:
             return
         seen.add(name)
