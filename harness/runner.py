@@ -201,6 +201,9 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     """Run one job; returns the published folder. Raises BadInput or BackendFailed."""
     out_root = Path(out_root)
     check_backend(cfg.backend)
+    refusal = backend_info()[cfg.backend].get("no_data_parallel")
+    if refusal and cfg.devices > 1:    # refused here, without starting a process (the wrapper refuses too)
+        raise BackendFailed(f"{cfg.backend}: {refusal} (--devices {cfg.devices})", None, unsupported=True)
     prep = prepared or prepare(cfg, out_root)
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name

@@ -93,7 +93,8 @@ def main(argv: list[str]) -> int:
         return 2
     if argv[0] == "info":
         print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires), "versions": e.versions(),
-                                 "sources": e.sources(), "description": e.description}
+                                 "sources": e.sources(), "description": e.description,
+                                 "no_data_parallel": e.no_data_parallel}
                           for name, e in REGISTRY.items()}))
         return 0
     job = json.loads(Path(argv[1]).read_text())

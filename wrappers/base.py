@@ -29,6 +29,9 @@ class Entry:
     module: ClassVar[str] = ""                    # module holding the Backend subclass
     env: ClassVar[dict[str, str]] = {}            # set before the framework is imported
     description: ClassVar[str] = ""
+    # why this configuration has no data parallelism ("" = it has): lets the harness refuse --devices N
+    # without starting a process and importing a framework only to hear the same refusal
+    no_data_parallel: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

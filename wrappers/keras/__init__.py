@@ -39,3 +39,5 @@ class KerasTorchEntry(_KerasEntry):
     requires = ("keras", "torch")
     env = {"KERAS_BACKEND": "torch"}
     description = "Keras 3 on its torch backend"
+    no_data_parallel = ("Keras has no data parallelism on the torch backend: keras.distribution is JAX-only and "
+                        "tf.distribute is TensorFlow's; use keras-jax or keras-tensorflow, or torch for DDP")
