@@ -1,6 +1,8 @@
 """Declared semantic differences: the one list of places where a framework cannot be configured to
 compute the reference mathematics. A wrapper that hits one records its id in the run manifest;
-the verdict engine then calls the difference DECLARED (naming it) instead of DRIFT or BUG.
+the verdict engine then calls the difference DECLARED (naming it) instead of DRIFT or BUG: verified,
+where `emulated_by` names a fault that makes the reference compute the declared formula (the candidate
+must then agree with that reference on every step-0 probe); by its `probe_keys` alone otherwise.
 
 The reference mathematics are those of `algorithms.optim.reference_update` and the canonical
 layer definitions in `algorithms.spec` (PyTorch's conventions where a choice had to be made).
@@ -18,6 +20,10 @@ class Difference:
     when: str            # the condition under which it applies
     shows_in: str        # which probes/series it moves
     probe_keys: str = ".*"   # regex of the step-0 probe keys it may move (harness.probes key names)
+    # the fault (algorithms/faults.py) that makes the reference backend compute the declared formula: the
+    # verdict engine then verifies the difference (reference with the fault vs candidate) instead of
+    # trusting `probe_keys`; None: no emulation, the pattern rule alone applies (said so, unverified)
+    emulated_by: str | None = None
 
 
 DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
@@ -28,14 +34,14 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         " equal to the reference with eps_eff = eps / sqrt(1-b2^t) (about 31.6 x eps at t=1)",
         "optimizer adam or adamw on keras-* (the native tensorflow backend feeds ResourceApplyAdam eps * sqrt(1-b2^t) and so computes the reference)",
         "update, update_norm, and every series after step 0",
-        r"^(update\d+|opt\d+|buffer[1-9]\d*)/"),
+        r"^(update\d+|opt\d+|buffer[1-9]\d*)/", emulated_by="adam_eps_hat"),
     Difference(
         "keras_momentum_velocity",
         "Keras SGD momentum keeps lr inside the velocity",
         "v = mu*v - lr_t*g; p += v  vs reference  b = mu*b + g; p -= lr_t*b; equal only for a constant lr",
         "optimizer momentum or nesterov with a non-constant schedule on keras-*",
         "update_norm and every series from the first lr change",
-        r"^(update[1-9]\d*|opt[1-9]\d*|buffer[2-9]\d*)/"),
+        r"^(update[1-9]\d*|opt[1-9]\d*|buffer[2-9]\d*)/", emulated_by="keras_momentum_schedule"),
     Difference(
         "keras_torch_avgpool_same",
         "Keras on the torch backend pads 'same' average pooling by replication",

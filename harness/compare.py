@@ -138,11 +138,24 @@ def declared_of(*runs: Run) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _why_unverified(i: str, chk: dict[str, Any]) -> str:
+    from algorithms.differences import DIFFERENCES
+    c = DIFFERENCES.get(i)
+    if c is None or c.emulated_by is None:
+        return "no emulation of this difference"
+    if i in (chk.get("differences") or []) and chk.get("skipped"):
+        return chk["skipped"]
+    return f"its emulation (fault {c.emulated_by}) was not run on these probes"
+
+
 def resolve(p: Pair, localized: bool) -> None:
     """Turn an excess into BUG, DECLARED or INCONCLUSIVE, using the localization when there is one.
 
-    DECLARED: every disagreeing probe key matches the `probe_keys` of a difference declared in either
-    manifest (no probe evidence at all: DECLARED, said to be unverified); a different batch is never
+    DECLARED: verified where the localization could emulate the difference (`declared_check`: the
+    reference computing the declared formula agrees with the candidate on every step-0 probe; some
+    probe still disagreeing with it is a BUG, localized from that comparison); otherwise every
+    disagreeing probe key matches the `probe_keys` of a difference declared in either manifest, said
+    to be unverified (no emulation, or no probe disagreement at all); a different batch is never
     explained. INCONCLUSIVE: the excess starts after step 0, is finite, and neither the step-0 probes
     nor the replay of the divergent step from the reference's own state reproduce it: this is what a
     bifurcation of the trajectory looks like (Adam runs whose 1-ULP perturbations take another branch
@@ -162,14 +175,29 @@ def resolve(p: Pair, localized: bool) -> None:
             p.notes.append(f"excess attributed to declared difference(s) {', '.join(decl)} "
                            "(not verified: no probe disagreement to check it against)")
             return
-        pats = {i: re.compile(d.get("probe_keys") or ".*") for i, d in decl.items()}
+        chk = loc.get("declared_check") or {}
+        x = chk.get("emulated") if chk.get("verified") else None
+        how = f"the reference with the declared formula (fault {chk.get('fault')})"
+        if x is not None and chk.get("agree"):
+            p.verdict, p.declared = DECLARED, [x]
+            p.notes.append(f"{x} verified: {how} agrees with the candidate on every probe")
+            return
+        # the pattern rule, for the keys left (all of them, or those the verified emulation does not explain)
+        pats = {i: re.compile(d.get("probe_keys") or ".*") for i, d in decl.items() if i != x}
         unexplained = [k for k in keys if not any(pat.search(k) for pat in pats.values())]
         if not unexplained:
             used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
-            p.verdict, p.declared = DECLARED, used
-            p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(used)} may move")
+            p.verdict, p.declared = DECLARED, ([x] if x else []) + used
+            unver = "; ".join(f"{i} not verified ({_why_unverified(i, chk)})" for i in used)
+            p.notes.append((f"{x} verified against {how}; the probes still disagreeing with it are ones that "
+                            if x else "every disagreeing probe is one that ")
+                           + f"declared difference(s) {', '.join(used)} may move ({unver})")
             return
-        p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe {unexplained[0]}")
+        if x is not None:
+            p.notes.append(f"declared difference {x} does not explain probe {chk.get('unexplained') or unexplained[0]} "
+                           f"(checked against the reference with {x}'s formula, fault {chk.get('fault')})")
+        else:
+            p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe {unexplained[0]}")
     if not localized:
         p.notes.append("not localized (--no-localize): the excess alone makes this a BUG")
         return

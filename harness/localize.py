@@ -16,17 +16,26 @@ In this order, the first that finds a disagreement answers:
                those states (`replay` job mode of wrappers/worker.py).
 A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
 combination across replicas (stage reduction), or in how replicas split the batch (data).
+
+Declared differences are verified, not trusted: when the step-0 disagreement touches probes that a
+difference declared by the candidate may move, and that difference has an emulation (`emulated_by`: a
+fault that makes the reference backend compute the declared formula), the reference is probed again
+with that fault and the candidate compared against it with the same tolerance rule (`declared_check`
+in the result). Every probe agrees: the difference explains the disagreement. Some still disagree:
+they are localized from that comparison, and the difference does not explain them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from algorithms.differences import DIFFERENCES
 from algorithms.params import load_npz
 
 from . import probes, runner
@@ -198,15 +207,15 @@ class Localizer:
         f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
         return load_npz(f / "probe-0.npz")
 
-    def probe64(self, ref: Run, cand: Run) -> dict[str, np.ndarray] | None:
-        """The reference configuration probed in float64, for the tolerance of probes computed by two
-        different code paths. None when the candidate runs the reference's own code path (same backend
+    def probe64(self, ref: Run, cand: Run, **change: Any) -> dict[str, np.ndarray] | None:
+        """The reference configuration (with `change`) probed in float64, for the tolerance of probes computed
+        by two different code paths. None when the candidate runs the reference's own code path (same backend
         and options: its correct probes are bitwise equal), when the reference is float64 already, or
         when the backend cannot run float64."""
         if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
             return None
         try:
-            return self.probe0(ref, dtype="float64")
+            return self.probe0(ref, dtype="float64", **change)
         except runner.BackendFailed as e:
             self.log(f"localize: no float64 reference probe ({str(e).splitlines()[0]}); fixed tolerance")
             return None
@@ -270,10 +279,16 @@ class Localizer:
             return {"stage": "data", "method": "batch checksum", "step": t, "layer": None, "parameter": None,
                     "probe": None, "summary": f"data: batch of step {t}", "lines": [line], "disagreeing_keys": []}
         # (b) step-0 probes of both configurations
-        res = analyse(self.probe0(cand), self.probe0(ref), layers, ref64=self.probe64(ref, cand))
+        cand0 = self.probe0(cand)
+        res = analyse(cand0, self.probe0(ref), layers, ref64=self.probe64(ref, cand))
         method = "step-0 probes"
         if res["stage"] is not None:
             res = self._reduction(ref, cand, res, layers)
+        if res["stage"] is not None:
+            res = self._verify_declared(ref, cand, cand0, res, layers)
+            chk = res.get("declared_check") or {}
+            if chk.get("verified") and not chk.get("agree"):
+                method = f"step-0 probes against the reference with the declared formula (fault {chk['fault']})"
         if res["stage"] is None:
             train_div = [c.diverged_step for s, c in pair.checks.items()
                          if s not in EVAL_SERIES and c.diverged_step is not None]
@@ -311,6 +326,14 @@ class Localizer:
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
+        chk = res.get("declared_check") or {}
+        if chk.get("verified") and not chk["agree"]:   # (the verified agreement is the verdict's note)
+            x, f = chk["emulated"], chk["fault"]
+            lines.append(f"declared difference {x} checked against the reference with its formula (fault {f}): "
+                         f"{len(chk['before']['disagreeing_keys'])} probes disagreed with the plain reference, "
+                         f"{len(res['disagreeing_keys'])} still disagree with it")
+        elif chk.get("skipped"):
+            lines.append(f"declared difference(s) {', '.join(chk['differences'])}: not verified ({chk['skipped']})")
         rep = res.get("replay") or {}
         if rep.get("reproduced"):
             r = rep["reproduced"]
@@ -319,6 +342,61 @@ class Localizer:
                                                                  f"to within {r['max_abs_diff']:.3g} (NOT bitwise)"))
         res.update(method=method if res["stage"] else None, summary=summary, lines=lines)
         return res
+
+    def _verify_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
+                         layers: list[str]) -> dict[str, Any]:
+        """Check the declared differences that may explain the step-0 disagreement against the reference
+        computing their formula (the fault of `emulated_by`). Adds `declared_check` to the result:
+        differences (those whose probe_keys match a disagreeing key), emulated (the one verified) and fault,
+        verified, agree, unexplained (the first probe the emulation leaves disagreeing), before (stage, probe
+        and disagreeing keys against the plain reference), or skipped (why nothing was verified). When some
+        probes still disagree with the emulated reference, the result is the analysis against it."""
+        keys = res.get("disagreeing_keys") or []
+        if not keys or res.get("stage") in ("data", "reduction"):
+            return res
+        decl: dict[str, tuple[dict[str, Any], bool]] = {}
+        for r in (ref, cand):
+            for d in r.declared:
+                decl.setdefault(d["id"], (d, r is ref))
+        catalogue = lambda i: DIFFERENCES.get(i)
+        def pattern(i: str) -> str:
+            d = decl[i][0]
+            return d.get("probe_keys") or (catalogue(i).probe_keys if catalogue(i) else ".*")
+        def emulation(i: str) -> str | None:
+            c = catalogue(i)
+            return c.emulated_by if c is not None else decl[i][0].get("emulated_by")
+        matching = [i for i in sorted(decl) if any(re.search(pattern(i), k) for k in keys)]
+        if not matching:
+            return res
+        chk: dict[str, Any] = {"differences": matching, "emulated": None, "fault": None, "verified": False}
+        emul = [i for i in matching if emulation(i)]
+        by_ref = [i for i in emul if decl[i][1]]
+        emul = [i for i in emul if not decl[i][1]]
+        if not emul:
+            chk["skipped"] = ("declared by the reference run itself: its emulation exists for the reference side only"
+                              if by_ref else "no emulation of this difference")
+        elif len({emulation(i) for i in emul}) > 1:
+            chk["skipped"] = ("two emulations would be needed at once (" + ", ".join(
+                f"{i}: fault {emulation(i)}" for i in emul) + "): the probe-key pattern rule decides")
+        elif ref.fault is not None:
+            chk["skipped"] = f"the reference carries fault {ref.fault}: it cannot also emulate the difference"
+        else:
+            x, fault = emul[0], emulation(emul[0])
+            try:
+                emu = self.probe0(ref, fault=fault)
+                emu64 = self.probe64(ref, cand, fault=fault)
+            except runner.BackendFailed as e:
+                chk["skipped"] = f"the reference backend cannot run fault {fault}: {str(e).splitlines()[0]}"
+            else:
+                r2 = analyse(cand0, emu, layers, ref64=emu64)
+                agree = not r2["disagreeing_keys"] and r2["stage"] is None
+                chk.update(emulated=x, fault=fault, verified=True, agree=agree,
+                           before={"stage": res["stage"], "probe": res["probe"], "disagreeing_keys": keys})
+                if agree:   # the original localization stays: where the declared difference shows
+                    return dict(res, declared_check=chk)
+                chk["unexplained"] = r2["probe"] or r2["disagreeing_keys"][0]
+                return dict(r2, declared_check=chk)
+        return dict(res, declared_check=chk)
 
     def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str]) -> dict[str, Any]:
         """A candidate on several replicas that agrees with the reference once run on one."""
