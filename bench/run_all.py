@@ -1,6 +1,6 @@
 """Run every benchmark of bench/ and collect their Markdown into bench/results/SUMMARY.md.
 
-    python bench/run_all.py [--quick] [--only bench_step agreement ...]
+    python bench/run_all.py [--quick] [--only bench_step agreement bench_make_all ...]
 
 Each benchmark runs in its own process (`make bench` runs this). A benchmark that is absent is
 listed as absent; one that fails is listed with the tail of its error output, and the others
@@ -27,6 +27,9 @@ BENCHMARKS = [
     ("bench_step", "harness step time against hand-written loops"),
     ("bench_compare", "comparison benchmark"),
     ("agreement", "300-step loss agreement with torch vs the 1-ULP envelope"),
+    ("bench_make_all", "`make all` cold / nothing changed / one wrapper touched, in a fresh clone"),
+    ("bench_dp", "data-parallel step time, dp=2 and dp=4 as ratios to dp=1"),
+    ("dp_agreement", "300-step loss agreement of dp=2, 4 with dp=1 vs the 1-ULP envelope"),
 ]
 
 
