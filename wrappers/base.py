@@ -22,6 +22,25 @@ REGISTRY: dict[str, type["Entry"]] = {}
 DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly")}
 
 
+def jax_platform_env(opts: dict[str, Any]) -> dict[str, str]:
+    """JAX's platform and XLA flags, set before jax is imported (jax and keras-jax).
+
+    CPU unless a JAX GPU plugin is installed (or `extra.platform` says otherwise): on CPU, N data-parallel
+    devices are forced host devices; on GPU the visible GPUs are used with XLA's deterministic GPU ops."""
+    import importlib.util
+    extra = opts.get("extra", {}) or {}
+    gpu_plugin = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+    platform = extra.get("platform") or ("gpu" if gpu_plugin else "cpu")
+    flags = []
+    if platform == "cpu":
+        if opts.get("threads", 1) == 1:
+            flags.append("--xla_cpu_multi_thread_eigen=false")
+        flags.append(f"--xla_force_host_platform_device_count={int(opts.get('local_devices', opts.get('devices', 1)))}")
+    elif opts.get("deterministic", True):
+        flags.append("--xla_gpu_deterministic_ops=true")
+    return {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": platform}
+
+
 class Entry:
     """One backend configuration as the harness sees it: a name, what it needs, how to load it."""
     name: ClassVar[str] = ""

@@ -8,7 +8,7 @@ with N/H local devices, joined by jax.distributed.initialize (coordinator on pro
 import sys
 from typing import Any
 
-from ..base import Entry
+from ..base import Entry, jax_platform_env
 
 
 def _dp(job: dict[str, Any]) -> tuple[int, int]:
@@ -27,9 +27,7 @@ class JaxEntry(Entry):
         opts = job.get("options", {})
         devices, hosts = _dp(job)
         local = devices // hosts if hosts > 1 and devices % hosts == 0 else devices   # per process
-        flags = ["--xla_cpu_multi_thread_eigen=false" if opts.get("threads", 1) == 1 else "",
-                 f"--xla_force_host_platform_device_count={local}"]
-        env = {"XLA_FLAGS": " ".join(f for f in flags if f), "JAX_PLATFORMS": opts.get("extra", {}).get("platform", "cpu")}
+        env = jax_platform_env({**opts, "local_devices": local})
         if opts.get("dtype") == "float64":
             env["JAX_ENABLE_X64"] = "1"
         return env

@@ -1,5 +1,5 @@
 """Keras 3: the spec as a functional keras.Model subclass of Keras layers, keras.optimizers; one entry per Keras backend."""
-from ..base import Entry
+from ..base import Entry, jax_platform_env
 
 
 class _KerasEntry(Entry):
@@ -27,11 +27,7 @@ class KerasJaxEntry(_KerasEntry):
 
     @classmethod
     def job_env(cls, job):
-        opts = job.get("options", {})
-        flags = [f"--xla_force_host_platform_device_count={opts.get('devices', 1)}"]
-        if opts.get("threads", 1) == 1:
-            flags.insert(0, "--xla_cpu_multi_thread_eigen=false")
-        return {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+        return jax_platform_env(job.get("options", {}))
 
 
 class KerasTorchEntry(_KerasEntry):
