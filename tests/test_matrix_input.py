@@ -73,7 +73,10 @@ def test_commands_exit_2_and_run_nothing(command, case, tmp_path):
 def test_ci_matrix_is_valid():
     from harness.matrix import expand, load_matrix
     m = load_matrix("ci")
-    assert m.name == "ci" and m.steps <= 50 and len(expand(m)) <= 8
+    # small enough for CI (one run per backend configuration, 30 steps), and covering all six
+    assert m.name == "ci" and m.steps <= 50 and len(expand(m)) <= 12
+    from harness.runner import backend_info
+    assert sorted(m.backends) == sorted(backend_info())
 
 
 def test_missing_baselines_are_bad_input(tmp_path):
