@@ -192,6 +192,10 @@ def test_update_rewrites_and_prints_what_changed(saved, tmp_path):
     row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {TORCH} "))
     assert "**FAIL**" in row and "bitwise: step 3 loss" in row
     assert "inside the envelope (DRIFT" in r.stdout and "a change of rounding" in r.stdout
+    r = duipai(*args(saved, "--reuse", "--allow-drift", baselines=bl))   # reported, not failed
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {TORCH} "))
+    assert "**PASS**" in row and "drift allowed (--allow-drift): bitwise: step 3 loss" in row, row
     r = duipai(*args(saved, "--reuse", "--update", baselines=bl))
     assert r.returncode == 0, r.stderr
     assert f"changed  {TORCH}: loss max|diff|" in r.stdout and "(1/12 points)" in r.stdout
