@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -46,11 +45,13 @@ import pandas as pd
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import load_model  # noqa: E402
 from harness import runner  # noqa: E402
 from harness.matrix import run_key, up_to_date  # noqa: E402
 from harness.runner import BackendFailed, BadInput, RunConfig  # noqa: E402
+from bench_dp import git_state, loadavg, uptime  # noqa: E402  (one copy of the run-context helpers)
 
 RESULTS = HERE / "results"
 DP_BACKENDS = ["torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow"]
@@ -58,32 +59,6 @@ CLEAN_MODELS = ["cnn2d_2conv_2fc", "cnn2d_3conv_3fc"]
 BN_MODEL = "cnn2d_hard"
 TARGET = 3.0
 EARLY = 10        # steps 0..EARLY: before chaotic growth, where a declared difference stands out
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def git_state() -> dict:
-    """The commit and the wrapper / harness files changed in the working tree (numbers are of those files)."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.rstrip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    dirty = [l[3:] for l in git("status", "--porcelain", "--untracked-files=no", "--", "wrappers", "algorithms",
-                                 "harness").splitlines()]
-    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "dirty": dirty}
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 class Runs:

@@ -322,24 +322,19 @@ def _corrupt(path: Path, why: str) -> BaselineError:
                          "(or restore it from git)")
 
 
-def load_baseline(path: str | Path) -> Baseline:
-    """A validated baseline file, or BaselineError naming the file and the problem."""
-    p = Path(path)
+def _load_checked(p: Path, kind: str, missing: str) -> dict[str, Any]:
+    """A self-checking duipai JSON document (tool, schema, sha256 of its content), or BaselineError
+    naming the file and what is wrong with it. Shared by baseline files and the set's index."""
     if not p.is_file():
-        raise BaselineError(f"{p}: missing baseline file (restore it from git, or regenerate the set with "
-                            "`duipai check --update`)")
+        raise BaselineError(f"{p}: {missing}")
     try:
-        text = p.read_text()
+        doc = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise _corrupt(p, f"unreadable ({e})") from None
-    try:
-        doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise _corrupt(p, f"not valid JSON ({e}; truncated?)") from None
-    if not isinstance(doc, dict):
-        raise _corrupt(p, "not a JSON object")
-    if doc.get("tool") != TOOL or "sha256" not in doc:
-        raise _corrupt(p, "not a duipai baseline file (no 'tool'/'sha256')")
+    if not isinstance(doc, dict) or doc.get("tool") != TOOL or "sha256" not in doc:
+        raise _corrupt(p, f"not a duipai {kind} (no 'tool'/'sha256')")
     if doc.get("schema") != SCHEMA:
         raise BaselineError(f"{p}: baseline schema {doc.get('schema')!r}, this duipai reads {SCHEMA}; "
                             "regenerate it with `duipai check --update`")
@@ -349,6 +344,14 @@ def load_baseline(path: str | Path) -> Baseline:
         raise _corrupt(p, f"unencodable content ({e})") from None
     if not ok:
         raise _corrupt(p, "its content does not match its sha256 (edited or damaged)")
+    return doc
+
+
+def load_baseline(path: str | Path) -> Baseline:
+    """A validated baseline file, or BaselineError naming the file and the problem."""
+    p = Path(path)
+    doc = _load_checked(p, "baseline file", "missing baseline file (restore it from git, or regenerate the set "
+                                            "with `duipai check --update`)")
     try:
         for k in ("run", "manifest", "fingerprint", "steps", "eval"):
             if k not in doc:
@@ -535,23 +538,8 @@ def set_folder(root: Path, matrix_name: str) -> Path:
 
 def load_index(folder: Path) -> dict[str, Any]:
     p = folder / INDEX
-    if not p.is_file():
-        raise BaselineError(f"{p}: missing: no baselines for this matrix in {folder} (create them with "
-                            f"`duipai baseline save --matrix {folder.name}`)")
-    try:
-        idx = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-        raise _corrupt(p, f"not valid JSON ({e}; truncated?)") from None
-    if not isinstance(idx, dict) or idx.get("tool") != TOOL or "sha256" not in idx:
-        raise _corrupt(p, "not a duipai baseline index")
-    if idx.get("schema") != SCHEMA:
-        raise BaselineError(f"{p}: baseline schema {idx.get('schema')!r}, this duipai reads {SCHEMA}")
-    try:
-        ok = digest(idx) == idx["sha256"]
-    except (TypeError, ValueError) as e:
-        raise _corrupt(p, f"unencodable content ({e})") from None
-    if not ok:
-        raise _corrupt(p, "its content does not match its sha256 (edited or damaged)")
+    idx = _load_checked(p, "baseline index", f"missing: no baselines for this matrix in {folder} (create them "
+                                             f"with `duipai baseline save --matrix {folder.name}`)")
     if not isinstance(idx.get("runs"), list) or not all(isinstance(r, dict) and "name" in r and "file" in r
                                                         for r in idx["runs"]):
         raise _corrupt(p, "'runs' must list {name, file}")

@@ -42,28 +42,19 @@ def _batch(configs: list[dict], out_root: str) -> dict:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(4)])
     from algorithms.optim import HParams
-    from algorithms.params import load_npz
     from harness.runner import RunConfig, prepare
     from wrappers.base import RunOptions
     from wrappers.tensorflow.backend import TensorflowBackend
-    from wrappers.worker import masks_for
+    from tests.dp_runs import train_in_process
     out = {}
     for c in configs:
         hp = HParams(steps=c.get("steps", STEPS))
         cfg = RunConfig(model=c["model"], backend="tensorflow", hparams=hp, devices=c.get("devices", 1),
                         fault=c.get("fault"), perturb_ulp=c.get("ulp"), extra=c.get("extra", {}))
         prep = prepare(cfg, Path(out_root))
-        arrays = load_npz(prep.dataset_path)
-        x_tr, y_tr = arrays["x_train"], arrays["y_train"]
         b = TensorflowBackend(prep.model, hp, RunOptions(devices=cfg.devices, fault=cfg.fault, extra=cfg.extra))
         b.name = "tensorflow"
-        b.load_params(prep.params)
-        rows = []
-        for step in range(hp.steps):
-            idx = prep.order[step]
-            st = b.train_step(step, x_tr[idx], y_tr[idx], masks_for(prep.model, hp.seed, step, hp.batch_size, "harness"))
-            rows.append([st.loss, st.grad_norm] + (st.replica_losses or []))
-        final = b.export_params()       # the parallel backend checks its replicas hold the same weights
+        rows, final = train_in_process(b, prep, hp)   # the parallel backend's export checks its replicas agree
         out[c["key"]] = {"rows": rows, "declared": b.declared_differences(), "traces": b.traces["train"],
                          "parallel": b.parallel_info(), "backend_class": type(b).__name__,
                          "final_finite": bool(all(np.isfinite(v).all() for v in final.values()))}

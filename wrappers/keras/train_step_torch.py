@@ -48,9 +48,9 @@ def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, e
     """Keras 3 has no data parallelism on its torch backend: refused loudly."""
     if replicas > 1 or hosts > 1:
         from ..base import UnsupportedError
-        raise UnsupportedError(f"keras-torch: Keras has no data parallelism on the torch backend (--devices {replicas}"
-                               f"{f', --hosts {hosts}' if hosts > 1 else ''}): keras.distribution is JAX-only and "
-                               "tf.distribute is TensorFlow's; use keras-jax or keras-tensorflow, or torch for DDP")
+        from . import KerasTorchEntry      # the one wording, which the harness also reads before starting us
+        raise UnsupportedError(f"keras-torch: {KerasTorchEntry.no_data_parallel} (--devices {replicas}"
+                               f"{f', --hosts {hosts}' if hosts > 1 else ''})")
     return None
 
 
