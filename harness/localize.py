@@ -9,8 +9,11 @@ In this order, the first that finds a disagreement answers:
                the first layer whose input agrees but whose output does not (layers in the spec's
                order), CRADLE's change rate R = (d_l - d_prev) / (d_prev + 1e-7) is given for every
                layer; the first gradient that disagrees, in backward order (last layer first);
+               the inference-mode forward of the same state is compared last, layer by layer (stage eval:
+               the evaluation path itself, e.g. dropout left on; running statistics are the training
+               step's, seen in the buffers);
   (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
-               on, while every training series stays inside;
+               on, while every training series stays inside and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
                d-1 and d and saves its state there; both backends probe those steps from exactly
                those states (`replay` job mode of wrappers/worker.py).
@@ -22,7 +25,10 @@ difference declared by the candidate may move, and that difference has an emulat
 fault that makes the reference backend compute the declared formula), the reference is probed again
 with that fault and the candidate compared against it with the same tolerance rule (`declared_check`
 in the result). Every probe agrees: the difference explains the disagreement. Some still disagree:
-they are localized from that comparison, and the difference does not explain them.
+they are localized from that comparison, and the difference does not explain them. A declared
+difference that cannot be verified explains at most the probes its `probe_keys` name: those are set
+aside and the disagreement is localized on the probes left (`set_aside` in the result), so a bug in
+the evaluation path is not hidden behind a declared running-statistics difference.
 """
 from __future__ import annotations
 
@@ -60,6 +66,22 @@ def _param_order(keys: list[str], prefix: str, layers: list[str], backward: bool
     return sorted(ks, key=lambda k: (rank.get(_param_layer(k[len(prefix):]), len(rank)), ks.index(k)))
 
 
+def _layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[str]) -> list[dict[str, Any]]:
+    """Per layer in the spec's order: the error of `prefix<layer>`, whether it and its input agree, and
+    CRADLE's change rate R."""
+    table, prev = [], 0.0
+    for name in layers:
+        d = diffs.get(f"{prefix}{name}")
+        if d is None:
+            continue
+        rel = d.rel
+        r = (rel - prev) / (prev + R_EPS)
+        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r,
+                      "input_ok": not table or table[-1]["ok"]})
+        prev = rel
+    return table
+
+
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
             rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
@@ -70,16 +92,7 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
     # forward, layer by layer, in the spec's order
-    table, prev = [], 0.0
-    for name in layers:
-        d = diffs.get(f"forward/{name}")
-        if d is None:
-            continue
-        rel = d.rel
-        r = (rel - prev) / (prev + R_EPS)
-        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r,
-                      "input_ok": not table or table[-1]["ok"]})
-        prev = rel
+    table = _layer_table(diffs, "forward/", layers)
     out["layers"] = table
     if table and not all(t["ok"] for t in table):   # CRADLE's suspect, when there is something to suspect
         top = max(table, key=lambda t: t["R"] if np.isfinite(t["R"]) else np.inf)
@@ -127,6 +140,12 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
                 if not ups:
                     out["note"] = "optimizer state only"
                 break
+    evals = _layer_table(diffs, "eval/", layers)
+    if evals:
+        out["eval_layers"] = evals
+    bad_eval = next((t for t in evals if not t["ok"] and t["input_ok"]), None)
+    if out["stage"] is None and bad_eval is not None:   # training agrees; inference from the same state does not
+        out.update(stage="eval", layer=bad_eval["layer"], probe=f"eval/{bad_eval['layer']}", rel=bad_eval["rel"])
     if out["stage"] is None and missing:
         out.update(stage="probe-keys", probe=missing[0], note="a probe exists in one backend only")
     out["diffs"] = [d.to_dict() for d in diffs.values()]
@@ -149,17 +168,21 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
         s = f"backward, parameter {res['parameter']} (first gradient to disagree in backward order, rel {res['rel']:.3g})"
         if res.get("gradient_scale") is not None:
             s += f"; every gradient is the reference's x {res['gradient_scale']:.6g}"
+    elif st == "eval":
+        s = (f"evaluation path, layer {res['layer']} (training agrees; the first layer whose inference-mode "
+             f"output disagrees from the same state, rel {res['rel']:.3g})")
     elif st == "optimizer":
         s = (f"optimizer update, parameter {res['parameter']} ({res['probe']}, rel {res['rel']:.3g}; "
              f"gradients agree)")
     else:
         s = f"{st} ({res.get('probe')}" + (f"; {res['note']})" if res.get("note") else ")")
-    where = res.get("layer") if st == "forward" else (res.get("parameter") or res.get("layer"))
+    where = res.get("layer") if st in ("forward", "eval") else (res.get("parameter") or res.get("layer"))
     summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")
-    if res.get("layers"):
-        lines.append("  layer            rel. error   R (change rate)  agrees")
-        for t in res["layers"]:
+    table = res.get("eval_layers") if st == "eval" else res.get("layers")
+    if table:
+        lines.append("  layer            rel. error   R (change rate)  agrees" + ("   (inference mode)" if st == "eval" else ""))
+        for t in table:
             lines.append(f"  {t['layer']:<16} {t['rel']:10.3g}   {t['R']:14.4g}  {'yes' if t['ok'] else 'NO'}")
         if res.get("max_R_layer"):
             lines.append(f"  largest R: {res['max_R_layer']}")
@@ -286,6 +309,7 @@ class Localizer:
             res = self._reduction(ref, cand, res, layers)
         if res["stage"] is not None:
             res = self._verify_declared(ref, cand, cand0, res, layers)
+            res = self._set_aside_declared(ref, cand, cand0, res, layers)
             chk = res.get("declared_check") or {}
             if chk.get("verified") and not chk.get("agree"):
                 method = f"step-0 probes against the reference with the declared formula (fault {chk['fault']})"
@@ -326,6 +350,11 @@ class Localizer:
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
+        if res.get("set_aside"):
+            sa = res["set_aside"]
+            lines.append(f"set aside: {len(sa['keys'])} probes that declared difference(s) {', '.join(sa['differences'])} "
+                         f"may move ({', '.join(sa['keys'][:3])}{' ...' if len(sa['keys']) > 3 else ''}; not verified: "
+                         "no emulation); localized on the probes left")
         chk = res.get("declared_check") or {}
         if chk.get("verified") and not chk["agree"]:   # (the verified agreement is the verdict's note)
             x, f = chk["emulated"], chk["fault"]
@@ -397,6 +426,41 @@ class Localizer:
                 chk["unexplained"] = r2["probe"] or r2["disagreeing_keys"][0]
                 return dict(r2, declared_check=chk)
         return dict(res, declared_check=chk)
+
+    def _set_aside_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
+                            layers: list[str]) -> dict[str, Any]:
+        """Localize on the probes that no unverified declared difference may move, when there are some.
+
+        A difference that could not be verified (no emulation) is credited with at most the probes its
+        `probe_keys` name; a disagreement elsewhere is not its doing, and the first one of those is where
+        the bug shows (Keras' biased running variance moves the buffers; dropout left on at evaluation
+        moves eval/<dropout layer>, which the buffers' disagreement would otherwise be reported for)."""
+        keys = res.get("disagreeing_keys") or []
+        chk = res.get("declared_check") or {}
+        if not keys or res.get("stage") in ("data", "reduction") or (chk.get("verified") and chk.get("agree")):
+            return res
+        verified = chk.get("emulated") if chk.get("verified") else None
+        decl: dict[str, str] = {}
+        for r in (ref, cand):
+            for d in r.declared:
+                c = DIFFERENCES.get(d["id"])
+                decl.setdefault(d["id"], d.get("probe_keys") or (c.probe_keys if c else ".*"))
+        pats = {i: re.compile(p) for i, p in decl.items() if i != verified}
+        used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
+        aside = [k for k in keys if any(pats[i].search(k) for i in used)]
+        if not aside or len(aside) == len(keys):
+            return res
+        change = {"fault": chk["fault"]} if verified else {}
+        drop = set(aside)
+        r = analyse({k: v for k, v in cand0.items() if k not in drop},
+                    {k: v for k, v in self.probe0(ref, **change).items() if k not in drop},
+                    layers, ref64=self.probe64(ref, cand, **change))
+        if r["stage"] is None:
+            return res
+        r["set_aside"] = {"differences": used, "keys": aside}
+        if chk:
+            r["declared_check"] = chk
+        return r
 
     def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str]) -> dict[str, Any]:
         """A candidate on several replicas that agrees with the reference once run on one."""

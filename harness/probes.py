@@ -1,8 +1,8 @@
 """Step-0 probe comparison: forward per layer, gradient per parameter, update and optimizer state.
 
-Probes are .npz files written by a backend process (`forward/<layer>`, `grad/<param>`,
-`update<i>/<param>`, `buffer<i>/<param>`, `opt<i>/<state>/<param>`, `loss`), all in canonical
-layout. This module compares two of them; it knows no framework.
+Probes are .npz files written by a backend process (`forward/<layer>`, `eval/<layer>` (inference
+mode from the same state), `grad/<param>`, `update<i>/<param>`, `buffer<i>/<param>`,
+`opt<i>/<state>/<param>`, `loss`), all in canonical layout. This module compares two of them; it knows no framework.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import numpy as np
 REL_TOL = 1e-4
 ABS_FLOOR = 1e-6   # scale floor for tensors that are (nearly) all zero
 
-KIND_ORDER = {"forward": 0, "loss": 1, "grad": 2, "update": 3, "buffer": 4, "opt": 5}
+KIND_ORDER = {"forward": 0, "loss": 1, "grad": 2, "update": 3, "buffer": 4, "opt": 5, "eval": 6}
 
 
 @dataclass
 class ProbeDiff:
     key: str
-    kind: str          # forward | loss | grad | update | buffer | opt
+    kind: str          # forward | loss | grad | update | buffer | opt | eval
     step: int          # optimizer step index for update/buffer/opt; 0 otherwise
     max_abs: float
     scale: float

@@ -58,7 +58,7 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
     "data_shift_one_batch": Scenario(),
     "label_smoothing": Scenario(),
     "lr_schedule_off_by_one": Scenario(schedule="step"),
-    "dropout_in_eval": Scenario(model="cnn2d_hard", eval_every=5),
+    "dropout_in_eval": Scenario(model="cnn2d_hard", layer="drop1", eval_every=5),
     "missing_bias": Scenario(layer="conv1"),
     "maxpool_ceil": Scenario(model="cnn2d_hard", layer="pool3"),
     "grad_double": Scenario(optimizer="adam"),
@@ -221,13 +221,17 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | None = None, steps: int | None = None,
-                 jobs: int = 1, timeout: float = 900) -> int:
+                 faults: tuple[str, ...] | None = None, variants: tuple[str, ...] | None = None,
+                 jobs: int = 1, timeout: float = 900, argv: list[str] | None = None) -> int:
+    """Run the self-test; None for backends/faults/variants/steps means the full (or reduced) default."""
     t0 = time.time()
     import platform
     cfg = REDUCED if reduced else {"backends": FULL_BACKENDS, "steps": 300, "faults": tuple(FAULTS),
                                    "variants": tuple(DRIFT_VARIANTS)}
     backends = backends or cfg["backends"]
     steps = steps or cfg["steps"]
+    faults = cfg["faults"] if faults is None else faults
+    variants = cfg["variants"] if variants is None else variants
     installed = set(runner.installed_backends())
     missing = [b for b in backends if b not in installed]
     if missing:
@@ -235,7 +239,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     backends = tuple(b for b in backends if b in installed)
     name = "selftest-reduced" if reduced else "selftest"
     folder = Path(out_root) / name
-    pl = plan(backends, cfg["faults"], cfg["variants"], steps)
+    pl = plan(backends, faults, variants, steps)
     entries = M.run_entries(pl.entries, folder, Path(out_root), jobs, timeout=timeout)
     M.write_status(folder, type("S", (), {"name": name, "source": "duipai selftest"})(), entries)
     from .comparecmd import compare_folder
@@ -243,7 +247,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     rows = judge(pl, entries, folder)
     meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} cores)",
-            "steps": steps, "command": "duipai selftest" + (" --reduced" if reduced else ""),
+            "steps": steps, "command": " ".join(["duipai"] + (argv if argv is not None else sys.argv[1:])),
             "seconds": time.time() - t0}
     text = render(rows, meta)
     atomic_write_text(folder / "selftest.md", text)

@@ -86,6 +86,63 @@ def test_running_statistics_are_the_forward_stage_of_their_layer():
     assert res["stage"] == "forward" and res["layer"] == "bn1" and res["note"] == "running statistics"
 
 
+def test_eval_path_is_localized_when_training_agrees():
+    ref = probes()
+    ref.update({f"eval/{l}": v * 0.9 for l, v in ((l, ref[f"forward/{l}"]) for l in LAYERS)})
+    got = dict(ref)
+    for l in LAYERS[LAYERS.index("relu_3"):]:      # dropout left on after relu_3: what follows inherits it
+        got[f"eval/{l}"] = ref[f"eval/{l}"] * 0.5
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "eval" and res["layer"] == "relu_3" and res["probe"] == "eval/relu_3"
+    summary, lines = describe(res, "step-0 probes")
+    assert summary == "eval: relu_3" and any("inference mode" in l for l in lines)
+    got["forward/fc1"] = ref["forward/fc1"] + 1.0     # a training disagreement comes first
+    assert analyse(got, ref, LAYERS)["stage"] == "forward"
+
+
+class _StubLocalizer:
+    """Localizer._set_aside_declared with the reference's probe jobs replaced by arrays."""
+    def __init__(self, ref0):
+        from harness.localize import Localizer
+        self.ref0, self.calls = ref0, []
+        self.set_aside = Localizer._set_aside_declared.__get__(self)
+
+    def probe0(self, run, **change):
+        self.calls.append(change)
+        return self.ref0
+
+    def probe64(self, ref, cand, **change):
+        return None
+
+
+def _run(declared):
+    from types import SimpleNamespace
+    return SimpleNamespace(declared=declared)
+
+
+def test_unverified_declared_difference_is_set_aside_and_the_rest_localized():
+    from algorithms.differences import DIFFERENCES
+    layers = LAYERS + ["bn1"]
+    ref = probes()
+    ref["buffer0/bn1.running_var"] = np.ones(4)
+    ref.update({f"eval/{l}": ref[f"forward/{l}"] for l in layers if f"forward/{l}" in ref})
+    got = dict(ref, **{"buffer0/bn1.running_var": np.full(4, 0.9), "eval/fc2": ref["eval/fc2"] * 2})
+    res = analyse(got, ref, layers)
+    assert res["stage"] == "forward" and res["note"] == "running statistics"   # the declared buffer comes first
+    keras = _run([{"id": "running_var_biased", "probe_keys": DIFFERENCES["running_var_biased"].probe_keys}])
+    loc = _StubLocalizer(ref)
+    out = loc.set_aside(_run([]), keras, got, res, layers)
+    assert out["stage"] == "eval" and out["layer"] == "fc2" and out["disagreeing_keys"] == ["eval/fc2"]
+    assert out["set_aside"] == {"differences": ["running_var_biased"], "keys": ["buffer0/bn1.running_var"]}
+    assert loc.calls == [{}]               # the plain reference: nothing was verified
+    # every disagreement is one the declared difference may move: the result stays (the pattern rule decides)
+    only = dict(ref, **{"buffer0/bn1.running_var": np.full(4, 0.9)})
+    res = analyse(only, ref, layers)
+    assert loc.set_aside(_run([]), keras, only, res, layers) is res
+    # nothing declared: nothing set aside
+    assert loc.set_aside(_run([]), _run([]), got, analyse(got, ref, layers), layers)["stage"] == "forward"
+
+
 # --------------------------------------------------------------------------- the replay job mode, on torch runs
 @pytest.mark.slow
 def test_replay_probes_later_steps_from_the_reference_state(results_root):

@@ -29,6 +29,7 @@ def test_step0_probes_match_torch(backend, model, results_root):
     for case, res in got.items():
         keys = [k for k in res.undeclared_keys() if k in ref[case].arrays]
         assert any(k.startswith("forward/") for k in keys) or res.declared, f"{case}: nothing compared"
+        assert any(k.startswith("eval/") for k in keys), f"{case}: no inference-mode probe compared"
         diffs = compare(res.arrays, ref[case].arrays, keys=keys, ref64=ref64[case].arrays)
         bad = first_failure(diffs)
         assert bad is None, f"{backend} {model} {case}: {bad} (declared: {res.declared})"

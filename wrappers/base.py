@@ -219,18 +219,28 @@ class Backend:
         """Every layer's output in training mode, canonical layout (NHWC), no state change."""
         raise NotImplementedError(f"{type(self).__name__}.forward_layers")
 
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Every layer's output in inference mode (running statistics, no dropout), as `evaluate`
+        computes it, canonical layout (NHWC), no state change."""
+        raise NotImplementedError(f"{type(self).__name__}.eval_layers")
+
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, d loss / d param) for every trainable parameter, canonical layout, no state change."""
         raise NotImplementedError(f"{type(self).__name__}.gradients")
 
     # ---- the probe protocol, built on the primitives
     def probe(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], start_step: int = 0) -> dict[str, np.ndarray]:
-        """Forward per layer, gradient per parameter, then len(masks_per_step) optimizer steps on this
-        batch: the update per parameter, the buffers and the optimizer state after each."""
+        """Forward per layer, the inference-mode forward per layer from the same state (`eval/<layer>`:
+        the evaluation path, separated from what training does to the running statistics), gradient
+        per parameter, then len(masks_per_step) optimizer steps on this batch: the update per
+        parameter, the buffers and the optimizer state after each."""
         out: dict[str, np.ndarray] = {}
         fwd = self.forward_layers(x, masks_per_step[0])
         for layer in self.model.layers:          # spec order, whatever order the framework returned
             out[f"forward/{layer.name}"] = np.asarray(fwd[layer.name])
+        ev = self.eval_layers(x)
+        for layer in self.model.layers:
+            out[f"eval/{layer.name}"] = np.asarray(ev[layer.name])
         loss, grads = self.gradients(x, y, masks_per_step[0])
         out["loss"] = np.asarray(loss, np.float64)
         for p in self.model.trainable:

@@ -162,6 +162,7 @@ class Lowering:
         self.fwd = self.wrap(self._forward_layers_fn)
         self.grads = self.wrap(self._grads_fn)
         self.eval = self.wrap(self._eval_fn)
+        self.eval_fwd = self.wrap(self._eval_layers_fn)
         self.steps: dict[tuple, tuple[optax.GradientTransformationExtraArgs, Callable]] = {}
 
     def step_for(self, hp: HParams) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
@@ -235,6 +236,11 @@ class Lowering:
         if self.mesh is not None:
             loss = jnp.mean(aux[2])
         return loss, grads
+
+    def _eval_layers_fn(self, params, buffers, x, key):
+        rec: dict[str, jax.Array] = {}
+        forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key, record=rec)
+        return rec
 
     def _forward_layers_fn(self, params, buffers, x, masks, key):
         rec: dict[str, jax.Array] = {}
@@ -477,6 +483,11 @@ class JaxBackend(Backend):
         xb, _, mb = self._batch(x, np.zeros(len(x), np.int32), masks)
         rec = self.lowering.fwd(self.params, self.buffers, xb, mb, self._probe_key())
         # in layer order (a jit-returned dict comes back sorted by key; probe consumers read the order)
+        return {l.name: np.array(rec[l.name]) for l in self.model.layers}
+
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        xe = self._x(x) if not self.multi else self._place(self._x(x))
+        rec = self.lowering.eval_fwd(self.params, self.buffers, xe, jax.random.fold_in(self.base_key, 0x0E7A1))
         return {l.name: np.array(rec[l.name]) for l in self.model.layers}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:

@@ -373,6 +373,17 @@ class KerasBackend(Backend):
                 outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=True)
         return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
 
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables)."""
+        self._sync()
+        if self.par is not None and KBACKEND == "tensorflow":
+            outs = self.par.predict(self.recorder, self._xy(x))
+        else:
+            tv, ntv = self._state_values(self.recorder)
+            with _ts.no_grad():
+                outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=False)
+        return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
+
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         """The gradient the optimizer is given (data parallel: the replicas' combined one), no state change."""
         self._sync()

@@ -134,7 +134,7 @@ class Parallel:
         if self.strategy.num_replicas_in_sync != replicas:
             raise UnsupportedError(f"keras-tensorflow: MirroredStrategy has {self.strategy.num_replicas_in_sync} "
                                    f"replicas where {replicas} were asked for")
-        self.eval_fn: Callable | None = None
+        self.eval_fns: dict[int, Callable] = {}     # id(model) -> its inference tf.function
 
     def scope(self):
         return self.strategy.scope()
@@ -183,12 +183,13 @@ class Parallel:
         """Replica 0's component (what a Keras checkpoint of a MirroredVariable saves)."""
         return np.asarray(self.strategy.experimental_local_results(var.value)[0].numpy())
 
-    def predict(self, net, x: np.ndarray) -> np.ndarray:
-        """Inference on replica 0's variables, on replica 0's device (cross-replica context)."""
-        if self.eval_fn is None:
-            self.eval_fn = tf.function(lambda t: net(t, training=False))
+    def predict(self, net, x: np.ndarray) -> Any:
+        """Inference on replica 0's variables, on replica 0's device (cross-replica context); the model's
+        outputs as numpy (a list for a model with several outputs, as the layer recorder)."""
+        if id(net) not in self.eval_fns:
+            self.eval_fns[id(net)] = tf.function(lambda t: net(t, training=False))
         with tf.device(self.devices[0]):
-            return self.eval_fn(tf.constant(x)).numpy()
+            return tf.nest.map_structure(lambda t: t.numpy(), self.eval_fns[id(net)](tf.constant(x)))
 
     def run_gathered(self, fn: Callable, *arrays: np.ndarray):
         """fn(*shards) in every replica; each output concatenated over the replicas in replica order."""

@@ -319,6 +319,14 @@ class TensorflowBackend(Backend):
             self._forward(xt, True, mt, rec, None, self._seed(self.hp.seed, 0))
         return {k: v.numpy() for k, v in rec.items()}
 
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Inference mode, as `evaluate` (data parallel: replica 0's variables, the whole batch)."""
+        xt, _ = self._tensors(x, {})
+        rec: dict[str, tf.Tensor] = {}
+        with tf.device(self.device):
+            self._forward(xt, False, None, rec, None, self._seed(self.hp.seed + 1, 0))
+        return {k: v.numpy() for k, v in rec.items()}
+
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         xt, mt = self._tensors(x, masks)
         with tf.device(self.device):

@@ -396,6 +396,17 @@ class TorchBackend(Backend):
             self._forward(self._input(x[lo:hi]), True, self._masks(self._shard_masks(masks, lo, hi)), rec,
                           self._scratch())
             recs.append(rec)
+        return self._canonical_record(recs)
+
+    @torch.no_grad()
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Inference mode, as `evaluate`: per sample, so one pass over the whole batch whatever --devices."""
+        rec: dict[str, torch.Tensor] = {}
+        self._forward(self._input(x), False, None, rec, self._scratch())
+        return self._canonical_record([rec])
+
+    def _canonical_record(self, recs: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+        """Recorded layer outputs (one record per replica shard) concatenated, in canonical layout."""
         flat = flat_sources(self.model)
         out = {}
         for k in recs[0]:

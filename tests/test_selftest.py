@@ -1,0 +1,98 @@
+"""The self-test's plan (which runs, named how, expecting what), its judgement of comparison records and
+its matrix, and the command line's checks of what it is asked to run. No backend process: the full
+and reduced self-tests themselves are run by `duipai selftest` (CI runs the reduced one)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from algorithms.faults import FAULTS
+from harness import selftest as S
+from harness.cli import main
+
+
+def test_every_fault_has_a_scenario_and_the_reduced_set_is_a_subset():
+    assert set(S.FAULT_SCENARIOS) == set(FAULTS)
+    for f, sc in S.FAULT_SCENARIOS.items():
+        if FAULTS[f].where:
+            assert sc.layer is not None, f"{f}: the catalogue names a place, the scenario no layer to check"
+    assert set(S.REDUCED["faults"]) <= set(FAULTS) and set(S.REDUCED["variants"]) <= set(S.DRIFT_VARIANTS)
+    assert set(S.REDUCED["backends"]) <= set(S.FULL_BACKENDS)
+
+
+def test_plan_runs_each_fault_once_per_backend_with_its_reference_and_envelope():
+    p = S.plan(("torch", "jax"), ("flatten_no_permute", "dropout_in_eval"), ("dp2", "xla"), steps=40)
+    names = [e.name for e in p.entries]
+    assert len(names) == len(set(names))
+    faults = {(x["fault"], x["backend"]) for x in p.expect.values() if x["kind"] == "fault"}
+    assert faults == {(f, b) for f in ("flatten_no_permute", "dropout_in_eval") for b in ("torch", "jax")}
+    # the eval-only fault evaluates every 5 steps, in runs of its own name (reference and envelope too)
+    ev = [e for e in p.entries if e.cfg.model == "cnn2d_hard"]
+    assert ev and all(e.cfg.hparams.eval_every == 5 and e.name.endswith("__eval5") for e in ev)
+    roles = {(e.cfg.model, e.role) for e in p.entries if e.cfg.backend == "torch" and e.cfg.fault is None}
+    assert ("cnn2d_hard", "envelope") in roles and ("cnn2d_2conv_2fc", "envelope") in roles
+    # a variant only where it applies (xla: tensorflow), the clean candidate for every non-reference backend
+    kinds = {(x["kind"], x.get("variant"), x["backend"]) for x in p.expect.values() if x["kind"] != "fault"}
+    assert kinds == {("variant", "dp2", "torch"), ("variant", "dp2", "jax"), ("clean", "clean", "jax")}
+    exp = next(x for x in p.expect.values() if x.get("fault") == "flatten_no_permute")
+    assert exp["stage"] == "forward" and exp["layer"] == "fc1"
+
+
+def _entries(p, status="ran"):
+    for e in p.entries:
+        e.status = status
+    return p.entries
+
+
+def _write_comparison(folder, pairs):
+    (folder / "cmp").mkdir(parents=True)
+    (folder / "cmp" / "comparison.json").write_text(json.dumps({"pairs": [
+        dict(with_reference=True, candidate=n, **rec) for n, rec in pairs.items()]}))
+
+
+def test_judge_counts_a_fault_right_only_with_bug_and_the_right_stage_and_a_variant_wrong_only_as_bug(tmp_path):
+    p = S.plan(("jax",), ("flatten_no_permute", "label_smoothing", "dropout_in_eval"), ("dp2",), steps=40)
+    by = {(x.get("fault") or x.get("variant")): n for n, x in p.expect.items()}
+    _write_comparison(tmp_path, {
+        by["flatten_no_permute"]: {"verdict": "BUG", "localization": {"stage": "forward", "layer": "fc2"},
+                                   "first_divergence": {"step": 0, "factor": 40.0}},
+        by["label_smoothing"]: {"verdict": "BUG", "localization": {"stage": "forward", "layer": None}},
+        by["dropout_in_eval"]: {"verdict": "DECLARED", "localization": {"stage": "eval"}},
+        by["dp2"]: {"verdict": "DRIFT"},
+        by["clean"]: {"verdict": "BUG", "localization": {"stage": "loss"}},
+    })
+    rows = {r["what"]: r for r in S.judge(p, _entries(p), tmp_path)}
+    assert rows["flatten_no_permute"]["correct"] is True and rows["flatten_no_permute"]["layer_correct"] is False
+    assert rows["label_smoothing"]["correct"] is False            # BUG, but in the wrong stage
+    assert rows["dropout_in_eval"]["correct"] is False            # right stage, not called a bug
+    assert rows["dp2"]["correct"] is True and rows["clean"]["correct"] is False
+    text = S.render(list(rows.values()), {"when": "now", "machine": "m", "steps": 40, "command": "c", "seconds": 1})
+    assert "**MISSED**" in text and "**FALSE ALARM**" in text
+    assert "Faults detected with the right stage: 1/3; right layer: 0/1; drift-only variants called BUG: 1." in text
+
+
+def test_judge_reports_failed_uncompared_and_unsupported_runs(tmp_path):
+    p = S.plan(("keras-torch",), ("grad_sum_replicas", "label_smoothing"), (), steps=40)
+    entries = _entries(p)
+    by = {x.get("fault") or x.get("variant"): n for n, x in p.expect.items()}
+    status = {e.name: e for e in entries}
+    status[by["grad_sum_replicas"]].status, status[by["grad_sum_replicas"]].message = "unsupported", "no DP"
+    status[by["clean"]].status, status[by["clean"]].message = "failed", "exit -9"
+    _write_comparison(tmp_path, {})
+    rows = {r["what"]: r for r in S.judge(p, entries, tmp_path)}
+    assert rows["grad_sum_replicas"]["verdict"] == "n/a" and rows["grad_sum_replicas"]["correct"] is None
+    assert rows["clean"]["verdict"] == "FAILED" and rows["clean"]["correct"] is False
+    assert rows["label_smoothing"]["verdict"] == "NOT COMPARED" and rows["label_smoothing"]["correct"] is False
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--faults", "flatten_no_permute,nope"], "unknown fault 'nope'"),
+    (["--variants", "dp3"], "unknown variant 'dp3'"),
+    (["--backends", "torch,caffe"], "unknown backend 'caffe'"),
+])
+def test_cli_refuses_unknown_names_before_running_anything(args, needle, tmp_path):
+    res = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path), *args])
+    assert res.exit_code == 2 and needle in res.output
+    assert not any(tmp_path.iterdir())
