@@ -70,7 +70,7 @@ def test_judge_counts_a_fault_right_only_with_bug_and_the_right_stage_and_a_vari
     assert rows["dp2"]["correct"] is True and rows["clean"]["correct"] is False
     text = S.render(list(rows.values()), {"when": "now", "machine": "m", "steps": 40, "command": "c", "seconds": 1})
     assert "**MISSED**" in text and "**FALSE ALARM**" in text
-    assert "Faults detected with the right stage: 1/3; right layer: 0/1; drift-only variants called BUG: 1." in text
+    assert "Faults detected with the right stage: 1/3; right layer: 0/2; drift-only variants called BUG: 1." in text
 
 
 def test_judge_reports_failed_uncompared_and_unsupported_runs(tmp_path):
