@@ -152,7 +152,8 @@ def run(as_json: bool, **kw: Any) -> None:
 @click.option("--against", default="torch", show_default=True, help="Reference backend to compare with.")
 @click.option("--json", "as_json", is_flag=True)
 def probe(probe_steps: int, against: str, as_json: bool, **kw: Any) -> None:
-    """Step-0 probes of BACKEND and a reference: forward per layer, gradient per parameter, updates."""
+    """Step-0 probes of BACKEND and a reference: forward per layer (training and inference mode),
+    gradient per parameter, updates."""
     from . import probes
     from algorithms.params import load_npz
     cfg = make_config(kw)
