@@ -51,10 +51,9 @@ from algorithms.spec import load_model  # noqa: E402
 from harness import runner  # noqa: E402
 from harness.matrix import run_key, up_to_date  # noqa: E402
 from harness.runner import BackendFailed, BadInput, RunConfig  # noqa: E402
-from bench_dp import git_state, loadavg, uptime  # noqa: E402  (one copy of the run-context helpers)
+from bench_dp import DP_BACKENDS, git_state, loadavg, uptime  # noqa: E402  (one copy of the run-context helpers)
 
 RESULTS = HERE / "results"
-DP_BACKENDS = ["torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow"]
 CLEAN_MODELS = ["cnn2d_2conv_2fc", "cnn2d_3conv_3fc"]
 BN_MODEL = "cnn2d_hard"
 TARGET = 3.0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +27,7 @@ import numpy as np
 
 from .files import atomic_write_text
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
-from .runs import SERIES, Run, mismatches
+from .runs import SERIES, Run, declared_patterns, mismatches
 
 IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
 DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
@@ -183,7 +182,7 @@ def resolve(p: Pair, localized: bool) -> None:
             p.notes.append(f"{x} verified: {how} agrees with the candidate on every probe")
             return
         # the pattern rule, for the keys left (all of them, or those the verified emulation does not explain)
-        pats = {i: re.compile(d.get("probe_keys") or ".*") for i, d in decl.items() if i != x}
+        pats = {i: pat for i, pat in declared_patterns(p.a, p.b).items() if i != x}
         unexplained = [k for k in keys if not any(pat.search(k) for pat in pats.values())]
         if not unexplained:
             used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))

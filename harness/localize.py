@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +44,7 @@ from algorithms.differences import DIFFERENCES
 from algorithms.params import load_npz
 
 from . import probes, runner
-from .runs import EVAL_SERIES, Run, check_reproduces, config_of
+from .runs import EVAL_SERIES, Run, check_reproduces, config_of, declared_patterns
 
 R_EPS = 1e-7   # CRADLE's denominator guard
 
@@ -387,14 +386,11 @@ class Localizer:
         for r in (ref, cand):
             for d in r.declared:
                 decl.setdefault(d["id"], (d, r is ref))
-        catalogue = lambda i: DIFFERENCES.get(i)
-        def pattern(i: str) -> str:
-            d = decl[i][0]
-            return d.get("probe_keys") or (catalogue(i).probe_keys if catalogue(i) else ".*")
+        pats = declared_patterns(ref, cand)
         def emulation(i: str) -> str | None:
-            c = catalogue(i)
+            c = DIFFERENCES.get(i)
             return c.emulated_by if c is not None else decl[i][0].get("emulated_by")
-        matching = [i for i in sorted(decl) if any(re.search(pattern(i), k) for k in keys)]
+        matching = [i for i in sorted(decl) if any(pats[i].search(k) for k in keys)]
         if not matching:
             return res
         chk: dict[str, Any] = {"differences": matching, "emulated": None, "fault": None, "verified": False}
@@ -440,12 +436,7 @@ class Localizer:
         if not keys or res.get("stage") in ("data", "reduction") or (chk.get("verified") and chk.get("agree")):
             return res
         verified = chk.get("emulated") if chk.get("verified") else None
-        decl: dict[str, str] = {}
-        for r in (ref, cand):
-            for d in r.declared:
-                c = DIFFERENCES.get(d["id"])
-                decl.setdefault(d["id"], d.get("probe_keys") or (c.probe_keys if c else ".*"))
-        pats = {i: re.compile(p) for i, p in decl.items() if i != verified}
+        pats = {i: pat for i, pat in declared_patterns(ref, cand).items() if i != verified}
         used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
         aside = [k for k in keys if any(pats[i].search(k) for i in used)]
         if not aside or len(aside) == len(keys):

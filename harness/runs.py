@@ -167,6 +167,18 @@ def discover(root: Path) -> list[Path]:
     return out
 
 
+def declared_patterns(*runs: Run) -> dict[str, re.Pattern]:
+    """Each difference declared in these runs' manifests (first record of an id wins) -> the regex of
+    the probe keys it may move: the manifest's record, else the catalogue's, else any key."""
+    from algorithms.differences import DIFFERENCES
+    out: dict[str, re.Pattern] = {}
+    for r in runs:
+        for d in r.declared:
+            c = DIFFERENCES.get(d["id"])
+            out.setdefault(d["id"], re.compile(d.get("probe_keys") or (c.probe_keys if c else ".*")))
+    return out
+
+
 def mismatches(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
     """The comparability fields that differ: (field, value in a, value in b)."""
     return [(f, a.manifest.get(f), b.manifest.get(f)) for f in COMPARABILITY if a.manifest.get(f) != b.manifest.get(f)]

@@ -366,22 +366,24 @@ class KerasBackend(Backend):
         x, _, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
         self._set_masks(masks)
         if self.par is not None and KBACKEND == "tensorflow":
-            outs = self.par.forward(self.recorder, self._xy(x))
-        else:
-            tv, ntv = self._state_values(self.recorder)
-            with _ts.no_grad():
-                outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=True)
-        return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
+            return self._named(self.par.forward(self.recorder, self._xy(x)))
+        return self._recorded(x, training=True)
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables)."""
         self._sync()
         if self.par is not None and KBACKEND == "tensorflow":
-            outs = self.par.predict(self.recorder, self._xy(x))
-        else:
-            tv, ntv = self._state_values(self.recorder)
-            with _ts.no_grad():
-                outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=False)
+            return self._named(self.par.predict(self.recorder, self._xy(x)))
+        return self._recorded(x, training=False)
+
+    def _recorded(self, x: np.ndarray, training: bool) -> dict[str, np.ndarray]:
+        """Every layer's output from one stateless pass of the recorder (no variable is written)."""
+        tv, ntv = self._state_values(self.recorder)
+        with _ts.no_grad():
+            outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=training)
+        return self._named(outs)
+
+    def _named(self, outs) -> dict[str, np.ndarray]:
         return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
