@@ -12,7 +12,7 @@ all: $(STAMP)
 	$(BIN)/duipai all -j $(JOBS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -1,0 +1,146 @@
+"""The reference backend on its own: torch.optim's steps against the reference optimizer maths
+(`algorithms.optim.reference_update`, float64 NumPy) as the other backends are checked, exact state
+round trips, probes that leave the state alone, and the torch-convention layer semantics the spec fixes.
+
+torch is the reference every other backend is judged against, so it must itself compute the reference
+mathematics: a wrong momentum/Nesterov/Adam/weight-decay convention here would turn every other backend's
+correct step into a BUG. Runs in this process (torch needs no environment set before import).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from algorithms.optim import HParams, reference_init, reference_update
+from algorithms.params import init_params
+from algorithms.spec import load_model
+
+torch = pytest.importorskip("torch")
+
+from wrappers.base import RunOptions  # noqa: E402
+from wrappers.torch.backend import TorchBackend  # noqa: E402
+from wrappers.worker import masks_for  # noqa: E402
+
+BASE = dict(steps=4, batch_size=16)
+CASES = {
+    "sgd": (dict(optimizer="sgd", lr=0.1, **BASE), None),
+    "sgd_l2": (dict(optimizer="sgd", lr=0.1, weight_decay=1e-2, **BASE), None),
+    "momentum_step": (dict(optimizer="momentum", lr=0.1, schedule="step", step_size=1, **BASE), None),
+    "nesterov_l2_cosine": (dict(optimizer="nesterov", lr=0.1, weight_decay=1e-2, schedule="cosine", **BASE), None),
+    "adam_l2": (dict(optimizer="adam", lr=1e-3, weight_decay=1e-2, **BASE), None),
+    "adamw_warmup": (dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2, schedule="warmup", **BASE), None),
+    "adam_eps_hat": (dict(optimizer="adam", lr=1e-3, **BASE), "adam_eps_hat"),
+}
+
+
+def batch(model, n=16, seed=1, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (n, *model.input_shape)).astype(dtype)
+    y = rng.integers(0, model.num_classes, n).astype(np.int64)
+    return x, y
+
+
+def make(model, hp: HParams, **opts) -> TorchBackend:
+    b = TorchBackend(model, hp, RunOptions(**opts))
+    b.load_params(init_params(model, 0))
+    return b
+
+
+@pytest.mark.parametrize("model_name", ["cnn2d_2conv_2fc", "cnn2d_hard"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_optim_steps_are_the_reference_update_in_float64(model_name, case):
+    """Each of 4 steps: torch's new parameters == reference_update(own params, own gradients), in float64."""
+    hpd, fault = CASES[case]
+    hp = HParams(**hpd)
+    m = load_model(model_name)
+    b = make(m, hp, dtype="float64", fault=fault)
+    x, y = batch(m)
+    st = reference_init(hp, {n: v for n, v in b.export_params().items() if n in b.trainable})
+    worst = 0.0
+    for t in range(hp.steps):
+        masks = masks_for(m, hp.seed, t, len(x), b.opts.dropout)
+        p = {n: v for n, v in b.export_params().items() if n in b.trainable}
+        _, g = b.gradients(x, y, masks)
+        ref, st = reference_update(hp, t, p, g, st, adam_eps_hat=fault == "adam_eps_hat")
+        b.train_step(t, x, y, masks)
+        got = b.export_params()
+        for n in ref:      # relative to the size of the update, so a wrong convention of any size shows
+            upd = max(float(np.max(np.abs(ref[n] - p[n]))), 1e-12)
+            worst = max(worst, float(np.max(np.abs(got[n] - ref[n]))) / upd)
+    assert worst < 1e-9, f"{case}: torch.optim differs from reference_update by {worst:.2e} of the update"
+
+
+def test_a_wrong_convention_is_caught_by_that_check():
+    """The check above can fail: torch's step against the reference of another optimizer is far off."""
+    m = load_model("cnn2d_2conv_2fc")
+    hp = HParams(optimizer="nesterov", lr=0.1, **BASE)
+    b = make(m, hp, dtype="float64")
+    x, y = batch(m)
+    p = {n: v for n, v in b.export_params().items() if n in b.trainable}
+    _, g = b.gradients(x, y, {})
+    b.train_step(0, x, y, {})
+    plain = hp.with_(optimizer="sgd")         # nesterov's first step is lr * (1 + mu) * g, not lr * g
+    ref, _ = reference_update(plain, 0, p, g, reference_init(plain, p))
+    got = b.export_params()
+    err = max(float(np.max(np.abs(got[n] - ref[n]))) / max(float(np.max(np.abs(ref[n] - p[n]))), 1e-12) for n in ref)
+    assert err > 0.5
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_params_and_opt_state_round_trip_and_replay_bit_exact(optimizer):
+    """export -> load into a fresh backend -> the next steps are bitwise those of the original."""
+    m = load_model("cnn2d_hard")
+    hp = HParams(optimizer=optimizer, lr=0.05 if optimizer == "momentum" else 1e-3, schedule="cosine", **BASE)
+    x, y = batch(m, dtype=np.float32)
+    a = make(m, hp)
+    for t in range(2):
+        a.train_step(t, x, y, masks_for(m, hp.seed, t, len(x), a.opts.dropout))
+    params, opt = a.export_params(), a.export_opt_state()
+    b = make(m, hp)
+    b.load_params(params)
+    b.load_opt_state(opt, 2)
+    for t in (2, 3):
+        masks = masks_for(m, hp.seed, t, len(x), a.opts.dropout)
+        sa, sb = a.train_step(t, x, y, masks), b.train_step(t, x, y, masks)
+        assert (sa.loss, sa.grad_norm, sa.update_norm, sa.param_norm) == (sb.loss, sb.grad_norm, sb.update_norm, sb.param_norm)
+    pa, pb = a.export_params(), b.export_params()
+    assert all(np.array_equal(pa[n], pb[n]) for n in pa)
+
+
+def test_forward_gradient_and_evaluation_probes_do_not_move_the_state():
+    """The read-only probes (forward per layer in both modes, gradients, evaluation) leave parameters, running
+    statistics and optimizer state as they were: a probe that moved them would shift the run it probes."""
+    m = load_model("cnn2d_hard")
+    hp = HParams(optimizer="adam", lr=1e-3, **BASE)
+    x, y = batch(m, dtype=np.float32)
+    b = make(m, hp)
+    b.train_step(0, x, y, masks_for(m, hp.seed, 0, len(x), b.opts.dropout))
+    p0, s0 = b.export_params(), b.export_opt_state()
+    masks = masks_for(m, hp.seed, 5, len(x), b.opts.dropout)
+    b.forward_layers(x, masks)
+    b.eval_layers(x)
+    b.gradients(x, y, masks)
+    b.evaluate(x, y)
+    p1, s1 = b.export_params(), b.export_opt_state()
+    assert all(np.array_equal(p0[n], p1[n]) for n in p0), "a probe moved a parameter or buffer"
+    assert all(np.array_equal(s0[n], s1[n]) for n in s0), "a probe moved the optimizer state"
+
+
+def test_batchnorm_keeps_torch_convention():
+    """Training mode normalizes with the biased batch variance; the running variance stored is unbiased,
+    moved with momentum 0.1 in torch's convention (r = 0.9 r + 0.1 x): the reference the Keras runs declare
+    their biased variance against."""
+    m = load_model("cnn2d_hard")
+    hp = HParams(optimizer="sgd", lr=1e-3, **BASE)
+    x, y = batch(m, dtype=np.float32)
+    b = make(m, hp, dtype="float64")
+    bn = next(l for l in m.layers if l.kind == "batchnorm2d")
+    rec = b.forward_layers(x.astype(np.float64), masks_for(m, hp.seed, 0, len(x), b.opts.dropout))
+    inp = rec[m.layers[bn.index - 1].name].reshape(-1, bn.out_shape[-1])
+    before = b.export_params()
+    b.train_step(0, x, y, masks_for(m, hp.seed, 0, len(x), b.opts.dropout))
+    after = b.export_params()
+    var_key = next(k for k in after if k.startswith(bn.name) and k.endswith("running_var"))
+    mom = bn.spec["momentum"]
+    want = (1 - mom) * before[var_key] + mom * inp.var(axis=0, ddof=1)
+    np.testing.assert_allclose(after[var_key], want, rtol=1e-6)
