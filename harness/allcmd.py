@@ -118,7 +118,7 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
     \b
     Would it catch my bug on my machine?
       duipai selftest --backends jax --faults flatten_no_permute,maxpool_ceil --variants none -j 2"""
-    from .selftest import DRIFT_VARIANTS, FULL_BACKENDS, run_selftest
+    from .selftest import DRIFT_VARIANTS, registered_backends, run_selftest
     from algorithms.faults import FAULTS
 
     def names(text: str | None, known, what: str) -> tuple[str, ...] | None:
@@ -132,6 +132,6 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
             raise click.BadParameter(f"unknown {what} {', '.join(map(repr, bad)) or repr(text)}; known: {', '.join(known)}",
                                      param_hint=f"--{what}s")
         return got
-    sys.exit(run_selftest(out, reduced=reduced, backends=names(backends, FULL_BACKENDS, "backend"),
+    sys.exit(run_selftest(out, reduced=reduced, backends=names(backends, registered_backends(), "backend"),
                           faults=names(faults, tuple(FAULTS), "fault"),
                           variants=names(variants, tuple(DRIFT_VARIANTS), "variant"), steps=steps, jobs=jobs))

@@ -199,7 +199,8 @@ def models(show: str | None) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 def backends(as_json: bool) -> None:
-    """The backend configurations and whether their frameworks are installed."""
+    """The backend configurations, whether their frameworks are installed, and what each declares it can do
+    (capabilities and the catalogued faults its wrapper implements)."""
     info = runner.backend_info()
     if as_json:
         click.echo(json.dumps(info))
@@ -207,6 +208,7 @@ def backends(as_json: bool) -> None:
     for n, i in info.items():
         state = "installed" if not i["missing"] else f"MISSING {', '.join(i['missing'])}"
         click.echo(f"{n:<18} {state:<28} {i['description']}")
+        click.echo(f"{'':<18} can: {', '.join(i['capabilities']) or '-'}; faults: {len(i['faults'])}")
 
 
 @main.command()

@@ -65,19 +65,33 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
     "lr_scale_1.001": Scenario(),
 }
 
-# drift-only variants: name -> (RunConfig overrides, backends it applies to)
-DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
-    "dp2": ({"devices": 2}, ("torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow")),
-    "dp4": ({"devices": 4}, ("torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow")),
-    "threads2": ({"threads": 2}, ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch")),
-    "eager": ({"jit": False}, ("jax", "tensorflow")),
-    "xla": ({"extra": {"xla": True}}, ("tensorflow",)),
-    "float64": ({"dtype": "float64"}, ("torch",)),
-    "channels_last": ({"extra": {"channels_last": True}}, ("torch",)),
-    "onednn_off": ({"extra": {"onednn": "off"}}, ("tensorflow",)),
+# drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);
+# which backends have it is theirs to say (wrappers' Entry.capabilities, read through runner.backend_info)
+DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
+    "dp2": ({"devices": 2}, "data_parallel"),
+    "dp4": ({"devices": 4}, "data_parallel"),
+    "threads2": ({"threads": 2}, "threads"),
+    "eager": ({"jit": False}, "eager"),
+    "xla": ({"extra": {"xla": True}}, "xla"),
+    "float64": ({"dtype": "float64"}, "float64"),
+    "channels_last": ({"extra": {"channels_last": True}}, "channels_last"),
+    "onednn_off": ({"extra": {"onednn": "off"}}, "onednn"),
 }
 
-FULL_BACKENDS = ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch")
+
+def registered_backends() -> tuple[str, ...]:
+    """Every registered backend configuration, in registry order (what the full self-test covers)."""
+    return tuple(runner.backend_info())
+
+
+def declares(backend: str, capability: str) -> bool:
+    return capability in runner.backend_info()[backend].get("capabilities", ())
+
+
+def implements(backend: str, fault: str) -> bool:
+    return fault in runner.backend_info()[backend].get("faults", ())
+
+
 REDUCED = {"backends": ("torch",), "steps": 40,
            "faults": ("flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "adam_eps_hat",
                       "grad_sum_replicas", "data_shift_one_batch", "label_smoothing", "grad_double", "lr_scale_1.001",
@@ -97,7 +111,7 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
     seen: set[str] = set()
     default_eval_every = Scenario().hparams(steps).eval_every
 
-    def add(cfg: RunConfig, role: str, expect: dict[str, Any] | None = None) -> None:
+    def add(cfg: RunConfig, role: str, expect: dict[str, Any] | None = None, run: bool = True) -> None:
         from algorithms.spec import load_model
         name = cfg.default_name(load_model(cfg.model).name)
         if cfg.hparams.eval_every != default_eval_every:   # the run name does not carry eval_every
@@ -105,7 +119,8 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
         if name in seen:
             return
         seen.add(name)
-        p.entries.append(M.Entry(cfg, name, role))
+        if run:
+            p.entries.append(M.Entry(cfg, name, role))
         if expect:
             p.expect[name] = expect
 
@@ -120,9 +135,10 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
     for f in faults:
         sc = FAULT_SCENARIOS[f]
         hp = group(sc)
-        for b in backends:
+        for b in backends:     # a fault the wrapper does not implement is n/a, said without starting it
             add(RunConfig(model=sc.model, backend=b, hparams=hp, devices=sc.devices, fault=f), "fault",
-                {"kind": "fault", "fault": f, "backend": b, "stage": FAULTS[f].stage, "layer": sc.layer})
+                {"kind": "fault", "fault": f, "backend": b, "stage": FAULTS[f].stage, "layer": sc.layer},
+                run=implements(b, f))
     base = Scenario()
     hp = group(base)
     for b in backends:
@@ -130,9 +146,9 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
             add(RunConfig(model=base.model, backend=b, hparams=hp), "run",
                 {"kind": "clean", "variant": "clean", "backend": b})
     for v in variants:
-        over, applies = DRIFT_VARIANTS[v]
+        over, capability = DRIFT_VARIANTS[v]
         for b in backends:
-            if b in applies:
+            if declares(b, capability):
                 add(RunConfig(model=base.model, backend=b, hparams=hp, **over), "variant",
                     {"kind": "variant", "variant": v, "backend": b})
     return p
@@ -156,10 +172,15 @@ def judge(p: Plan, entries: list[M.Entry], folder: Path) -> list[dict[str, Any]]
     status = {e.name: e for e in entries}
     rows = []
     for name, exp in p.expect.items():
-        e = status[name]
+        e = status.get(name)
         row = {"kind": exp["kind"], "what": exp.get("fault") or exp.get("variant"), "backend": exp["backend"],
                "run": name, "verdict": None, "stage": None, "layer": None, "step": None, "factor": None,
                "expected": "", "correct": None, "note": ""}
+        if e is None:
+            row.update(verdict="n/a", correct=None,
+                       note=f"{exp['backend']} does not implement fault {exp['fault']} (its declared faults)")
+            rows.append(row)
+            continue
         if e.status in ("unsupported", "skipped"):
             row.update(verdict="n/a", correct=None, note=e.message)
             rows.append(row)
@@ -197,7 +218,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         mark = "ok" if r["correct"] else "**MISSED**" if r["kind"] == "fault" else "**FALSE ALARM**"
         where = " / ".join(str(x) for x in (r["stage"], r["layer"]) if x)
         return f"{r['verdict']} {('(' + where + ')') if where else ''} {mark}".strip()
-    backends = sorted({r["backend"] for r in rows}, key=lambda b: FULL_BACKENDS.index(b) if b in FULL_BACKENDS else 99)
+    order = registered_backends()
+    backends = sorted({r["backend"] for r in rows}, key=lambda b: order.index(b) if b in order else len(order))
     lines = [f"Detection matrix ({meta['when']}, {meta['machine']}, {meta['steps']} steps, "
              f"`{meta['command']}`, {meta['seconds']:.0f} s)", ""]
     for kind, title in (("fault", "fault"), ("variant", "drift-only variant"), ("clean", "clean run")):
@@ -226,7 +248,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     """Run the self-test; None for backends/faults/variants/steps means the full (or reduced) default."""
     t0 = time.time()
     import platform
-    cfg = REDUCED if reduced else {"backends": FULL_BACKENDS, "steps": 300, "faults": tuple(FAULTS),
+    cfg = REDUCED if reduced else {"backends": registered_backends(), "steps": 300, "faults": tuple(FAULTS),
                                    "variants": tuple(DRIFT_VARIANTS)}
     backends = backends or cfg["backends"]
     steps = steps or cfg["steps"]

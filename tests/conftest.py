@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_BACKENDS = ["torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch"]
+from wrappers.registry import REGISTRY  # noqa: E402  (no framework imported: entries only)
+
+ALL_BACKENDS = list(REGISTRY)   # every registered backend configuration, as each wrapper declares itself
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def test_every_fault_has_a_scenario_and_the_reduced_set_is_a_subset():
         if FAULTS[f].where:
             assert sc.layer is not None, f"{f}: the catalogue names a place, the scenario no layer to check"
     assert set(S.REDUCED["faults"]) <= set(FAULTS) and set(S.REDUCED["variants"]) <= set(S.DRIFT_VARIANTS)
-    assert set(S.REDUCED["backends"]) <= set(S.FULL_BACKENDS)
+    assert set(S.REDUCED["backends"]) <= set(S.registered_backends())
 
 
 def test_plan_runs_each_fault_once_per_backend_with_its_reference_and_envelope():
@@ -38,6 +38,26 @@ def test_plan_runs_each_fault_once_per_backend_with_its_reference_and_envelope()
     assert kinds == {("variant", "dp2", "torch"), ("variant", "dp2", "jax"), ("clean", "clean", "jax")}
     exp = next(x for x in p.expect.values() if x.get("fault") == "flatten_no_permute")
     assert exp["stage"] == "forward" and exp["layer"] == "fc1"
+
+
+def test_variants_and_faults_follow_what_each_backend_declares(tmp_path):
+    """The plan reads the entries' declarations: a variant runs where its capability is declared, a fault the
+    wrapper does not implement is n/a without a process started for it."""
+    from wrappers.registry import REGISTRY
+    backends = S.registered_backends()
+    assert backends == tuple(REGISTRY)
+    p = S.plan(backends, ("adam_eps_hat", "grad_sum_replicas"), tuple(S.DRIFT_VARIANTS), steps=40)
+    for v, (_, cap) in S.DRIFT_VARIANTS.items():
+        got = {x["backend"] for x in p.expect.values() if x.get("variant") == v}
+        assert got == {b for b in backends if cap in REGISTRY[b].capabilities}, v
+    ran = {(e.cfg.fault, e.cfg.backend) for e in p.entries if e.cfg.fault}
+    assert ran == {(f, b) for f in ("adam_eps_hat", "grad_sum_replicas") for b in backends if f in REGISTRY[b].faults}
+    assert ("adam_eps_hat", "keras-jax") not in ran and ("grad_sum_replicas", "keras-torch") not in ran
+    rows = S.judge(p, _entries(p), tmp_path)
+    na = [r for r in rows if r["kind"] == "fault" and r["verdict"] == "n/a"]
+    assert {(r["what"], r["backend"]) for r in na} == {(f, b) for f in ("adam_eps_hat", "grad_sum_replicas")
+                                                      for b in backends if (f, b) not in ran}
+    assert all("does not implement" in r["note"] for r in na)
 
 
 def _entries(p, status="ran"):
@@ -74,7 +94,7 @@ def test_judge_counts_a_fault_right_only_with_bug_and_the_right_stage_and_a_vari
 
 
 def test_judge_reports_failed_uncompared_and_unsupported_runs(tmp_path):
-    p = S.plan(("keras-torch",), ("grad_sum_replicas", "label_smoothing"), (), steps=40)
+    p = S.plan(("jax",), ("grad_sum_replicas", "label_smoothing"), (), steps=40)
     entries = _entries(p)
     by = {x.get("fault") or x.get("variant"): n for n, x in p.expect.items()}
     status = {e.name: e for e in entries}

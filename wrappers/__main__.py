@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from .base import WORKER_FAULTS
 from .registry import REGISTRY
 
 
@@ -94,7 +95,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "info":
         print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires), "versions": e.versions(),
                                  "sources": e.sources(), "description": e.description,
-                                 "no_data_parallel": e.no_data_parallel}
+                                 "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
+                                 "faults": sorted(e.faults | WORKER_FAULTS)}
                           for name, e in REGISTRY.items()}))
         return 0
     job = json.loads(Path(argv[1]).read_text())

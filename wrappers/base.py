@@ -18,6 +18,18 @@ from algorithms.optim import HParams, lr_at
 from algorithms.spec import ModelSpec
 
 REGISTRY: dict[str, type["Entry"]] = {}
+# the capabilities an Entry may declare, with the option each one makes possible
+CAPABILITIES: dict[str, str] = {
+    "data_parallel": "--devices N > 1: data parallelism over N replicas",
+    "hosts": "--hosts H: the N replicas in H processes standing in for hosts",
+    "sync_bn": "--sync-bn: BatchNorm statistics over the global batch under data parallelism",
+    "float64": "--dtype float64",
+    "eager": "--no-jit: the uncompiled step next to the compiled default",
+    "xla": "--xla: the step compiled by XLA",
+    "channels_last": "--channels-last: channels-last memory format for the convolutions",
+    "onednn": "--onednn on|off: TensorFlow's oneDNN kernels switched",
+    "threads": "--threads N: N compute threads",
+}
 # module -> the distributions that may provide it (first found wins)
 DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly")}
 
@@ -51,6 +63,11 @@ class Entry:
     # why this configuration has no data parallelism ("" = it has): lets the harness refuse --devices N
     # without starting a process and importing a framework only to hear the same refusal
     no_data_parallel: ClassVar[str] = ""
+    # what this configuration can do (names from CAPABILITIES): the harness, the self-test and the tests read
+    # these declarations instead of knowing backends by name
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    # the catalogued faults (algorithms/faults.py) its wrapper implements; WORKER_FAULTS come on top for every backend
+    faults: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

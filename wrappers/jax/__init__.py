@@ -8,7 +8,7 @@ with N/H local devices, joined by jax.distributed.initialize (coordinator on pro
 import sys
 from typing import Any
 
-from ..base import Entry, jax_platform_env
+from ..base import DP_FAULTS, LOWERING_FAULTS, Entry, jax_platform_env
 
 
 def _dp(job: dict[str, Any]) -> tuple[int, int]:
@@ -21,6 +21,8 @@ class JaxEntry(Entry):
     requires = ("jax", "optax")
     module = "wrappers.jax.backend"
     description = "JAX jit, jax.lax in NHWC, optax"
+    capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "threads"})
+    faults = LOWERING_FAULTS | DP_FAULTS
 
     @classmethod
     def job_env(cls, job):

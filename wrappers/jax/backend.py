@@ -44,7 +44,8 @@ from algorithms.spec import ModelSpec
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from . import JaxEntry
 from .layers import cross_entropy, forward, from_internal, per_example_cross_entropy, to_internal
 
 
@@ -262,7 +263,7 @@ def lowering(model: ModelSpec, opts: RunOptions, dtype: Any, mesh: Mesh | None =
 
 class JaxBackend(Backend):
     framework = "jax"
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = JaxEntry.faults
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

@@ -1,5 +1,10 @@
 """Keras 3: the spec as a functional keras.Model subclass of Keras layers, keras.optimizers; one entry per Keras backend."""
-from ..base import Entry, jax_platform_env
+from ..base import DP_FAULTS, Entry, jax_platform_env
+
+# the lowering faults the Keras wrapper implements (no optimizer-convention faults: Keras' own optimizers run)
+KERAS_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
+                          "label_smoothing", "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
+                          "l2_not_decoupled"})
 
 
 class _KerasEntry(Entry):
@@ -11,6 +16,8 @@ class KerasTensorflowEntry(_KerasEntry):
     requires = ("keras", "tensorflow")
     env = {"KERAS_BACKEND": "tensorflow"}
     description = "Keras 3 on its TensorFlow backend"
+    capabilities = frozenset({"data_parallel", "sync_bn", "float64", "onednn", "threads"})
+    faults = KERAS_FAULTS | DP_FAULTS
 
     @classmethod
     def job_env(cls, job):
@@ -24,6 +31,9 @@ class KerasJaxEntry(_KerasEntry):
     requires = ("keras", "jax")
     env = {"KERAS_BACKEND": "jax"}
     description = "Keras 3 on its JAX backend"
+    # sync_bn: accepted; under GSPMD BatchNorm is always over the global batch (said in the manifest)
+    capabilities = frozenset({"data_parallel", "sync_bn", "float64", "threads"})
+    faults = KERAS_FAULTS | DP_FAULTS
 
     @classmethod
     def job_env(cls, job):
@@ -35,5 +45,8 @@ class KerasTorchEntry(_KerasEntry):
     requires = ("keras", "torch")
     env = {"KERAS_BACKEND": "torch"}
     description = "Keras 3 on its torch backend"
+    # no float64: Keras 3.15 maps 64-bit result types to 32-bit on the torch backend (the wrapper refuses it)
+    capabilities = frozenset({"threads"})
+    faults = KERAS_FAULTS
     no_data_parallel = ("Keras has no data parallelism on the torch backend: keras.distribution is JAX-only and "
                         "tf.distribute is TensorFlow's; use keras-jax or keras-tensorflow, or torch for DDP")

@@ -51,7 +51,8 @@ from keras import ops  # noqa: E402
 from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import ModelSpec  # noqa: E402
 
-from ..base import DP_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
+from ..registry import REGISTRY  # noqa: E402
 from .layers import from_keras_layout, lower, to_keras_layout, torch_avgpool_replicates  # noqa: E402
 
 KBACKEND = keras.backend.backend()
@@ -147,9 +148,7 @@ def _np(t) -> np.ndarray:
 
 class KerasBackend(Backend):
     framework = "keras"
-    faults = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
-                        "label_smoothing", "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
-                        "l2_not_decoupled"}) | (DP_FAULTS if KBACKEND in ("jax", "tensorflow") else frozenset())
+    faults = REGISTRY[f"keras-{KBACKEND}"].faults
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

@@ -1,5 +1,5 @@
 """Native TensorFlow: tf.Module / tf.Variable, tf.nn ops in NHWC, GradientTape, tf.function, raw training kernels."""
-from ..base import Entry
+from ..base import DP_FAULTS, LOWERING_FAULTS, Entry
 
 
 class TensorflowEntry(Entry):
@@ -7,6 +7,8 @@ class TensorflowEntry(Entry):
     requires = ("tensorflow",)
     module = "wrappers.tensorflow.backend"
     description = "native TensorFlow (not Keras): tf.nn, GradientTape, tf.function, tf.raw_ops.ResourceApply*"
+    capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "xla", "onednn", "threads"})
+    faults = LOWERING_FAULTS | DP_FAULTS
 
     _ports: dict[tuple[str, int], list[int]] = {}   # (job file, launcher port) -> the workers' ports
 

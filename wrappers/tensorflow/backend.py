@@ -35,7 +35,8 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError
+from ..base import DP_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError
+from . import TensorflowEntry
 from .layers import BUFFER_ROLES, LABEL_SMOOTHING, cross_entropy, forward, from_tf_layout, to_tf_layout
 
 # indices of the per-step scalars fed to the step as one tensor
@@ -75,7 +76,7 @@ def _outside_op_determinism(fn):
 
 class TensorflowBackend(Backend):
     framework = "tensorflow"
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = TensorflowEntry.faults
     PARALLEL_FAULTS = DP_FAULTS
 
     def __new__(cls, model: ModelSpec, hp: HParams, opts: RunOptions):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..base import Entry
+from ..base import DP_FAULTS, LOWERING_FAULTS, Entry
 
 # torchrun's c10d rendezvous ranks the node agents by sorted (address, pid): each local "host" gets
 # its own loopback address, three digits so that the string order is the node order, so agent 0
@@ -34,6 +34,9 @@ class TorchEntry(Entry):
     requires = ("torch",)
     module = "wrappers.torch.backend"
     description = "PyTorch eager, torch.nn.functional in NCHW, torch.optim; DistributedDataParallel for --devices N"
+    # no sync_bn: torch.nn.SyncBatchNorm refuses CPU tensors (the wrapper refuses --sync-bn on CPU, saying so)
+    capabilities = frozenset({"data_parallel", "hosts", "float64", "channels_last", "threads"})
+    faults = LOWERING_FAULTS | DP_FAULTS
 
     @classmethod
     def job_env(cls, job: dict[str, Any]) -> dict[str, str]:

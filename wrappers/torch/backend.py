@@ -36,7 +36,8 @@ from torch import nn
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
+from . import TorchEntry
 from .layers import flat_from_canonical, flat_sources, flat_to_canonical, forward, from_torch_layout, nhwc, to_torch_layout
 
 BUFFER_ROLES = ("running_mean", "running_var")
@@ -100,7 +101,7 @@ def make_optimizer(hp: HParams, params: list[torch.Tensor], fault: str | None) -
 
 class TorchBackend(Backend):
     framework = "torch"
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = TorchEntry.faults
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
