@@ -1,0 +1,179 @@
+"""The false-alarm matrix: clean runs far from the self-test's own configurations, judged by `duipai compare`.
+
+A verdict is a promise: on a clean run (no fault anywhere) it must never be BUG, a DECLARED must name a
+verified difference, and INCONCLUSIVE is a failure to decide. This script trains clean runs over a covering
+subset of models x optimizers x schedules (each model x optimizer pair with three of the four schedules, so
+every model x schedule and optimizer x schedule pair is covered too: 45 configurations), in every backend
+configuration, at dp 1 and 2 (and dp 2 with --sync-bn where the model has BatchNorm and the backend declares
+it), plus the drift-only variants (threads 2, eager, XLA, float64, channels_last, oneDNN off; where declared)
+on every fifth configuration; compares every configuration's runs with the torch dp=1 reference and its
+envelope, and counts the verdicts.
+
+    python bench/false_alarms.py [--steps 300] [--configs 0-44|all] [--backends B ...] [-j 2] [--out DIR]
+    python bench/false_alarms.py --quick          # 4 configurations, 60 steps: a smoke run
+
+Runs are cached by content key under --out (default /tmp/duipai-false-alarms): a rerun after a harness-only
+change recompares without retraining. Writes bench/results/false_alarms.{md,json} (--quick: bench/results/quick/).
+Exit 1 when any clean pair is BUG.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from algorithms.spec import load_model  # noqa: E402
+from harness import matrix as M  # noqa: E402
+from harness import runner  # noqa: E402
+from harness.comparecmd import compare_folder  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+SCHEDULES = ("constant", "step", "cosine", "warmup")
+# the optimizer's own settings: the learning rates people use, weight decay where it is part of the method
+OPT_HPARAMS = {"sgd": {"lr": 0.05}, "momentum": {"lr": 0.05}, "nesterov": {"lr": 0.05, "weight_decay": 5e-4},
+               "adam": {"lr": 1e-3}, "adamw": {"lr": 1e-3, "weight_decay": 1e-2}}
+VARIANTS = {"threads2": ({"threads": 2}, "threads"), "eager": ({"jit": False}, "eager"),
+            "xla": ({"extra": {"xla": True}}, "xla"), "float64": ({"dtype": "float64"}, "float64"),
+            "channels_last": ({"extra": {"channels_last": True}}, "channels_last"),
+            "onednn_off": ({"extra": {"onednn": "off"}}, "onednn")}
+
+
+def configurations() -> list[dict]:
+    """The covering subset: every model x optimizer pair, each with three schedules (the one left out rotates)."""
+    out = []
+    for (i, model), (j, opt) in itertools.product(enumerate(MODELS), enumerate(OPTIMIZERS)):
+        skip = SCHEDULES[(i + j) % len(SCHEDULES)]
+        for sched in SCHEDULES:
+            if sched != skip:
+                out.append({"id": f"{model}__{opt}__{sched}", "model": model, "optimizer": opt, "schedule": sched})
+    return out
+
+
+def entries_for(conf: dict, backends: list[str], steps: int, with_variants: bool) -> list[M.Entry]:
+    info = runner.backend_info()
+    m = M.Matrix(name=conf["id"], models=[conf["model"]], backends=backends, devices=[1, 2],
+                 optimizers=[conf["optimizer"]], steps=steps,
+                 hparams={"schedule": conf["schedule"], "step_size": max(steps // 3, 1), **OPT_HPARAMS[conf["optimizer"]]})
+    entries = M.expand(m)
+    base = [e for e in entries if e.role == "run" and e.cfg.devices == 1]
+    extra: list[tuple[runner.RunConfig, str]] = []
+    if load_model(conf["model"]).has("batchnorm2d"):
+        for e in base:
+            if "sync_bn" in info[e.cfg.backend].get("capabilities", ()):
+                extra.append((replace(e.cfg, devices=2, extra={"sync_bn": True}), "run"))
+    if with_variants:
+        for e in base:
+            for over, cap in VARIANTS.values():
+                if cap in info[e.cfg.backend].get("capabilities", ()):
+                    extra.append((replace(e.cfg, **over), "variant"))
+    seen = {e.name for e in entries}
+    for cfg, role in extra:
+        name = cfg.default_name(load_model(cfg.model).name)
+        if name not in seen:
+            seen.add(name)
+            entries.append(M.Entry(cfg, name, role))
+    return entries
+
+
+def verdicts(folder: Path) -> list[dict]:
+    rows = []
+    for c in sorted(folder.rglob("comparison.json")):
+        if "runs" in c.relative_to(folder).parts[:-1]:
+            continue
+        doc = json.loads(c.read_text())
+        for p in doc.get("pairs", []):
+            if p.get("with_reference"):
+                rows.append({"candidate": p["candidate"], "backend": p.get("candidate_backend"), "verdict": p["verdict"],
+                             "declared": p.get("declared_differences") or [], "notes": p.get("notes") or [],
+                             "first": p.get("first_divergence"), "localization": p.get("localization") or {}})
+    return rows
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    counts = Counter(r["verdict"] for r in rows)
+    lines = [f"# False-alarm matrix ({meta['when']}, {meta['machine']}, load {meta['load']}, commit {meta['commit']})", "",
+             f"`{meta['command']}`: {meta['configs']} configurations, {meta['steps']} steps, {len(rows)} clean pairs "
+             f"with the reference, {meta['seconds']:.0f} s.", "",
+             "| verdict | pairs |", "|---|---|"]
+    lines += [f"| {v} | {n} |" for v, n in sorted(counts.items())]
+    by = Counter((r["backend"], r["verdict"]) for r in rows)
+    backends = sorted({r["backend"] for r in rows})
+    kinds = sorted(counts)
+    lines += ["", "| backend | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    lines += [f"| {b} | " + " | ".join(str(by[(b, k)]) for k in kinds) + " |" for b in backends]
+    odd = [r for r in rows if r["verdict"] not in ("DRIFT", "IDENTICAL")]
+    if odd:
+        lines += ["", "## Every pair that is not DRIFT", "", "| config / candidate | verdict | first | where | declared | note |",
+                  "|---|---|---|---|---|---|"]
+        for r in odd:
+            f = r["first"] or {}
+            loc = r["localization"]
+            where = " / ".join(str(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
+            lines.append(f"| {r['config']} / {r['candidate']} | {r['verdict']} | {f.get('series', '')} @ {f.get('step', '')} | "
+                         f"{where} | {', '.join(r['declared'])} | {'; '.join(r['notes'])[:300]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--configs", default="all", help="'all', or a range/list of indices (0-44, 3,7,9)")
+    ap.add_argument("--backends", nargs="+", default=None, help="default: every installed backend")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/duipai-false-alarms"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    confs = configurations()
+    if a.quick:
+        confs, a.steps = [confs[i] for i in (0, 13, 31, 44)], 60
+    elif a.configs != "all":
+        idx: list[int] = []
+        for part in a.configs.split(","):
+            lo, _, hi = part.partition("-")
+            idx += list(range(int(lo), int(hi or lo) + 1))
+        confs = [confs[i] for i in idx]
+    backends = a.backends or runner.installed_backends()
+    out = a.out.resolve()
+    t0 = time.time()
+    rows = []
+    for n, conf in enumerate(confs):
+        folder = out / conf["id"]
+        entries = entries_for(conf, backends, a.steps, with_variants=configurations().index(conf) % 5 == 0)
+        print(f"[{n + 1}/{len(confs)}] {conf['id']}: {len(entries)} runs", file=sys.stderr, flush=True)
+        entries = M.run_entries(entries, folder, out, a.jobs, timeout=900, log=lambda s: None)
+        M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
+        failed = [e for e in entries if e.status == "failed"]
+        for e in failed:
+            print(f"  FAILED {e.name}: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
+        compare_folder(folder, reference="torch", k=3)
+        for r in verdicts(folder):
+            rows.append({"config": conf["id"], **r})
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load": "%.1f %.1f %.1f" % os.getloadavg(),
+            "commit": commit, "command": "python bench/false_alarms.py " + " ".join(sys.argv[1:]),
+            "configs": len(confs), "steps": a.steps, "seconds": time.time() - t0}
+    text = render(rows, meta)
+    dest = HERE / "results" / ("quick" if a.quick else "")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "false_alarms.md").write_text(text)
+    (dest / "false_alarms.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print(text)
+    return 1 if any(r["verdict"] == "BUG" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
