@@ -504,7 +504,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
     reference follow the table as one line when they all agree (every pair with verbose)."""
     lines = []
     lab = labels(c.runs)
-    odd = odd_one_out_line(c.odd, c.reference.name, lab.__getitem__)
+    odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
     if odd and odd[0]:
         lines += [odd[1], ""]
     for f in c.forced:
