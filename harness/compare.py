@@ -474,7 +474,7 @@ def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> s
 
 
 def other_pairs_lines(rows: list[tuple[str, str, str, dict[str, Any] | None, float]], margin: float,
-                      verbose: bool = False) -> list[str]:
+                      verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
     inside): one line when they all agree (the answer is the table above), each disagreeing pair
     listed, every pair with verbose."""
@@ -489,7 +489,7 @@ def other_pairs_lines(rows: list[tuple[str, str, str, dict[str, Any] | None, flo
     said = counts if sum(n > 0 for n in by.values()) == 1 else f"{len(agree)} agree: {counts}"
     if len(agree) == len(rows):
         inside = f"max {max(r[4] for r in agree):.2g}x of the envelope, " if by[DRIFT] else ""
-        return [f"pairs without the reference: all {said} ({inside}margin x{margin:g}; -v lists them)"]
+        return [f"pairs without the reference: all {said} ({inside}margin x{margin:g}{hint})"]
     rest = [r for r in rows if r[2] not in AGREE]
     return [f"{head}: " + (f"{said}; " if agree else "") + f"{len(rest)} do not:"] + [
         "  " + _pair_words(*r[:4]) for r in rest]

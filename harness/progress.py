@@ -23,7 +23,21 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-class RunsProgress:
+class _Live:
+    """A rich live display (None off a terminal) that runs for the `with` block."""
+    display: Any = None
+
+    def __enter__(self):
+        if self.display is not None:
+            self.display.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.display is not None:
+            self.display.stop()
+
+
+class RunsProgress(_Live):
     """The runs done / total, each running run's step, the time left (wall time so far, scaled by the
     work left: finished runs count 1, a running run its share of steps; so it includes start-up)."""
 
@@ -45,15 +59,7 @@ class RunsProgress:
                                  TextColumn("{task.fields[info]}", markup=False), console=self.console,
                                  transient=True, refresh_per_second=4)
             self.overall = self.bars.add_task(label, total=self.total, info=self._info())
-
-    def __enter__(self) -> RunsProgress:
-        if self.bars is not None:
-            self.bars.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bars is not None:
-            self.bars.stop()
+            self.display = self.bars
 
     def eta(self) -> float | None:
         """Seconds left, or None before any work is done."""
@@ -105,7 +111,7 @@ class RunsProgress:
             self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-class Activity:
+class Activity(_Live):
     """One line that says what a long step (envelope runs, localization jobs) is doing: a spinner with
     the latest message on a terminal (each message also kept above it), plain lines otherwise."""
 
@@ -118,16 +124,7 @@ class Activity:
             from rich.console import Console
             self.console = console or Console(stderr=True)
             from rich.text import Text
-            self.status = self.console.status(Text(what))
-
-    def __enter__(self) -> Activity:
-        if self.status is not None:
-            self.status.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.status is not None:
-            self.status.stop()
+            self.status = self.display = self.console.status(Text(what))
 
     def __call__(self, msg: str) -> None:
         if self.status is None:

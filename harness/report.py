@@ -237,14 +237,14 @@ def _finite(x: Any) -> float:
     return x if isinstance(x, (int, float)) and x == x and abs(x) != float("inf") else 0.0
 
 
-def other_pairs(comp: dict[str, Any], verbose: bool = False) -> list[str]:
+def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
     """The lines about the pairs without the reference (harness/compare.py other_pairs_lines)."""
     ref = comp["reference"]["run"]
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
              max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0))
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
-    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose)
+    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint)
 
 
 def markdown(folder: Path, verbose: bool = False) -> str:
@@ -309,7 +309,7 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
         parts.append(verdict_table(comp))
         if odd and not odd[0]:
             parts.append(f"<p id=odd-one-out><b>{esc(odd[1])}</b></p>")
-        summary, every = other_pairs(comp), other_pairs(comp, verbose=True)
+        summary, every = other_pairs(comp, hint=""), other_pairs(comp, verbose=True)
         if summary:
             parts.append(f"<p class=pairs>{'<br>'.join(esc(x) for x in summary)}</p>"
                          f"<details><summary>every pair without the reference</summary><pre>"
