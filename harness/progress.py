@@ -63,8 +63,9 @@ class RunsProgress(_Live):
 
     def eta(self) -> float | None:
         """Seconds left, or None before any work is done."""
-        work = self.done + sum(self.share.values())
-        return None if work <= 0 else (time.time() - self.t0) * (self.total - work) / work
+        with self.lock:
+            work = self.done + sum(self.share.values())
+            return None if work <= 0 else (time.time() - self.t0) * (self.total - work) / work
 
     def _info(self) -> str:
         left = self.eta()
