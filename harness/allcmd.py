@@ -63,25 +63,27 @@ def matrix_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
 @click.command("all")
 @click.option("--matrix", "matrix_file", default="default", show_default=True, help="Matrix name or file.")
 @matrix_options
-def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True,
+              help="List every pair without the reference, not one line when they agree.")
+def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool, verbose: bool) -> None:
     """The main job: run the default matrix (every installed backend, the reference's ULP envelope),
     compare every run with the reference, and write the report."""
     m, entries = run_and_summarise(matrix_file, out, jobs, force)
     folder = out / m.name
     code = runner.EXIT_CRASH if any(e.status == "failed" for e in entries) else runner.EXIT_OK
     from .comparecmd import compare_folder
-    from .report import build
+    from .report import build, markdown
     index = folder / "report" / "index.html"
     fresh = [e for e in entries if e.status == "ran" or (e.status == "unsupported" and not e.cached)]
     if not fresh and not force and (folder / "comparison.json").exists() and index.exists():
         # nothing changed since the last comparison: its verdicts stand (make-style)
         prev = json.loads((folder / "comparison.json").read_text())
-        click.echo((folder / "report" / "summary.md").read_text().rstrip())
+        click.echo(markdown(folder, verbose).rstrip())
         click.echo("(nothing changed: comparison and report are up to date)")
         code = max(code, int(prev.get("exit_code", 0)))
     else:
-        code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k))
-        index = build(folder)
+        code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k, verbose=verbose))
+        index = build(folder, verbose=verbose)
     click.echo(f"report:  {index.resolve()}")
     click.echo(f"results: {folder.resolve()}")
     sys.exit(code)
@@ -89,13 +91,14 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool) -> None:
 
 @click.command("report")
 @click.argument("folder", type=click.Path(path_type=Path, exists=True, file_okay=False))
-def report_cmd(folder: Path) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="summary.md lists every pair without the reference.")
+def report_cmd(folder: Path, verbose: bool) -> None:
     """Regenerate FOLDER/report/index.html and summary.md from existing results (no training)."""
     from .report import build, find_comparisons
     if not find_comparisons(folder):
         click.echo(f"duipai: error: {folder}: no comparison.json; run `duipai compare {folder}` first", err=True)
         sys.exit(runner.EXIT_BAD_INPUT)
-    click.echo(str(build(folder).resolve()))
+    click.echo(str(build(folder, verbose=verbose).resolve()))
 
 
 @click.command("selftest")

@@ -431,8 +431,8 @@ def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool | None =
 def _fmt_factor(x: Any) -> str:
     if x is None:
         return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf"
+    if isinstance(x, str) or (isinstance(x, float) and not math.isfinite(x)):   # comparison.json writes "inf"
+        return str(x) if isinstance(x, str) else "inf"
     return f"{x:.3g}x"
 
 
@@ -450,9 +450,63 @@ def labels(runs: list[Run]) -> dict[str, str]:
     return out
 
 
-def render(c: Comparison) -> str:
+AGREE = (IDENTICAL, DRIFT)
+
+
+def odd_one_out_line(odd: dict[str, Any] | None, reference: str,
+                     label: Callable[[str], str]) -> tuple[bool, str] | None:
+    """The odd one out in words: (whether it is the reference, the sentence). A reference that every
+    other run disagrees with while they all agree points at the reference, not at the candidates its
+    pairs call BUG: that sentence must lead every output."""
+    if not odd:
+        return None
+    who = label(odd["run"])
+    if odd["run"] == reference:
+        return True, (f"The reference {who} is the odd one out: it disagrees with every other run, and they all "
+                      "agree with each other; the bug is most likely in the reference.")
+    return False, (f"odd one out: {who}: disagrees with every other run, and they all agree with each other; "
+                   f"the bug is most likely in {who}.")
+
+
+def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> str:
+    return f"{a} ~ {b}: {verdict}" + (f" from step {first['step']} ({first['series']}, {_fmt_factor(first['factor'])})"
+                                      if first else "")
+
+
+def other_pairs_lines(rows: list[tuple[str, str, str, dict[str, Any] | None, float]], margin: float,
+                      verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
+    """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
+    inside): one line when they all agree (the answer is the table above), each disagreeing pair
+    listed, every pair with verbose."""
+    if not rows:
+        return []
+    head = f"pairs without the reference (margin x{margin:g})"
+    if verbose:
+        return [head + ":"] + ["  " + _pair_words(*r[:4]) for r in rows]
+    agree = [r for r in rows if r[2] in AGREE]
+    by = {v: sum(r[2] == v for r in agree) for v in AGREE}
+    counts = ", ".join(f"{n} {v}" for v, n in by.items() if n)
+    said = counts if sum(n > 0 for n in by.values()) == 1 else f"{len(agree)} agree: {counts}"
+    if len(agree) == len(rows):
+        inside = f"max {max(r[4] for r in agree):.2g}x of the envelope, " if by[DRIFT] else ""
+        return [f"pairs without the reference: all {said} ({inside}margin x{margin:g}{hint})"]
+    rest = [r for r in rows if r[2] not in AGREE]
+    return [f"{head}: " + (f"{said}; " if agree else "") + f"{len(rest)} do not:"] + [
+        "  " + _pair_words(*r[:4]) for r in rest]
+
+
+def _max_inside(p: Pair) -> float:
+    return max((x.max_ratio for x in p.checks.values() if math.isfinite(x.max_ratio)), default=0.0)
+
+
+def render(c: Comparison, verbose: bool = False) -> str:
+    """The terminal table. The odd one out leads when it is the reference; the pairs without the
+    reference follow the table as one line when they all agree (every pair with verbose)."""
     lines = []
     lab = labels(c.runs)
+    odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
+    if odd and odd[0]:
+        lines += [odd[1], ""]
     for f in c.forced:
         lines.append(f"FORCED: {f}")
     r = c.rule
@@ -478,9 +532,8 @@ def render(c: Comparison) -> str:
             where = ", ".join(p.declared)
         if p.verdict == DECLARED:
             where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
-        inside = max((x.max_ratio for x in p.checks.values() if math.isfinite(x.max_ratio)), default=0.0)
         rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
-                     f.get("series", "-"), _fmt_factor(f.get("factor")) if p.first else f"max {inside:.2g}x",
+                     f.get("series", "-"), _fmt_factor(f.get("factor")) if p.first else f"max {_max_inside(p):.2g}x",
                      where))
     head = ("candidate", "verdict", "step", "series", "factor", "where")
     widths = [max(len(h), *(len(rw[i]) for rw in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -507,16 +560,13 @@ def render(c: Comparison) -> str:
             lines.append("  " + line)
         for n in p.notes:
             lines.append(f"  note: {n}")
-    others = [p for p in c.pairs if not p.with_reference]
+    others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first, _max_inside(p))
+              for p in c.pairs if not p.with_reference]
     if others:
         lines.append("")
-        lines.append("pairs without the reference (margin x{:g}):".format(c.rule.margin * c.rule.pair_factor))
-        for p in others:
-            lines.append(f"  {lab[p.a.name]} ~ {lab[p.b.name]}: {p.verdict}"
-                         + (f" from step {p.first['step']} ({p.first['series']}, {_fmt_factor(p.first['factor'])})"
-                            if p.first else ""))
-    if c.odd:
-        lines.append(f"odd one out: {lab[c.odd['run']]}: disagrees with every other run, and they all agree")
+        lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose)
+    if odd and not odd[0]:
+        lines.append(odd[1])
     for n in c.notes:
         lines.append(f"note: {n}")
     for f in c.forced:
@@ -525,4 +575,5 @@ def render(c: Comparison) -> str:
 
 
 __all__ = ["compare", "check_pair", "Comparison", "Pair", "render", "write_outputs", "check_comparable",
+           "odd_one_out_line", "other_pairs_lines",
            "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER"]

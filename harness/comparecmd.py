@@ -105,6 +105,8 @@ def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
 @click.option("--steps-csv/--no-steps-csv", "steps_csv", default=None,
               help="Write comparison-steps.csv (every per-step number; default: for runs up to 100,000 steps).")
 @click.option("--json", "as_json", is_flag=True, help="Print comparison.json on stdout instead of the table.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="List every pair without the reference, not one line when they agree.")
 @click.option("--timeout", type=float, default=None, help="Kill a backend job (envelope, probe, replay) after this many s.")
 @click.option("--stat", is_flag=True, help="Statistical mode: groups of seeds, Welch t-test per metric and step.")
 @click.option("--seeds", default=None, help="--stat: train these data-order seeds for every group (e.g. 0,1,2,3,4).")
@@ -114,13 +116,13 @@ def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
 def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths: tuple[Path, ...], no_fp64: bool,
                 margin: float | None, force: bool, no_localize: bool, out: Path | None, steps_csv: bool | None,
                 as_json: bool, timeout: float | None, stat: bool, seeds: str | None, at: str | None,
-                metrics: str, alpha: float) -> None:
+                metrics: str, alpha: float, verbose: bool) -> None:
     """Compare runs of one configuration: IDENTICAL / DRIFT / BUG / DECLARED / INCONCLUSIVE per
     candidate against the reference's calibrated 1-ULP envelope; a BUG is localized to a stage,
     layer and parameter. PATHS: run folders, or one results folder."""
     try:
         code = _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, steps_csv, as_json,
-                     timeout, stat, seeds, at, metrics, alpha)
+                     timeout, stat, seeds, at, metrics, alpha, verbose)
     except BadInput as e:
         _fail(str(e))
     except BackendFailed as e:
@@ -133,10 +135,11 @@ def _log(msg: str) -> None:
 
 
 def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_localize, out, steps_csv, as_json, timeout,
-          stat, seeds, at, metrics, alpha) -> int:
+          stat, seeds, at, metrics, alpha, verbose: bool = False) -> int:
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
     from .localize import Localizer
+    from .progress import Activity
     from .runs import load_run
     if k < 1:
         raise BadInput(f"-k must be >= 1, got {k}")
@@ -153,33 +156,34 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
     rule = DEFAULT_RULE if margin is None else replace(DEFAULT_RULE, margin=margin)
     groups, forced = _groups(runs, scanned is not None, force)
     results = []
-    for group in groups:
-        if len(group) < 2:
-            notes.append(f"{group[0].name}: no other run of its configuration, not compared")
-            continue
-        ref = _pick_reference(group, reference) if scanned is None or any(
-            r.backend == reference or r.name == reference for r in group) else None
-        if ref is None:
-            notes.append(f"{len(group)} runs of model {group[0].manifest.get('model')} have no {reference} run: "
-                         f"not compared ({', '.join(r.name for r in group)})")
-            continue
-        cands = [r for r in group if r is not ref]
-        group_forced = list(forced)
-        group_notes = [] if ref.is_clean() else [f"the reference {ref.name} is not a clean run (fault, perturbation "
-                                                 "or float64)"]
-        if envelope_paths:
-            members = [load_run(p) for p in envelope_paths]
-            group_forced += check_comparable([ref] + members, force)
-        else:
-            avoid = {r.perturb_ulp for r in group if r.perturb_ulp is not None}
-            members, env_notes = envelope_runs(ref, envelope_seeds(k, avoid), precision=not no_fp64,
-                                               timeout=timeout, log=_log)
-            group_notes += env_notes
-        env = compute(ref, members, rule)
-        loc = None if no_localize else Localizer(ref.path.parent, timeout=timeout, log=_log)
-        c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc)
-        c.notes += group_notes
-        results.append(c)
+    with Activity("comparing", _log) as say:   # envelope runs and localization jobs: a spinner on a terminal
+        for group in groups:
+            if len(group) < 2:
+                notes.append(f"{group[0].name}: no other run of its configuration, not compared")
+                continue
+            ref = _pick_reference(group, reference) if scanned is None or any(
+                r.backend == reference or r.name == reference for r in group) else None
+            if ref is None:
+                notes.append(f"{len(group)} runs of model {group[0].manifest.get('model')} have no {reference} run: "
+                             f"not compared ({', '.join(r.name for r in group)})")
+                continue
+            cands = [r for r in group if r is not ref]
+            group_forced = list(forced)
+            group_notes = [] if ref.is_clean() else [f"the reference {ref.name} is not a clean run (fault, "
+                                                     "perturbation or float64)"]
+            if envelope_paths:
+                members = [load_run(p) for p in envelope_paths]
+                group_forced += check_comparable([ref] + members, force)
+            else:
+                avoid = {r.perturb_ulp for r in group if r.perturb_ulp is not None}
+                members, env_notes = envelope_runs(ref, envelope_seeds(k, avoid), precision=not no_fp64,
+                                                   timeout=timeout, log=say)
+                group_notes += env_notes
+            env = compute(ref, members, rule)
+            loc = None if no_localize else Localizer(ref.path.parent, timeout=timeout, log=say)
+            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc)
+            c.notes += group_notes
+            results.append(c)
     if not results:
         raise BadInput("nothing to compare: " + "; ".join(notes))
     code = max(c.exit_code for c in results)
@@ -188,9 +192,9 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
         c.notes += notes
         paths_written = write_outputs(c, out_dir, per_step=steps_csv)
         doc = json.loads(paths_written["json"].read_text())
-        text = render(c)
+        text = render(c, verbose)
     else:
-        paths_written, doc, text = _write_groups(results, out_dir, notes, steps_csv)
+        paths_written, doc, text = _write_groups(results, out_dir, notes, steps_csv, verbose)
     if as_json:
         click.echo(json.dumps(doc))
     else:
@@ -199,7 +203,7 @@ def _main(paths, reference, k, envelope_paths, no_fp64, margin, force, no_locali
     return code
 
 
-def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | None):
+def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | None, verbose: bool = False):
     """Several comparable groups in one results folder: each group's files in a folder of its own,
     out_dir/<reference run>/ (every comparison.json is one comparison, as the report reads them)."""
     from .compare import render, write_outputs
@@ -209,14 +213,14 @@ def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | No
         written = write_outputs(c, out_dir / c.reference.name, per_step=steps_csv)
         paths.update({f"{c.reference.name}:{k}": v for k, v in written.items()})
         docs.append(json.loads(written["json"].read_text()))
-        texts.append(render(c))
+        texts.append(render(c, verbose))
     doc = {"schema": 1, "tool": "duipai compare", "mode": "lockstep-groups", "comparisons": docs,
            "exit_code": max(c.exit_code for c in results)}
     return paths, doc, ("\n\n" + "=" * 78 + "\n").join(texts)
 
 
 def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, localize: bool = True,
-                   timeout: float | None = None) -> int:
+                   timeout: float | None = None, verbose: bool = False) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
     the exit status (0 no BUG, 1 BUG, 2 bad input, 3 a backend job failed)."""
@@ -224,7 +228,7 @@ def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, locali
     runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
     try:
         return _main((runs_dir,), reference, k, (), False, None, False, not localize, folder, None, False, timeout,
-                     False, None, None, "eval_loss,eval_accuracy,loss", 0.05)
+                     False, None, None, "eval_loss,eval_accuracy,loss", 0.05, verbose)
     except BadInput as e:
         click.echo(f"duipai: error: {e}", err=True)
         return runner.EXIT_BAD_INPUT

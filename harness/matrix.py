@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import sys
-import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -23,6 +22,7 @@ from algorithms.optim import OPTIMIZERS, HParamError, HParams
 
 from . import runner
 from .files import atomic_write_text
+from .progress import RunsProgress
 from .runner import BackendFailed, BadInput, RunConfig
 
 MATRICES_DIR = Path(__file__).parent / "matrices"
@@ -246,8 +246,10 @@ def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
 
 def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1, *, force: bool = False,
                 timeout: float | None = None,
-                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Entry]:
-    """Run (or reuse) every entry into out/runs; never raises for one backend's failure."""
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+                live: bool | None = None) -> list[Entry]:
+    """Run (or reuse) every entry into out/runs; never raises for one backend's failure. Progress: live
+    bars when stderr is a terminal (live=None) or live=True, else one `log` line per finished run."""
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     out_root = cache_root
@@ -275,14 +277,12 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
             e.status, e.message, e.log = "unsupported", p.get("message", ""), p.get("log", "")
             e.cached = True
     todo = [e for e in entries if e.status == "pending"]
-    lock = threading.Lock()
-    done = [0]
 
     def one(e: Entry) -> None:
         t0 = time.time()
         pk = (e.cfg.model, e.cfg.data, e.cfg.hparams, e.cfg.perturb_ulp, e.cfg.devices)
         try:
-            runner.execute(e.cfg, runs, e.name, timeout=timeout, prepared=preps[pk],
+            runner.execute(e.cfg, runs, e.name, timeout=timeout, prepared=preps[pk], on_progress=bars.started(e.name),
                            manifest_extra={"run_key": e.key, "matrix": out.name, "role": e.role})
             e.status = "ran"
         except BackendFailed as err:
@@ -291,14 +291,13 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
         except BadInput as err:
             e.status, e.message = "failed", str(err)
         e.seconds = time.time() - t0
-        with lock:
-            done[0] += 1
-            log(f"[{done[0]}/{len(todo)}] {e.status:<11} {e.name} ({e.seconds:.1f} s){' - ' + e.message if e.message else ''}")
+        bars.finished(e.name, f"{e.status:<11} {e.name} ({e.seconds:.1f} s){' - ' + e.message if e.message else ''}")
 
     cached = sum(e.status == "cached" for e in entries)
     if cached:
         log(f"{cached} run(s) up to date, {len(todo)} to run")
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with RunsProgress([e.name for e in todo], log, live=live) as bars, \
+            ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for f in as_completed([pool.submit(one, e) for e in todo]):
             f.result()
     return entries

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from .compare import odd_one_out_line, other_pairs_lines
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
@@ -138,7 +139,8 @@ def fig_timing(runs: dict[str, Path]) -> str | None:
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}h1{font-size:22px}h2{font-size:18px;margin-top:1.6em}img{max-width:100%}
-.small{color:#666;font-size:12px}code{background:#f6f6f6;padding:0 3px}"""
+.small{color:#666;font-size:12px}code{background:#f6f6f6;padding:0 3px}
+.lead{font-size:16px;font-weight:bold;background:#fde9b5;border-left:6px solid #d9822b;padding:.5em .8em}"""
 
 
 def _verdict_cell(v: str) -> str:
@@ -171,7 +173,7 @@ def verdict_table(comp: dict[str, Any]) -> str:
         extra = ""
         if p.get("declared_differences"):
             extra = "declared: " + esc(", ".join(p["declared_differences"]))
-        if odd and odd.get("backend") == p.get("candidate_backend"):
+        if odd.get("run") == p.get("candidate"):
             extra += " odd one out"
         rows.append(f"<tr><td>{esc(_short(p['candidate'], ref))}</td>{_verdict_cell(p['verdict'])}"
                     f"<td>{esc(f.get('step', '-'))}</td><td>{esc(f.get('series', '-'))}</td>"
@@ -225,8 +227,60 @@ def problems_table(status: dict[str, Any] | None) -> str:
             + rows + "</table>")
 
 
-def build(folder: Path, out: Path | None = None) -> Path:
-    """Write <folder>/report/index.html and summary.md from the comparisons found under `folder`."""
+def odd_lead(comp: dict[str, Any]) -> tuple[bool, str] | None:
+    """The odd-one-out sentence of a comparison.json: (whether it is the reference, the sentence)."""
+    ref, backend = comp["reference"]["run"], comp["reference"]["backend"]
+    return odd_one_out_line(comp.get("odd_one_out"), ref, lambda n: backend if n == ref else _short(n, ref))
+
+
+def _finite(x: Any) -> float:
+    return x if isinstance(x, (int, float)) and x == x and abs(x) != float("inf") else 0.0
+
+
+def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
+    """The lines about the pairs without the reference (harness/compare.py other_pairs_lines)."""
+    ref = comp["reference"]["run"]
+    rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
+             max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0))
+            for p in comp["pairs"] if not p.get("with_reference")]
+    rule = comp.get("rule", {})
+    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint)
+
+
+def markdown(folder: Path, verbose: bool = False) -> str:
+    """summary.md: per comparison the odd one out first when it is the reference, the verdict table,
+    the pairs without the reference (one line when they agree), then the runs that did not complete."""
+    folder = Path(folder)
+    md = [f"# duipai: {folder.name}", ""]
+    for c in find_comparisons(folder):
+        comp = json.loads(c.read_text())
+        ref = comp["reference"]["run"]
+        odd = odd_lead(comp)
+        md += [f"## {ref}", ""]
+        if odd and odd[0]:
+            md += [f"**{odd[1]}**", ""]
+        md += ["| candidate | verdict | first step | series | factor | located |", "|---|---|---|---|---|---|"]
+        for p in comp["pairs"]:
+            if p.get("with_reference"):
+                f = p.get("first_divergence") or {}
+                loc = p.get("localization") or {}
+                md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
+                          f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | "
+                          f"{' / '.join(str(x) for x in (loc.get('stage'), loc.get('layer') or loc.get('parameter')) if x) or '-'} |")
+        md.append("")
+        more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])
+        if more:
+            md += ["```", *more, "```", ""]
+    status = json.loads((folder / "matrix.json").read_text()) if (folder / "matrix.json").exists() else None
+    for e in (status or {}).get("entries", []):
+        if e["status"] in ("failed", "unsupported", "skipped"):
+            md.append(f"- **{e['status'].upper()}** {e['name']}: {e['message']}")
+    return "\n".join(md) + "\n"
+
+
+def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
+    """Write <folder>/report/index.html and summary.md from the comparisons found under `folder`;
+    verbose lists every pair without the reference in summary.md (the page always has them, folded)."""
     folder = Path(folder)
     out = out or folder / "report"
     comps = find_comparisons(folder)
@@ -237,7 +291,6 @@ def build(folder: Path, out: Path | None = None) -> Path:
              f"<style>{CSS}</style></head><body><h1>duipai report: {esc(folder.name)}</h1>"
              f"<p class=small>generated {esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} from "
              f"{esc(folder.resolve())}; regenerate with <code>duipai report {esc(folder)}</code></p>"]
-    md = [f"# duipai: {folder.name}", ""]
     all_runs: list[Path] = []
     if not comps:
         parts.append("<p><b>No comparison found.</b> Run <code>duipai compare</code> on this folder first.</p>")
@@ -248,18 +301,19 @@ def build(folder: Path, out: Path | None = None) -> Path:
                 for r in comp["runs"]}
         all_runs += list(runs.values())
         parts.append(f"<h2>Verdicts: {esc(ref)}</h2>")
+        odd = odd_lead(comp)
+        if odd and odd[0]:
+            parts.append(f"<p class=lead id=odd-one-out>{esc(odd[1])}</p>")
         for note in comp.get("forced", []) + comp.get("notes", []):
             parts.append(f"<p><b>Note:</b> {esc(note)}</p>")
         parts.append(verdict_table(comp))
-        md += [f"## {ref}", "", "| candidate | verdict | first step | series | factor | located |", "|---|---|---|---|---|---|"]
-        for p in comp["pairs"]:
-            if p.get("with_reference"):
-                f = p.get("first_divergence") or {}
-                loc = p.get("localization") or {}
-                md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
-                          f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | "
-                          f"{' / '.join(str(x) for x in (loc.get('stage'), loc.get('layer') or loc.get('parameter')) if x) or '-'} |")
-        md.append("")
+        if odd and not odd[0]:
+            parts.append(f"<p id=odd-one-out><b>{esc(odd[1])}</b></p>")
+        summary, every = other_pairs(comp, hint=""), other_pairs(comp, verbose=True)
+        if summary:
+            parts.append(f"<p class=pairs>{'<br>'.join(esc(x) for x in summary)}</p>"
+                         f"<details><summary>every pair without the reference</summary><pre>"
+                         f"{esc(chr(10).join(every))}</pre></details>")
         parts.append(f"<h3>Curves</h3><img alt='curves' src='{fig_curves(runs, ref)}'>")
         diff = fig_differences(c.parent / "comparison-steps.csv", comp)
         if diff:
@@ -268,13 +322,9 @@ def build(folder: Path, out: Path | None = None) -> Path:
         if t:
             parts.append(f"<h3>Step time</h3><img alt='step time' src='{t}'>")
     parts.append(problems_table(status))
-    if status:
-        bad = [e for e in status.get("entries", []) if e["status"] in ("failed", "unsupported", "skipped")]
-        for e in bad:
-            md.append(f"- **{e['status'].upper()}** {e['name']}: {e['message']}")
     parts.append("<h2>Declared semantic differences</h2>" + declared_table(all_runs))
     parts.append("<h2>Environment</h2>" + environment_table(all_runs))
     parts.append("</body></html>")
     atomic_write_text(out / "index.html", "\n".join(parts))
-    atomic_write_text(out / "summary.md", "\n".join(md) + "\n")
+    atomic_write_text(out / "summary.md", markdown(folder, verbose))
     return out / "index.html"

@@ -1,0 +1,234 @@
+"""What the user reads: the odd one out leading the terminal, the report and summary.md when it is the
+reference; the pairs without the reference in one line when they agree (every pair with -v); progress
+as plain lines off a terminal and as live bars on one. Synthetic run folders: no framework runs."""
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from .synthetic import base_eval, base_series, family, jitter, write_run
+
+N = 100
+
+
+def _shifted(rng, scale: float = 1.01) -> dict[str, np.ndarray]:
+    s = jitter(base_series(N), rng, 1e-6)
+    s["loss"] = s["loss"] * scale
+    return s
+
+
+@pytest.fixture
+def wrong_reference(tmp_path):
+    """A reference (with its envelope) whose loss is 1% off, and three backends that agree with each
+    other: what a fault injected into the reference looks like."""
+    ref, members = family(tmp_path, N)
+    rng = np.random.default_rng(7)
+    cands = [write_run(tmp_path, f"toy__{b}", _shifted(rng), base_eval(N), backend=b)
+             for b in ("jax", "tensorflow", "keras-jax")]
+    return tmp_path, ref, members, cands
+
+
+def _compare(*args: str):
+    from harness.cli import main
+    return CliRunner().invoke(main, ["compare", *args], catch_exceptions=False)
+
+
+def _envelope(members) -> list[str]:
+    return [a for m in members for a in ("--envelope", str(m))]
+
+
+def _first_verdict_line_md(md: str) -> str:
+    """The first line under the comparison's heading that says something."""
+    after = md.split("\n## ", 1)[1].splitlines()[1:]
+    return next(x for x in after if x.strip())
+
+
+def _first_verdict_line_html(page: str) -> str:
+    section = page.split("<h2>Verdicts", 1)[1]
+    first = re.search(r"<(p|table)\b[^>]*>(.*?)</\1>", section, re.S)
+    return re.sub(r"<[^>]+>", "", first.group(2)) if first.group(1) == "p" else "(the table)"
+
+
+def test_a_wrong_reference_leads_the_terminal_the_report_and_the_summary(wrong_reference):
+    root, ref, members, cands = wrong_reference
+    out = root / "out"
+    r = _compare(str(ref), *map(str, cands), *_envelope(members), "--no-localize", "--out", str(out))
+    assert r.exit_code == 1, r.output          # a BUG between the reference and a candidate is still a BUG
+    lead = "The reference torch is the odd one out"
+    assert r.output.splitlines()[0].startswith(lead), r.output
+    assert r.output.count("odd one out") == 1
+    doc = json.loads((out / "comparison.json").read_text())
+    assert set(doc["verdicts"].values()) == {"BUG"} and doc["odd_one_out"]["run"] == "ref"
+
+    from harness.allcmd import report_cmd
+    rr = CliRunner().invoke(report_cmd, [str(out)], catch_exceptions=False)
+    assert rr.exit_code == 0, rr.output
+    md = (out / "report" / "summary.md").read_text()
+    assert _first_verdict_line_md(md).startswith(f"**{lead}"), md
+    assert "the bug is most likely in the reference" in _first_verdict_line_md(md)
+    assert md.count("| **BUG** |") == 3       # the per-pair verdicts stay as they are
+    page = (out / "report" / "index.html").read_text()
+    assert _first_verdict_line_html(page).startswith(lead), page[:3000]
+
+
+def test_a_wrong_candidate_is_named_after_the_table_not_first(tmp_path):
+    ref, members = family(tmp_path, N)
+    rng = np.random.default_rng(3)
+    good = [write_run(tmp_path, f"toy__{b}", jitter(base_series(N), rng, 1e-6), base_eval(N), backend=b)
+            for b in ("jax", "keras-jax")]
+    bad = write_run(tmp_path, "toy__tensorflow", _shifted(rng), base_eval(N), backend="tensorflow")
+    out = tmp_path / "out"
+    r = _compare(str(ref), *map(str, good + [bad]), *_envelope(members), "--no-localize", "--out", str(out))
+    assert r.exit_code == 1
+    lines = r.output.splitlines()
+    assert lines[0].startswith("reference:")
+    odd = [i for i, x in enumerate(lines) if "odd one out" in x]
+    table = lines.index(next(x for x in lines if x.startswith("candidate")))
+    assert len(odd) == 1 and odd[0] > table and "tensorflow" in lines[odd[0]]
+    from harness.report import markdown
+    md = markdown(out)
+    assert _first_verdict_line_md(md).startswith("| candidate")
+    assert "odd one out: tensorflow" in md
+
+
+@pytest.fixture
+def agreeing(tmp_path):
+    """Four candidates inside the reference's envelope: six pairs without the reference, all DRIFT."""
+    ref, members = family(tmp_path, N)
+    rng = np.random.default_rng(11)
+    cands = [write_run(tmp_path, f"toy__{b}", jitter(base_series(N), rng, 1e-6), base_eval(N), backend=b)
+             for b in ("jax", "tensorflow", "keras-jax", "keras-torch")]
+    return tmp_path, ref, members, cands
+
+
+def test_pairs_without_the_reference_are_one_line_when_they_agree_and_listed_with_verbose(agreeing):
+    root, ref, members, cands = agreeing
+    args = [str(ref), *map(str, cands), *_envelope(members), "--no-localize", "--out", str(root / "out")]
+    short = _compare(*args)
+    assert short.exit_code == 0, short.output
+    about = [x for x in short.output.splitlines() if "pairs without the reference" in x or " ~ " in x]
+    assert len(about) == 1 and about[0].startswith("pairs without the reference: all 6 DRIFT (max "), about
+    verbose = _compare(*args, "-v")
+    assert verbose.exit_code == 0
+    listed = [x for x in verbose.output.splitlines() if " ~ " in x]
+    assert len(listed) == 6 and all(x.endswith(": DRIFT") for x in listed)
+    # the machine-readable output does not depend on it
+    j1 = _compare(*args, "--json").output
+    j2 = _compare(*args, "--json", "-v").output
+    assert j1 == j2 and json.loads(j1)["verdicts"] == {c.name: "DRIFT" for c in cands}
+
+
+def test_disagreeing_pairs_without_the_reference_are_each_listed():
+    from harness.compare import other_pairs_lines
+    rows = [("a", "b", "DRIFT", None, 1.5), ("a", "c", "IDENTICAL", None, 0.0),
+            ("b", "c", "DIFFER", {"step": 7, "series": "loss", "factor": 9.0}, 9.0)]
+    lines = other_pairs_lines(rows, 6.0)
+    assert lines[0] == "pairs without the reference (margin x6): 2 agree: 1 IDENTICAL, 1 DRIFT; 1 do not:"
+    assert lines[1:] == ["  b ~ c: DIFFER from step 7 (loss, 9x)"]
+    assert other_pairs_lines(rows[:2], 6.0) == [
+        "pairs without the reference: all 2 agree: 1 IDENTICAL, 1 DRIFT (max 1.5x of the envelope, margin x6; "
+        "-v lists them)"]
+    assert len(other_pairs_lines(rows, 6.0, verbose=True)) == 4 and other_pairs_lines([], 6.0) == []
+
+
+# --------------------------------------------------------------------------- progress
+class FakeExecute:
+    """runner.execute without a framework: a few step messages, then a folder (or a failure)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, cfg, out_root, name=None, *, on_progress=None, **kw):
+        from harness.runner import BackendFailed
+        self.calls += 1
+        for s in (0, 5, 10):
+            on_progress({"step": s, "of": 10, "loss": 1.0 / (s + 1)})
+        if cfg.perturb_ulp == 2:
+            raise BackendFailed("toy crash", log=None)
+        folder = out_root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+
+def _tiny_matrix(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text('name = "tiny"\nmodels = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\nsteps = 10\nenvelope_k = 2\n'
+                 "envelope_fp64 = false\n")
+    return p
+
+
+def test_matrix_progress_is_one_plain_line_per_finished_run_off_a_terminal(tmp_path, monkeypatch):
+    from harness import runner
+    from harness.cli import main
+    fake = FakeExecute()
+    monkeypatch.setattr(runner, "execute", fake)
+    r = CliRunner().invoke(main, ["matrix", str(_tiny_matrix(tmp_path)), "--out", str(tmp_path / "res"), "-j", "2"],
+                           catch_exceptions=False)
+    assert r.exit_code == 3 and fake.calls == 3      # one failed run: exit 3, the others complete
+    done = sorted(x for x in r.output.splitlines() if re.match(r"\[\d/3\] ", x))
+    assert [x[:5] for x in done] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert sum(" failed " in x and "ulp2" in x and "toy crash" in x for x in done) == 1
+    assert "\x1b[" not in r.output and "step 5/10" not in r.output     # no bars, no escape codes
+
+
+def test_live_progress_renders_steps_runs_and_time_left_from_several_threads():
+    from rich.console import Console
+    from harness.progress import RunsProgress
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=140)
+    names = [f"toy__torch__momentum__s0__ulp{i}" for i in range(6)]
+    logged = []
+    go = threading.Barrier(3)
+    with RunsProgress(names, logged.append, live=True, console=console) as bars:
+        assert bars.live and bars.eta() is None
+
+        def work(mine):
+            go.wait()
+            for n in mine:
+                step = bars.started(n)
+                for s in range(0, 101, 5):
+                    step({"step": s, "of": 100, "loss": 0.5})
+                bars.finished(n, f"ran         {n}")
+
+        threads = [threading.Thread(target=work, args=(names[i::3],)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        bars.bars.refresh()
+        assert bars.done == 6 and not bars.share and bars.eta() == 0
+    text = buf.getvalue()
+    assert sorted(re.findall(r"\[(\d)/6\] ran", text)) == list("123456")
+    assert "6/6 done, 0 running" in text and "left" in text and not logged   # live: nothing through the plain log
+
+
+def test_live_progress_shows_a_running_run_step_and_an_estimate():
+    from rich.console import Console
+    from harness.progress import RunsProgress
+    buf = io.StringIO()
+    with RunsProgress(["m__jax__s0", "m__tensorflow__s0"], print, live=True,
+                      console=Console(file=buf, force_terminal=True, width=140)) as bars:
+        bars.started("m__jax__s0")({"step": 30, "of": 120, "loss": 0.25})
+        bars.bars.refresh()
+        assert 0 < bars.eta() < 3600
+    text = buf.getvalue()
+    assert "jax" in text and "step 30/120 loss 0.25" in text and "0/2 done, 1 running" in text
+
+
+def test_activity_is_plain_off_a_terminal_and_a_spinner_on_one():
+    from rich.console import Console
+    from harness.progress import Activity
+    said = []
+    with Activity("comparing", said.append, live=False) as say:
+        say("localize: probe jax (x)")
+    assert said == ["localize: probe jax (x)"]
+    buf = io.StringIO()
+    with Activity("comparing", said.append, live=True, console=Console(file=buf, force_terminal=True)) as say:
+        say("localize: probe [tensorflow] (y)")
+    assert "localize: probe [tensorflow] (y)" in buf.getvalue() and len(said) == 1
