@@ -352,7 +352,7 @@ def test_cli_no_runs(tmp_path):
 
 # --------------------------------------------------------------------------- statistical mode
 def _seed_runs(root, backend, shift, seeds=range(5)):
-    rng = np.random.default_rng(hash(backend) % 1000)
+    rng = np.random.default_rng(0)   # every group the same noise: only `shift` separates them (no chance verdict)
     out = []
     for sd in seeds:
         s, e = base_series(N), base_eval(N)
