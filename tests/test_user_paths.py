@@ -132,9 +132,11 @@ def test_from_a_wheel_in_a_fresh_virtual_environment(tmp_path):
     editable install's finder there is not activated), so nothing is downloaded; duipai itself comes only
     from the wheel (asserted)."""
     need("torch")
-    dist = tmp_path / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(dist)],
-                       capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    src, dist = tmp_path / "src", tmp_path / "dist"     # a copy: the build leaves build/ and *.egg-info behind
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "results", "build", "*.egg-info", "__pycache__"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(src), "-w", str(dist)],
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     wheel = next(dist.glob("duipai-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -147,17 +149,18 @@ def test_from_a_wheel_in_a_fresh_virtual_environment(tmp_path):
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=600)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=600, env=env)
+    (Path(site) / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")   # after: pip must not
+    # see the editable install's metadata there and call duipai already installed
     user = tmp_path / "user"
     user.mkdir()
-    where = subprocess.run([str(py), "-c", "import harness, algorithms.spec as s; print(harness.__file__); "
-                            "print(s.MODELS_DIR)"], capture_output=True, text=True, cwd=user, env=env, check=True)
-    assert all(line.startswith(site) for line in where.stdout.split()), where.stdout
+    where = subprocess.run([str(py), "-c", "import harness, algorithms.spec as s, harness.baseline as b; "
+                            "print(harness.__file__, s.MODELS_DIR, b.BASELINES_DIR)"],
+                           capture_output=True, text=True, cwd=user, env=env, check=True)
+    *code, baselines = where.stdout.split()
+    assert all(p.startswith(site) for p in code), where.stdout
+    assert baselines == "results/baselines"     # no committed baselines in an installed package: the user's folder
     exe = [str(venv / "bin" / "duipai")]
-    r = duipai(user, "check", "--help", exe=exe, env=env)
-    assert "[default: results/baselines]" in r.stdout     # no committed baselines in an installed package
     for extra in ([], ["--name", NAME + "__again"]):
         r = duipai(user, "run", "-b", "torch", "--steps", "5", *extra, exe=exe, env=env)
         assert r.returncode == 0, r.stderr
