@@ -10,6 +10,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,12 @@ def _file_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _recorded(path: Path) -> str:
+    """The data file as the manifest records it: absolute, so that a run can be regenerated (envelope,
+    localization) from any working directory, not only the one it was started in."""
+    return os.path.abspath(path)
+
+
 def load_csv(train: str | Path, test: str | Path | None = None, *, raw_max: float = 255.0,
              image_shape: tuple[int, ...] | None = None, cache_dir: str | Path | None = None) -> Dataset:
     """MNIST-style CSV (label + pixel columns). Parsed once; later loads read a cached .npz."""
@@ -201,7 +208,7 @@ def load_csv(train: str | Path, test: str | Path | None = None, *, raw_max: floa
             arrs = dict(zip(("x_train", "y_train", "x_test", "y_test"), a))
         if cache:
             save_npz(cache, arrs)
-    src = "csv:" + ",".join(str(p) for p in paths)
+    src = "csv:" + ",".join(_recorded(p) for p in paths)
     return _finish(arrs["x_train"], arrs["y_train"], arrs["x_test"], arrs["y_test"], src, raw_max,
                    {"file_hash": key, "split": "given" if test else f"seeded permutation (seed {SPLIT_SEED})"})
 
@@ -233,7 +240,7 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None) -> Dataset:
         if parts[yi].ndim != 1 or len(parts[yi]) != len(parts[xi]):
             raise DataError(f"{p}: {len(parts[xi])} images but labels of shape {parts[yi].shape}")
     rm = raw_max if raw_max is not None else float(max(np.abs(parts[0]).max(), 1e-12))
-    return _finish(*parts, f"npz:{p}", rm, {"file_hash": _file_hash(p)})
+    return _finish(*parts, f"npz:{_recorded(p)}", rm, {"file_hash": _file_hash(p)})
 
 
 def load_data(spec: str, *, cache_dir: str | Path | None = None,

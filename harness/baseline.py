@@ -42,7 +42,16 @@ from .runs import COMPARABILITY, EVAL_SERIES, SERIES, STEP_SERIES, Run, load_run
 
 SCHEMA = 1
 TOOL = "duipai baseline"
-BASELINES_DIR = PROJECT_ROOT / "results" / "baselines"
+
+
+def _default_baselines() -> Path:
+    """The committed baselines of a source checkout (editable install); installed from a wheel there are
+    none, so results/baselines under the user's working directory, like the default --out."""
+    committed = PROJECT_ROOT / "results" / "baselines"
+    return committed if (PROJECT_ROOT / "pyproject.toml").is_file() and committed.is_dir() else Path("results/baselines")
+
+
+BASELINES_DIR = _default_baselines()
 INDEX = "index.json"
 SKIP_COLUMNS = ("step_time_s",)                      # timing, not numerics
 VOLATILE_MANIFEST = ("started", "wall_s", "train_wall_s", "command")

@@ -124,8 +124,14 @@ def _hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def user_path(path: str | Path) -> Path:
+    """A path the user gave, made absolute against the user's working directory (symlinks kept): what is
+    handed to a worker or written into a job or manifest must not depend on a process's working directory."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
 def cache_dir(out_root: Path) -> Path:
-    d = out_root / ".cache"
+    d = user_path(out_root) / ".cache"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -143,6 +149,7 @@ class Prepared:
 
 def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
     """Everything the backends must share; raises BadInput with a message naming the problem."""
+    out_root = user_path(out_root)
     from algorithms.spec import SpecError
     from algorithms.optim import HParamError
     try:
@@ -198,8 +205,9 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
             probe_steps: int = 3, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
             job_extra: dict[str, Any] | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
-    """Run one job; returns the published folder. Raises BadInput or BackendFailed."""
-    out_root = Path(out_root)
+    """Run one job; returns the published folder (absolute). Raises BadInput or BackendFailed.
+    Every path in the job file is absolute, so the worker's working directory does not matter."""
+    out_root = user_path(out_root)
     check_backend(cfg.backend)
     refusal = backend_info()[cfg.backend].get("no_data_parallel")
     if refusal and cfg.devices > 1:    # refused here, without starting a process (the wrapper refuses too)
@@ -214,7 +222,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     save_npz(tmp / "init_params.npz", prep.params)
     options = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout,
                "fault": cfg.fault, "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
-    job = {"mode": mode, "backend": cfg.backend, "model": prep.model.to_dict(), "model_source": str(prep.model.source),
+    job = {"mode": mode, "backend": cfg.backend, "model": prep.model.to_dict(), "model_source": _source(prep.model.source),
            "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(tmp / "order.npy"),
            "params": str(tmp / "init_params.npz"), "out": str(tmp), "options": options, "probe_steps": probe_steps,
            "cases": [c.to_dict() for c in cases] if cases else None, **(job_extra or {})}
@@ -273,6 +281,11 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     (tmp / "job.json").unlink()
     _publish(tmp, final)
     return final
+
+
+def _source(source: str) -> str:
+    """A model file's path for the job, absolute (a spec built from a dict keeps its label)."""
+    return str(user_path(source)) if Path(source).is_file() else source
 
 
 def _log_tail(path: Path, n: int = 8) -> str:

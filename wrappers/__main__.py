@@ -88,6 +88,16 @@ def launch(entry, job_path: str, job: dict) -> int:
         time.sleep(0.05)
 
 
+def _relative_paths(job: dict) -> list[tuple[str, str]]:
+    """The job's file paths that are not absolute (field, value): they would be read against whatever
+    folder the process was started in."""
+    fields = [(k, job.get(k)) for k in ("data", "order", "params", "out")]
+    replay = job.get("replay") or {}
+    fields += [("replay.checkpoint", replay.get("checkpoint"))]
+    fields += [(f"replay.states.{t}", v) for t, v in (replay.get("states") or {}).items()]
+    return [(k, v) for k, v in fields if isinstance(v, str) and not os.path.isabs(v)]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("info", "run", "rank"):
         print(__doc__, file=sys.stderr)
@@ -99,7 +109,13 @@ def main(argv: list[str]) -> int:
                                  "faults": sorted(e.faults | WORKER_FAULTS)}
                           for name, e in REGISTRY.items()}))
         return 0
-    job = json.loads(Path(argv[1]).read_text())
+    job_path = os.path.abspath(argv[1])     # handed on to the other processes of a multi-process job
+    job = json.loads(Path(job_path).read_text())
+    relative = _relative_paths(job)
+    if relative:
+        print(f"job {job_path}: field {relative[0][0]!r} is a relative path ({relative[0][1]!r}); a worker does not "
+              "depend on its working directory, so the harness writes absolute paths", file=sys.stderr)
+        return 2
     entry = REGISTRY.get(job["backend"])
     if entry is None:
         print(f"unknown backend {job['backend']!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
@@ -110,11 +126,11 @@ def main(argv: list[str]) -> int:
         return 4
     _set_env(entry, job)
     if argv[0] == "run" and entry.processes(job) > 1:
-        return launch(entry, argv[1], job)
+        return launch(entry, job_path, job)
     if argv[0] == "rank":
         os.environ["DUIPAI_PROCESS_INDEX"] = argv[2]
     from .worker import main as run
-    return run(argv[1])
+    return run(job_path)
 
 
 if __name__ == "__main__":
