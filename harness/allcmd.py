@@ -82,7 +82,8 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool, verbose: bool) 
         click.echo("(nothing changed: comparison and report are up to date)")
         code = max(code, int(prev.get("exit_code", 0)))
     else:
-        code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k, verbose=verbose))
+        code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k, fp64=m.envelope_fp64,
+                                         verbose=verbose))
         index = build(folder, verbose=verbose)
     click.echo(f"report:  {index.resolve()}")
     click.echo(f"results: {folder.resolve()}")

@@ -219,7 +219,7 @@ def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | No
     return paths, doc, ("\n\n" + "=" * 78 + "\n").join(texts)
 
 
-def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, localize: bool = True,
+def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, fp64: bool = True, localize: bool = True,
                    timeout: float | None = None, verbose: bool = False) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
@@ -227,7 +227,7 @@ def compare_folder(folder: Path, reference: str = "torch", *, k: int = 3, locali
     folder = Path(folder)
     runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
     try:
-        return _main((runs_dir,), reference, k, (), False, None, False, not localize, folder, None, False, timeout,
+        return _main((runs_dir,), reference, k, (), not fp64, None, False, not localize, folder, None, False, timeout,
                      False, None, None, "eval_loss,eval_accuracy,loss", 0.05, verbose)
     except BadInput as e:
         click.echo(f"duipai: error: {e}", err=True)
