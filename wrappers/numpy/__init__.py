@@ -18,7 +18,7 @@ class NumpyEntry(Entry):
     requires = ("numpy",)
     module = "wrappers.numpy.backend"
     description = "NumPy, the spec's formulas with hand-written backward, reference optimizer maths (the arbiter)"
-    # no hosts (one process by design), no threads (numpy is imported before the thread variables are set)
-    capabilities = frozenset({"data_parallel", "sync_bn", "float64"})
+    # no hosts: one process by design; threads: the BLAS pool limited at run time (threadpoolctl)
+    capabilities = frozenset({"data_parallel", "sync_bn", "float64", "threads"})
     # no lowering fault yet: a clean arbiter; the data-parallel faults live in its explicit all-reduce
     faults = DP_FAULTS

@@ -18,6 +18,18 @@ from .optim import ReferenceOptimizer
 BUFFER_ROLES = ("running_mean", "running_var")
 
 
+def _limit_blas_threads(n: int) -> int | None:
+    """NumPy's BLAS is loaded before the worker sets OPENBLAS_NUM_THREADS, so it is limited here, at run time
+    (threadpoolctl comes with scikit-learn, a base dependency): a 2-thread BLAS on small matrices on a
+    busy machine is ~10 x slower than one thread. None: no limit could be set (threadpoolctl missing)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
 class NumpyBackend(Backend):
     framework = "numpy"
     faults = NumpyEntry.faults
@@ -31,6 +43,7 @@ class NumpyBackend(Backend):
         if opts.dropout == "native" and model.has("dropout"):
             raise UnsupportedError("--dropout native: the numpy backend has no RNG of its own; it uses the harness masks")
         self.dtype = np.dtype(opts.dtype)
+        self.blas_threads = _limit_blas_threads(opts.threads)
         self.trainable = [q.name for q in model.trainable]
         self.p: dict[str, np.ndarray] = {}
         self.opt: ReferenceOptimizer | None = None
@@ -44,7 +57,8 @@ class NumpyBackend(Backend):
         return [f"replica {r} (simulated): {cpu}" for r in range(self.replicas)] if self.replicas > 1 else [cpu]
 
     def determinism(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype), "deterministic": "by construction (no RNG, fixed operation order)"}
+        return {"dtype": str(self.dtype), "blas_threads": self.blas_threads,
+                "deterministic": "no RNG; BLAS results depend on the BLAS build and its thread count"}
 
     def declared_differences(self) -> list[str]:
         if self.replicas > 1 and self.model.has("batchnorm2d") and not self.sync_bn:
