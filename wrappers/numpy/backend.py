@@ -68,17 +68,17 @@ class NumpyBackend(Backend):
     def parallel_info(self) -> dict[str, Any]:
         if self.replicas == 1:
             return super().parallel_info()
+        fault = self.opts.fault
+        shards = "every replica takes [0, B/N) (fault overlapping_shards)" if fault == "overlapping_shards" else \
+            "contiguous: replica r takes samples [r*B/N, (r+1)*B/N) of the global batch"
+        reduction = "sum of the replicas' mean-loss gradients (fault grad_sum_replicas)" if fault == "grad_sum_replicas" \
+            else "explicit all-reduce: the mean of the replicas' mean-loss gradients"
+        bn = "n/a (no BatchNorm)" if not self.model.has("batchnorm2d") else \
+            "all-reduced sums over the global batch" if self.sync_bn else \
+            "per replica; running statistics from replica 0's (as DDP's broadcast)"
         return {"strategy": "replicas simulated in one process, layer by layer", "replicas": self.replicas,
-                "processes": 1, "sync_bn": self.sync_bn,
-                "sharding": "contiguous: replica r takes samples [r*B/N, (r+1)*B/N) of the global batch"
-                            + (" (fault overlapping_shards: every replica takes [0, B/N))"
-                               if self.opts.fault == "overlapping_shards" else ""),
-                "gradient_reduction": ("sum of the replicas' mean-loss gradients (fault grad_sum_replicas)"
-                                       if self.opts.fault == "grad_sum_replicas" else
-                                       "explicit all-reduce: the mean of the replicas' mean-loss gradients"),
-                "batchnorm_statistics": ("n/a (no BatchNorm)" if not self.model.has("batchnorm2d") else
-                                         "all-reduced sums over the global batch" if self.sync_bn else
-                                         "per replica; running statistics from replica 0's (as DDP's broadcast)")}
+                "processes": 1, "sync_bn": self.sync_bn, "sharding": shards, "gradient_reduction": reduction,
+                "batchnorm_statistics": bn}
 
     # ---- state
     def load_params(self, params: dict[str, np.ndarray]) -> None:
