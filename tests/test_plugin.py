@@ -124,3 +124,24 @@ def test_broken_plugins_are_named_and_skipped(tmp_path):
     assert "'torch'" in err and "name clash" in err
     assert "'renamed'" in err and "Entry's name is 'toy-numpy'" in err
     assert len([l for l in err.splitlines() if l.startswith("duipai: backend")]) == 4
+
+
+def test_the_builtins_entry_points_in_pyproject(tmp_path):
+    """pyproject.toml's entry points as `pip install -e .` would write them (a duipai .dist-info ahead of the
+    installed one on PYTHONPATH): every built-in found through its entry point, none imported directly, in the
+    registry's order. Without them (an install that predates them) the built-ins are imported directly."""
+    import tomllib
+    from wrappers.registry import BUILTINS
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["duipai.backends"]
+    assert eps == BUILTINS
+    info_dir = tmp_path / "site" / "duipai-0.1.0.dist-info"
+    info_dir.mkdir(parents=True)
+    (info_dir / "METADATA").write_text("Metadata-Version: 2.1\nName: duipai\nVersion: 0.1.0\n")
+    (info_dir / "entry_points.txt").write_text("[duipai.backends]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    r = info(env_with(tmp_path / "site"))
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    got = json.loads(r.stdout)
+    assert list(got) == list(BUILTINS)
+    assert all(got[n]["origin"] == "built-in" and got[n]["entry_point"] == eps[n] for n in got)
+    direct = [n for n, i in INFO.items() if "imported directly" in i["origin"]]
+    assert direct in ([], list(BUILTINS))              # all through entry points, or none (an older install)
