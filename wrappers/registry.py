@@ -83,7 +83,11 @@ def discover() -> dict[str, type[Entry]]:
     found: dict[str, type[Entry]] = {}
     ORIGINS.clear()
     PROBLEMS.clear()
-    eps = sorted(md.entry_points(group=GROUP), key=lambda ep: ep.name)
+    try:
+        eps = sorted(md.entry_points(group=GROUP), key=lambda ep: ep.name)
+    except Exception as e:  # noqa: BLE001 - a malformed .dist-info somewhere on sys.path: keep the built-ins
+        _problem(f"the entry points of group {GROUP} could not be read ({type(e).__name__}: {e}); built-ins only")
+        eps = []
     ours = [ep for ep in eps if ep.dist is not None and ep.dist.name.lower() == PROJECT]
     ours.sort(key=lambda ep: list(BUILTINS).index(ep.name) if ep.name in BUILTINS else len(BUILTINS))
     for ep in ours:

@@ -105,7 +105,7 @@ class NumpyBackend(Backend):
         """(mean loss, replica losses, accuracy, all-reduced gradient): every replica's forward and
         backward on its shard, then the explicit reduction (mean; sum under grad_sum_replicas)."""
         bounds, xs, ms = self._shards(x, masks)
-        p = self.p if update_running else dict(self.p)       # a probe leaves the running buffers alone
+        p = self.p                   # update_running=False (a probe): the running buffers are left alone
         logits, caches = forward(self.model, p, xs, train=True, masks=ms, sync_bn=self.sync_bn,
                                  update_running=update_running)
         losses, dlogits, correct = [], [], 0
@@ -140,7 +140,7 @@ class NumpyBackend(Backend):
         """Training mode, every replica's shard, concatenated in replica order; running buffers untouched."""
         _, xs, ms = self._shards(x, masks)
         recs: list[dict[str, np.ndarray]] = [{} for _ in xs]
-        forward(self.model, dict(self.p), xs, train=True, masks=ms, sync_bn=self.sync_bn, record=recs)
+        forward(self.model, self.p, xs, train=True, masks=ms, sync_bn=self.sync_bn, record=recs)
         return {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
