@@ -203,18 +203,14 @@ EXTRA_CASES = {
 }
 
 
-def probe_cases() -> dict[str, HParams]:
-    from harness.probes import standard_cases
-    return {**standard_cases(), **EXTRA_CASES}
-
-
-def probe_agreement(model: str, root) -> dict[str, tuple[float, str]]:
-    """Per optimizer case: (worst relative error over every probe key, its key), numpy vs torch in float64."""
-    cases = probe_cases()
+def probe_agreement(model: str, root, extra: bool = False) -> dict[str, tuple[float, str]]:
+    """Per optimizer case: (worst relative error over every probe key, its key), numpy vs torch in float64.
+    The standard cases (their torch float64 probes shared with test_probes.py), or EXTRA_CASES."""
+    cases = EXTRA_CASES if extra else None
     ref = probes_for("torch", model, root, cases=cases, dtype="float64")
     got = probes_for("numpy", model, root, cases=cases, dtype="float64")
     out = {}
-    for case in cases:
+    for case in got:
         a, b = got[case].arrays, ref[case].arrays
         assert set(a) == set(b), f"{model} {case}: keys differ: {sorted(set(a) ^ set(b))[:6]}"
         worst = (0.0, "")
@@ -230,6 +226,15 @@ def probe_agreement(model: str, root) -> dict[str, tuple[float, str]]:
 @pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m == "cnn2d_3conv_3fc" else m
                                    for m in model_names()])
 def test_step0_probes_numpy_float64_match_torch_float64(model, results_root):
-    """Forward (training and inference), loss, gradients, three updates, buffers and optimizer state."""
+    """Forward (training and inference), loss, gradients, three updates, buffers and optimizer state:
+    sgd, sgd + L2, momentum and Nesterov with a step schedule, adam, adamw."""
     for case, (rel, key) in probe_agreement(model, results_root).items():
+        assert rel < PROBE_TOL, f"{model} {case}: {key} relative error {rel:.3g} >= {PROBE_TOL}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", model_names())
+def test_step0_probes_with_weight_decay_and_schedules(model, results_root):
+    """L2 with momentum, Nesterov and Adam under warmup, cosine and step schedules."""
+    for case, (rel, key) in probe_agreement(model, results_root, extra=True).items():
         assert rel < PROBE_TOL, f"{model} {case}: {key} relative error {rel:.3g} >= {PROBE_TOL}"
