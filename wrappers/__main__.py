@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .base import WORKER_FAULTS
-from .registry import REGISTRY
+from .registry import ORIGINS, REGISTRY
 
 
 def _set_env(entry, job: dict) -> None:
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires), "versions": e.versions(),
                                  "sources": e.sources(), "description": e.description,
                                  "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
-                                 "faults": sorted(e.faults | WORKER_FAULTS)}
+                                 "faults": sorted(e.faults | WORKER_FAULTS), **ORIGINS[name]}
                           for name, e in REGISTRY.items()}))
         return 0
     job_path = os.path.abspath(argv[1])     # handed on to the other processes of a multi-process job

@@ -1,0 +1,156 @@
+"""NumPy backend: layers.py's forward and hand-written backward, optim.py's reference optimizer, canonical
+layout throughout (nothing to permute), replicas simulated in-process with an explicit all-reduce."""
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+
+from algorithms.optim import HParams
+from algorithms.spec import ModelSpec
+
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, effective_step_for_lr, shard_bounds
+from . import NumpyEntry
+from .layers import backward, forward, softmax_xent
+from .optim import ReferenceOptimizer
+
+BUFFER_ROLES = ("running_mean", "running_var")
+
+
+def _limit_blas_threads(n: int) -> int | None:
+    """NumPy's BLAS is loaded before the worker sets OPENBLAS_NUM_THREADS, so it is limited here, at run time
+    (threadpoolctl comes with scikit-learn, a base dependency): a 2-thread BLAS on small matrices on a
+    busy machine is ~10 x slower than one thread. None: no limit could be set (threadpoolctl missing)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+class NumpyBackend(Backend):
+    framework = "numpy"
+    faults = NumpyEntry.faults
+
+    def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
+        super().__init__(model, hp, opts)
+        if opts.dtype not in ("float32", "float64"):
+            raise UnsupportedError(f"--dtype {opts.dtype}: the numpy backend computes in float32 or float64")
+        if self.hosts > 1:
+            raise UnsupportedError("--hosts: the numpy backend simulates its replicas in one process")
+        if opts.dropout == "native" and model.has("dropout"):
+            raise UnsupportedError("--dropout native: the numpy backend has no RNG of its own; it uses the harness masks")
+        self.dtype = np.dtype(opts.dtype)
+        self.blas_threads = _limit_blas_threads(opts.threads)
+        self.trainable = [q.name for q in model.trainable]
+        self.p: dict[str, np.ndarray] = {}
+        self.opt: ReferenceOptimizer | None = None
+
+    # ---- environment
+    def versions(self) -> dict[str, str]:
+        return {"numpy": np.__version__, "python": platform.python_version()}
+
+    def devices(self) -> list[str]:
+        cpu = f"cpu ({platform.processor() or platform.machine()})"
+        return [f"replica {r} (simulated): {cpu}" for r in range(self.replicas)] if self.replicas > 1 else [cpu]
+
+    def determinism(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype), "blas_threads": self.blas_threads,
+                "deterministic": "no RNG; BLAS results depend on the BLAS build and its thread count"}
+
+    def declared_differences(self) -> list[str]:
+        if self.replicas > 1 and self.model.has("batchnorm2d") and not self.sync_bn:
+            return ["per_replica_batchnorm"]
+        return []
+
+    def parallel_info(self) -> dict[str, Any]:
+        if self.replicas == 1:
+            return super().parallel_info()
+        fault = self.opts.fault
+        shards = "every replica takes [0, B/N) (fault overlapping_shards)" if fault == "overlapping_shards" else \
+            "contiguous: replica r takes samples [r*B/N, (r+1)*B/N) of the global batch"
+        reduction = "sum of the replicas' mean-loss gradients (fault grad_sum_replicas)" if fault == "grad_sum_replicas" \
+            else "explicit all-reduce: the mean of the replicas' mean-loss gradients"
+        bn = "n/a (no BatchNorm)" if not self.model.has("batchnorm2d") else \
+            "all-reduced sums over the global batch" if self.sync_bn else \
+            "per replica; running statistics from replica 0's (as DDP's broadcast)"
+        return {"strategy": "replicas simulated in one process, layer by layer", "replicas": self.replicas,
+                "processes": 1, "sync_bn": self.sync_bn, "sharding": shards, "gradient_reduction": reduction,
+                "batchnorm_statistics": bn}
+
+    # ---- state
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        self.p = {q.name: np.array(params[q.name], self.dtype) for q in self.model.params}
+        self.opt = ReferenceOptimizer(self.hp, {n: self.p[n] for n in self.trainable}, self.dtype)
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return {n: a.copy() for n, a in self.p.items()}
+
+    def export_opt_state(self) -> dict[str, np.ndarray]:
+        return self.opt.export()
+
+    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        self.opt.load(state)
+
+    # ---- computation
+    def _shards(self, x: np.ndarray, masks: Masks) -> tuple[list[tuple[int, int]], list[np.ndarray], list[Masks]]:
+        bounds = shard_bounds(len(x), self.replicas, self.opts.fault) if self.replicas > 1 else [(0, len(x))]
+        xs = [np.asarray(x[lo:hi], self.dtype) for lo, hi in bounds]
+        return bounds, xs, [{k: v[lo:hi] for k, v in masks.items()} for lo, hi in bounds]
+
+    def _grads(self, x: np.ndarray, y: np.ndarray, masks: Masks,
+               update_running: bool) -> tuple[float, list[float], float, dict[str, np.ndarray]]:
+        """(mean loss, replica losses, accuracy, all-reduced gradient): every replica's forward and
+        backward on its shard, then the explicit reduction (mean; sum under grad_sum_replicas)."""
+        bounds, xs, ms = self._shards(x, masks)
+        p = self.p                   # update_running=False (a probe): the running buffers are left alone
+        logits, caches = forward(self.model, p, xs, train=True, masks=ms, sync_bn=self.sync_bn,
+                                 update_running=update_running)
+        losses, dlogits, correct = [], [], 0
+        for (lo, hi), z in zip(bounds, logits):
+            loss, dz, pred = softmax_xent(z, y[lo:hi])
+            losses.append(loss)
+            dlogits.append(dz)
+            correct += int((pred == y[lo:hi]).sum())
+        per_replica = backward(self.model, p, caches, dlogits, sync_bn=self.sync_bn)
+        scale = 1.0 if self.opts.fault == "grad_sum_replicas" else 1.0 / len(per_replica)
+        grads = {n: (sum(g[n] for g in per_replica) * scale if len(per_replica) > 1 else per_replica[0][n]).astype(self.dtype)
+                 for n in self.trainable}
+        return float(np.mean(losses)), losses, correct / len(x), grads
+
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        loss, losses, acc, grads = self._grads(x, y, masks, update_running=True)
+        before = {n: self.p[n] for n in self.trainable}
+        after = self.opt.step(effective_step_for_lr(step, self.opts.fault), before, grads)
+        self.p.update(after)
+
+        def norm(arrays: list[np.ndarray]) -> float:
+            return float(np.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays)))
+        return StepStats(loss, acc, norm(list(grads.values())), norm([after[n] - before[n] for n in self.trainable]),
+                         norm(list(after.values())), losses if self.replicas > 1 else None)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        logits, _ = forward(self.model, self.p, [np.asarray(x, self.dtype)], train=False, masks=[{}])
+        loss, _, pred = softmax_xent(logits[0], y)
+        return loss, float(np.mean(pred == y))
+
+    def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
+        """Training mode, every replica's shard, concatenated in replica order; running buffers untouched."""
+        _, xs, ms = self._shards(x, masks)
+        recs: list[dict[str, np.ndarray]] = [{} for _ in xs]
+        forward(self.model, self.p, xs, train=True, masks=ms, sync_bn=self.sync_bn, record=recs)
+        return {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
+
+    def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        rec: dict[str, np.ndarray] = {}
+        forward(self.model, self.p, [np.asarray(x, self.dtype)], train=False, masks=[{}], record=[rec])
+        return rec
+
+    def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
+        loss, _, _, grads = self._grads(x, y, masks, update_running=False)
+        return loss, grads
+
+
+BACKEND = NumpyBackend

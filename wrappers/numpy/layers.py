@@ -1,0 +1,286 @@
+"""The spec's layers in NumPy, canonical NHWC, each a forward that keeps what its hand-written backward needs.
+
+Written from the spec's definitions (algorithms/spec.py, docs/canonical-layout.md), not from a framework:
+convolutions as im2col (sliding_window_view) + one matrix product, 'same' = TF/XLA SAME (the odd pixel
+bottom/right), max pooling pads with -inf and sends the gradient to the first maximum of its window
+(row-major), 'same' average pooling divides by the number of real pixels in the window, BatchNorm uses
+the biased batch variance to normalise and folds the unbiased one into running_var (torch's momentum).
+
+Every function works on one replica's shard; the model loop (`forward`/`backward`) runs all replicas
+layer by layer so that a synchronized BatchNorm can all-reduce its sums in the middle of the pass.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from algorithms.spec import LayerInfo, ModelSpec
+
+Params = dict[str, np.ndarray]
+
+
+# ----------------------------------------------------------------------------- windows
+def _pad(x: np.ndarray, layer: LayerInfo, value: float) -> np.ndarray:
+    (t, b), (l, r) = layer.padding
+    if t == b == l == r == 0:
+        return x
+    return np.pad(x, ((0, 0), (t, b), (l, r), (0, 0)), constant_values=value)
+
+
+def _windows(xp: np.ndarray, k: int, s: int, oh: int, ow: int) -> np.ndarray:
+    """(N, OH, OW, C, k, k) view of the k x k windows at stride s of a padded NHWC map."""
+    return sliding_window_view(xp, (k, k), axis=(1, 2))[:, ::s, ::s][:, :oh, :ow]
+
+
+def _scatter(d: np.ndarray, k: int, s: int, padded_shape: tuple[int, ...]) -> np.ndarray:
+    """Adjoint of `_windows`: d (N, OH, OW, C, k, k) summed back into a zero padded map."""
+    out = np.zeros(padded_shape, d.dtype)
+    oh, ow = d.shape[1], d.shape[2]
+    for i in range(k):
+        for j in range(k):
+            out[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s, :] += d[..., i, j]
+    return out
+
+
+def _crop(dxp: np.ndarray, layer: LayerInfo) -> np.ndarray:
+    (t, b), (l, r) = layer.padding
+    h, w = dxp.shape[1] - t - b, dxp.shape[2] - l - r
+    return dxp[:, t:t + h, l:l + w, :]
+
+
+# ----------------------------------------------------------------------------- conv2d
+def conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    o = layer.spec.options
+    k, s = o["kernel"], o["stride"]
+    oh, ow, co = layer.out_shape
+    xp = _pad(x, layer, 0.0)
+    kern = p[f"{layer.name}.kernel"]                            # (k, k, C, O)
+    # im2col: rows (n, oh, ow), columns (i, j, c) to match the kernel's (kH, kW, C) flattening
+    cols = _windows(xp, k, s, oh, ow).transpose(0, 1, 2, 4, 5, 3).reshape(-1, k * k * x.shape[3])
+    y = (cols @ kern.reshape(-1, co)).reshape(x.shape[0], oh, ow, co)
+    if f"{layer.name}.bias" in p:
+        y = y + p[f"{layer.name}.bias"]
+    return y, (cols, xp.shape)
+
+
+def conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Params]:
+    cols, padded = cache
+    o = layer.spec.options
+    k, s = o["kernel"], o["stride"]
+    kern = p[f"{layer.name}.kernel"]
+    c, co = kern.shape[2], kern.shape[3]
+    d2 = dy.reshape(-1, co)
+    grads = {f"{layer.name}.kernel": (cols.T @ d2).reshape(kern.shape)}
+    if f"{layer.name}.bias" in p:
+        grads[f"{layer.name}.bias"] = d2.sum(axis=0)
+    dcols = (d2 @ kern.reshape(-1, co).T).reshape(*dy.shape[:3], k, k, c).transpose(0, 1, 2, 5, 3, 4)
+    return _crop(_scatter(dcols, k, s, padded), layer), grads
+
+
+# ----------------------------------------------------------------------------- pooling
+def maxpool_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    o = layer.spec.options
+    k, s = o["pool"], o["stride"]
+    oh, ow, _ = layer.out_shape
+    xp = _pad(x, layer, -np.inf)
+    win = _windows(xp, k, s, oh, ow).reshape(x.shape[0], oh, ow, x.shape[3], k * k)
+    arg = win.argmax(axis=-1)                                   # the first maximum, row-major in the window
+    y = np.take_along_axis(win, arg[..., None], axis=-1)[..., 0]
+    return y, (arg, xp.shape)
+
+
+def maxpool_backward(layer: LayerInfo, cache: Any, dy: np.ndarray) -> np.ndarray:
+    arg, padded = cache
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    hit = (arg[..., None] == np.arange(k * k)).reshape(*arg.shape, k, k)
+    return _crop(_scatter(hit * dy[..., None, None], k, s, padded), layer)
+
+
+def _avg_count(layer: LayerInfo, x_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Real (unpadded) pixels per window, (1, OH, OW, 1): 'same' average pooling excludes the padding."""
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    oh, ow, _ = layer.out_shape
+    ones = _pad(np.ones((1, x_shape[1], x_shape[2], 1), dtype), layer, 0.0)
+    return _windows(ones, k, s, oh, ow).sum(axis=(-2, -1))
+
+
+def avgpool_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    oh, ow, _ = layer.out_shape
+    xp = _pad(x, layer, 0.0)
+    count = _avg_count(layer, x.shape, x.dtype)
+    return _windows(xp, k, s, oh, ow).sum(axis=(-2, -1)) / count, (count, xp.shape)
+
+
+def avgpool_backward(layer: LayerInfo, cache: Any, dy: np.ndarray) -> np.ndarray:
+    count, padded = cache
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    d = np.broadcast_to((dy / count)[..., None, None], (*dy.shape, k, k))
+    return _crop(_scatter(d, k, s, padded), layer)
+
+
+# ----------------------------------------------------------------------------- batchnorm
+def bn_moments(xs: list[np.ndarray], sync: bool) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(mean, biased var, count) per replica: over its own shard, or over every shard (sync: the
+    explicit all-reduce of the per-replica sums, then of the squared deviations)."""
+    if not sync:
+        out = []
+        for x in xs:
+            m = x.mean(axis=(0, 1, 2))
+            out.append((m, ((x - m) ** 2).mean(axis=(0, 1, 2)), x.shape[0] * x.shape[1] * x.shape[2]))
+        return out
+    n = sum(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
+    mean = sum(x.sum(axis=(0, 1, 2)) for x in xs) / n
+    var = sum(((x - mean) ** 2).sum(axis=(0, 1, 2)) for x in xs) / n
+    return [(mean, var, n)] * len(xs)
+
+
+def bn_apply(layer: LayerInfo, p: Params, x: np.ndarray, mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, Any]:
+    eps = layer.spec["eps"]
+    inv = 1.0 / np.sqrt(var + eps)
+    xhat = (x - mean) * inv
+    return xhat * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"], (xhat, inv)
+
+
+def bn_backward(layer: LayerInfo, p: Params, caches: list[Any], dys: list[np.ndarray], ns: list[int],
+                sync: bool) -> tuple[list[np.ndarray], list[Params]]:
+    """Training-mode BatchNorm backward per replica: dx = inv/n (n dxhat - sum dxhat - xhat sum(dxhat xhat)),
+    the sums over the replica's shard or (sync) all-reduced over every replica."""
+    gamma = p[f"{layer.name}.gamma"]
+    s1 = [(dy * gamma).sum(axis=(0, 1, 2)) for dy in dys]
+    s2 = [(dy * gamma * c[0]).sum(axis=(0, 1, 2)) for dy, c in zip(dys, caches)]
+    if sync:
+        s1, s2 = [sum(s1)] * len(dys), [sum(s2)] * len(dys)
+    dxs, grads = [], []
+    for dy, (xhat, inv), a, b, n in zip(dys, caches, s1, s2, ns):
+        dxs.append(inv / n * (n * dy * gamma - a - xhat * b))
+        grads.append({f"{layer.name}.gamma": (dy * xhat).sum(axis=(0, 1, 2)), f"{layer.name}.beta": dy.sum(axis=(0, 1, 2))})
+    return dxs, grads
+
+
+def bn_running(layer: LayerInfo, p: Params, mean: np.ndarray, var: np.ndarray, n: int) -> None:
+    """torch's convention: running = (1 - m) running + m stat, running_var from the unbiased variance."""
+    m = layer.spec["momentum"]
+    rm, rv = f"{layer.name}.running_mean", f"{layer.name}.running_var"
+    p[rm] = (1 - m) * p[rm] + m * mean
+    p[rv] = (1 - m) * p[rv] + m * var * (n / (n - 1) if n > 1 else 1.0)
+
+
+# ----------------------------------------------------------------------------- the model
+def forward(model: ModelSpec, p: Params, xs: list[np.ndarray], *, train: bool, masks: list[dict[str, np.ndarray]],
+            sync_bn: bool = False, update_running: bool = False,
+            record: list[dict[str, np.ndarray]] | None = None) -> tuple[list[np.ndarray], list[list[Any]]]:
+    """Logits of every replica's shard; caches[layer index][replica] for `backward`.
+
+    Training mode: BatchNorm normalises with the batch statistics (per replica, or over all of them with
+    sync_bn); with update_running, replica 0's statistics (sync: the global ones) are folded into p's
+    running buffers, the buffers the run exports. Inference mode: running statistics, no dropout."""
+    caches: list[list[Any]] = []
+    for layer in model.layers:
+        k, o = layer.kind, layer.spec.options
+        if k == "batchnorm2d":
+            if train:
+                moments = bn_moments(xs, sync_bn)
+                outs = [bn_apply(layer, p, x, m, v) for x, (m, v, _) in zip(xs, moments)]
+                if update_running:
+                    bn_running(layer, p, *moments[0])
+                caches.append([(c, n) for (_, c), (_, _, n) in zip(outs, moments)])
+            else:
+                outs = [bn_apply(layer, p, x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"])
+                        for x in xs]
+                caches.append([c for _, c in outs])
+            xs = [y for y, _ in outs]
+        else:
+            pairs = [_one_forward(layer, p, x, m if train else None) for x, m in zip(xs, masks)]
+            xs = [y for y, _ in pairs]
+            caches.append([c for _, c in pairs])
+        if record is not None:
+            for r, x in zip(record, xs):
+                r[layer.name] = x
+    return xs, caches
+
+
+def _one_forward(layer: LayerInfo, p: Params, x: np.ndarray, masks: dict[str, np.ndarray] | None) -> tuple[np.ndarray, Any]:
+    k = layer.kind
+    if k == "conv2d":
+        return conv2d_forward(layer, p, x)
+    if k == "maxpool2d":
+        return maxpool_forward(layer, x)
+    if k == "avgpool2d":
+        return avgpool_forward(layer, x)
+    if k == "relu":
+        return np.maximum(x, 0), x > 0
+    if k == "tanh":
+        y = np.tanh(x)
+        return y, y
+    if k == "dropout":
+        if masks is None:                                       # inference: identity
+            return x, None
+        keep = masks[layer.name]
+        return x * keep / (1.0 - layer.spec["rate"]), keep
+    if k == "flatten":
+        return x.reshape(x.shape[0], -1), x.shape               # NHWC reshape: (H, W, C) order
+    if k == "global_avgpool2d":
+        return x.mean(axis=(1, 2)), x.shape
+    if k == "dense":
+        y = x @ p[f"{layer.name}.kernel"]
+        if f"{layer.name}.bias" in p:
+            y = y + p[f"{layer.name}.bias"]
+        return y, x
+    raise NotImplementedError(k)  # pragma: no cover - the spec validates kinds
+
+
+def _one_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Params]:
+    k = layer.kind
+    if k == "conv2d":
+        return conv2d_backward(layer, p, cache, dy)
+    if k == "maxpool2d":
+        return maxpool_backward(layer, cache, dy), {}
+    if k == "avgpool2d":
+        return avgpool_backward(layer, cache, dy), {}
+    if k == "relu":
+        return dy * cache, {}
+    if k == "tanh":
+        return dy * (1.0 - cache * cache), {}
+    if k == "dropout":
+        return dy * cache / (1.0 - layer.spec["rate"]), {}
+    if k == "flatten":
+        return dy.reshape(cache), {}
+    if k == "global_avgpool2d":
+        n, h, w, c = cache
+        return np.broadcast_to(dy[:, None, None, :] / (h * w), cache).copy(), {}
+    if k == "dense":
+        grads = {f"{layer.name}.kernel": cache.T @ dy}
+        if f"{layer.name}.bias" in p:
+            grads[f"{layer.name}.bias"] = dy.sum(axis=0)
+        return dy @ p[f"{layer.name}.kernel"].T, grads
+    raise NotImplementedError(k)  # pragma: no cover
+
+
+def backward(model: ModelSpec, p: Params, caches: list[list[Any]], dlogits: list[np.ndarray],
+             sync_bn: bool = False) -> list[Params]:
+    """Per replica: d objective / d trainable parameter, from the training-mode caches of `forward`."""
+    grads: list[Params] = [{} for _ in dlogits]
+    dys = dlogits
+    for layer, cache in zip(reversed(model.layers), reversed(caches)):
+        if layer.kind == "batchnorm2d":
+            dys, gs = bn_backward(layer, p, [c for c, _ in cache], dys, [n for _, n in cache], sync_bn)
+        else:
+            pairs = [_one_backward(layer, p, c, dy) for c, dy in zip(cache, dys)]
+            dys, gs = [d for d, _ in pairs], [g for _, g in pairs]
+        for acc, g in zip(grads, gs):
+            acc.update(g)
+    return grads
+
+
+def softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """(mean cross-entropy of the logits, d loss / d logits, predictions): log-sum-exp with the max shifted out."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(z).sum(axis=1))
+    n = len(y)
+    loss = float(np.mean(lse - z[np.arange(n), y]))
+    soft = np.exp(z - lse[:, None])
+    soft[np.arange(n), y] -= 1.0
+    return loss, soft / n, logits.argmax(axis=1)
