@@ -303,7 +303,8 @@ class TorchBackend(Backend):
         loss = self._loss(logits, yt)
         loss.backward()
         acc = (logits.argmax(1) == yt).to(self.dtype).mean()
-        return loss.item(), None, acc.item()
+        loss_v, acc_v = torch.stack([loss.detach(), acc]).tolist()   # one read of both
+        return loss_v, None, acc_v
 
     def _grads_ddp(self, x, y, masks):
         """This rank's shard through DDP: backward all-reduces the gradients (mean, or SUM under the fault)."""
@@ -344,7 +345,7 @@ class TorchBackend(Backend):
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         params = [self.p[n] for n in self.trainable]
-        before = [q.detach().clone() for q in params]
+        before = self._flat(params)   # one copy of the parameters (torch.cat allocates), for update_norm
         self.opt.zero_grad(set_to_none=False)
         if self.distributed:
             loss, replica_losses, acc = self._grads_ddp(x, y, masks)
@@ -370,11 +371,19 @@ class TorchBackend(Backend):
                     buf.mul_(self.prev_lr / lr)
         self.prev_lr = lr
         with torch.no_grad():
-            grad_norm = torch.linalg.vector_norm(torch.cat([q.grad.reshape(-1) for q in params]))
+            grad_norm = torch.linalg.vector_norm(self._flat([q.grad for q in params]))
             self.opt.step()
-            upd = torch.linalg.vector_norm(torch.cat([(q - b).reshape(-1) for q, b in zip(params, before)]))
-            pn = torch.linalg.vector_norm(torch.cat([q.reshape(-1) for q in params]))
-        return StepStats(loss, acc, grad_norm.item(), upd.item(), pn.item(), replica_losses)
+            after = self._flat(params)
+            # (after - before) is the concatenation of the per-parameter differences, element by element:
+            # the same vector, the same norm kernel, the same bits
+            stats = torch.stack([grad_norm, torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(after)])
+        grad_norm, upd, pn = stats.tolist()   # one read of the three statistics
+        return StepStats(loss, acc, grad_norm, upd, pn, replica_losses)
+
+    @staticmethod
+    def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensors flattened (logical order, whatever their memory format) into one new vector."""
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
