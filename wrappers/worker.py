@@ -90,6 +90,7 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
         checkpoint(0)
         evaluate(0, fe)
         t_total = time.perf_counter()
+        periodic = 0.0   # of which in the evaluations and checkpoints (for bench/bench_step.py)
         try:
             for step in range(hp.steps):
                 idx = order[step]
@@ -113,10 +114,13 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
                     fs.writelines(rows)
                     fs.flush()
                     rows.clear()
+                t_periodic = time.perf_counter()
                 if at_checkpoint:
                     checkpoint(done)
                 if at_eval:
                     evaluate(done, fe)
+                if at_checkpoint or at_eval:
+                    periodic += time.perf_counter() - t_periodic
                 if done % max(1, hp.steps // 100) == 0 or done == hp.steps:
                     progress(channel, step=done, of=hp.steps, loss=float(st.loss))
         finally:   # rows of a run that stops with an error are kept too
@@ -124,7 +128,7 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
         wall = time.perf_counter() - t_total
     final = backend.export_params()
     save_npz(out_dir / "final_params.npz", final)
-    return {"train_wall_s": wall}
+    return {"train_wall_s": wall, "train_eval_checkpoint_s": periodic}
 
 
 def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
