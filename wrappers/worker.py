@@ -3,7 +3,8 @@
 The job file (written by the harness) names the model declaration, hyper-parameters, the
 prepared data (.npz), the batch order (.npy of sample indices), the canonical initial weights
 and the output folder. This loop gathers each step's batch, builds the harness dropout masks,
-calls the backend's `train_step`, and streams rows into the output folder; it knows no framework.
+calls the backend's `train_step`, and writes rows into the output folder (buffered, written at
+each evaluation and checkpoint); it knows no framework.
 """
 from __future__ import annotations
 
@@ -78,39 +79,56 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
         f.flush()
 
     replicas = opts.devices
+    # what the loop needs that does not depend on training, computed once before it: the batch
+    # checksums follow from the known order, and a model without dropout layers needs no masks
+    checksums = [D.batch_checksum(x_tr[order[s]], y_tr[order[s]]) for s in range(hp.steps)]
+    dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)
+    rows: list[str] = []   # CSV rows, written at each evaluation, checkpoint and the end
     with open(out_dir / "steps.csv", "w") as fs, open(out_dir / "eval.csv", "w") as fe:
         fs.write(",".join(STEP_COLUMNS + ([f"replica_loss_{r}" for r in range(replicas)] if replicas > 1 else [])) + "\n")
         fe.write(",".join(EVAL_COLUMNS) + "\n")
         checkpoint(0)
         evaluate(0, fe)
         t_total = time.perf_counter()
-        for step in range(hp.steps):
-            idx = order[step]
-            x, y = x_tr[idx], y_tr[idx]
-            masks = masks_for(model, hp.seed, step, hp.batch_size, opts.dropout)
-            t0 = time.perf_counter()
-            st = backend.train_step(step, x, y, masks)
-            dt = time.perf_counter() - t0
-            row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
-                   st.update_norm, st.param_norm, backend.lr_for(step), D.batch_checksum(x, y), dt)
-            if replicas > 1:
-                if not st.replica_losses or len(st.replica_losses) != replicas:
-                    raise RuntimeError(f"backend {backend.name} ran {replicas} replicas but returned "
-                                       f"{len(st.replica_losses or [])} replica losses")
-                row = row + tuple(st.replica_losses)
-            fs.write(",".join(fmt(v) for v in row) + "\n")
-            done = step + 1
-            if done % hp.checkpoint_every == 0 or done == hp.steps:
-                checkpoint(done)
-            if done % hp.eval_every == 0 or done == hp.steps:
-                fs.flush()
-                evaluate(done, fe)
-            if done % max(1, hp.steps // 100) == 0 or done == hp.steps:
-                progress(channel, step=done, of=hp.steps, loss=float(st.loss))
+        periodic = 0.0   # of which in the evaluations and checkpoints (for bench/bench_step.py)
+        try:
+            for step in range(hp.steps):
+                idx = order[step]
+                x, y = x_tr[idx], y_tr[idx]
+                masks = masks_for(model, hp.seed, step, hp.batch_size, opts.dropout) if dropout else {}
+                t0 = time.perf_counter()
+                st = backend.train_step(step, x, y, masks)
+                dt = time.perf_counter() - t0
+                row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
+                       st.update_norm, st.param_norm, backend.lr_for(step), checksums[step], dt)
+                if replicas > 1:
+                    if not st.replica_losses or len(st.replica_losses) != replicas:
+                        raise RuntimeError(f"backend {backend.name} ran {replicas} replicas but returned "
+                                           f"{len(st.replica_losses or [])} replica losses")
+                    row = row + tuple(st.replica_losses)
+                rows.append(",".join(map(fmt, row)) + "\n")
+                done = step + 1
+                at_checkpoint = done % hp.checkpoint_every == 0 or done == hp.steps
+                at_eval = done % hp.eval_every == 0 or done == hp.steps
+                if at_checkpoint or at_eval:
+                    fs.writelines(rows)
+                    fs.flush()
+                    rows.clear()
+                t_periodic = time.perf_counter()
+                if at_checkpoint:
+                    checkpoint(done)
+                if at_eval:
+                    evaluate(done, fe)
+                if at_checkpoint or at_eval:
+                    periodic += time.perf_counter() - t_periodic
+                if done % max(1, hp.steps // 100) == 0 or done == hp.steps:
+                    progress(channel, step=done, of=hp.steps, loss=float(st.loss))
+        finally:   # rows of a run that stops with an error are kept too
+            fs.writelines(rows)
         wall = time.perf_counter() - t_total
     final = backend.export_params()
     save_npz(out_dir / "final_params.npz", final)
-    return {"train_wall_s": wall}
+    return {"train_wall_s": wall, "train_eval_checkpoint_s": periodic}
 
 
 def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..base import Masks, StepStats, UnsupportedError, shard_bounds
-from .backend import TensorflowBackend
+from .backend import TensorflowBackend, flat, update_and_param_norm
 from .layers import LABEL_SMOOTHING, per_example_cross_entropy
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
@@ -285,15 +285,13 @@ class ParallelTensorflowBackend(TensorflowBackend):
         grads, stats, new_buffers = s.run(self._replica_step, args=(x, y, masks, seed))
         params = [self.v[k] for k in self.trainable]
         reduced = s.extended.batch_reduce_to(SUM, list(zip(grads, params)))
-        before = [tf.identity(local0(q).read_value()) for q in params]
-        grad_norm = tf.norm(tf.concat([tf.reshape(local0(g), [-1]) for g in reduced], 0))
+        before = flat([local0(q).read_value() for q in params])
+        grad_norm = tf.norm(flat([local0(g) for g in reduced]))
         for k, q, g in zip(self.trainable, params, reduced):
             s.extended.update(q, self._apply_component, args=(k, g, hyper), group=False)
         for k, val in new_buffers.items():
             self.v[k].assign(local0(val) if self.sync_bn else s.reduce(MEAN, val, axis=None))
-        after = [local0(q).read_value() for q in params]
-        upd = tf.norm(tf.concat([tf.reshape(a - c, [-1]) for a, c in zip(after, before)], 0))
-        pn = tf.norm(tf.concat([tf.reshape(a, [-1]) for a in after], 0))
+        upd, pn = update_and_param_norm(before, [local0(q).read_value() for q in params])
         tot = s.reduce(SUM, stats, axis=None)
         return tf.concat([tf.stack([tot[n], tot[n + 1] / self.hp.batch_size, grad_norm, upd, pn]), tot[:n]], 0)
 

@@ -146,6 +146,8 @@ class TorchBackend(Backend):
         self.trainable: list[str] = [q.name for q in model.trainable]
         self.opt: torch.optim.Optimizer | None = None
         self.prev_lr: float | None = None
+        # (parameters, their version counters, their flat copy) after the last step: the next step's `before`
+        self._after: tuple[list[torch.Tensor], list[int], torch.Tensor] | None = None
         self.permute = opts.fault != "flatten_no_permute"
         torch.manual_seed(hp.seed + self.rank)   # only native dropout draws from it (a stream per rank)
 
@@ -274,6 +276,8 @@ class TorchBackend(Backend):
         return t.contiguous(memory_format=torch.channels_last) if self.channels_last else t.contiguous()
 
     def _masks(self, masks: Masks) -> dict[str, torch.Tensor]:
+        if not masks:
+            return {}
         flat = flat_sources(self.model)
         return {k: self._t(flat_from_canonical(v, flat[k]) if k in flat else
                            (v.transpose(0, 3, 1, 2) if v.ndim == 4 else v)) for k, v in masks.items()}
@@ -304,7 +308,8 @@ class TorchBackend(Backend):
         loss = self._loss(logits, yt)
         loss.backward()
         acc = (logits.argmax(1) == yt).to(self.dtype).mean()
-        return loss.item(), None, acc.item()
+        loss_v, acc_v = torch.stack([loss.detach(), acc]).tolist()   # one read of both
+        return loss_v, None, acc_v
 
     def _grads_ddp(self, x, y, masks):
         """This rank's shard through DDP: backward all-reduces the gradients (mean, or SUM under the fault)."""
@@ -345,7 +350,7 @@ class TorchBackend(Backend):
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         params = [self.p[n] for n in self.trainable]
-        before = [q.detach().clone() for q in params]
+        before = self._params_flat(params)
         self.opt.zero_grad(set_to_none=False)
         if self.distributed:
             loss, replica_losses, acc = self._grads_ddp(x, y, masks)
@@ -371,11 +376,30 @@ class TorchBackend(Backend):
                     buf.mul_(self.prev_lr / lr)
         self.prev_lr = lr
         with torch.no_grad():
-            grad_norm = torch.linalg.vector_norm(torch.cat([q.grad.reshape(-1) for q in params]))
+            grad_norm = torch.linalg.vector_norm(self._flat([q.grad for q in params]))
             self.opt.step()
-            upd = torch.linalg.vector_norm(torch.cat([(q - b).reshape(-1) for q, b in zip(params, before)]))
-            pn = torch.linalg.vector_norm(torch.cat([q.reshape(-1) for q in params]))
-        return StepStats(loss, acc, grad_norm.item(), upd.item(), pn.item(), replica_losses)
+            after = self._flat(params)
+            self._after = (params, [q._version for q in params], after)
+            # (after - before) is the concatenation of the per-parameter differences, element by element:
+            # the same vector, the same norm kernel, the same bits
+            stats = torch.stack([grad_norm, torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(after)])
+        grad_norm, upd, pn = stats.tolist()   # one read of the three statistics
+        return StepStats(loss, acc, grad_norm, upd, pn, replica_losses)
+
+    def _params_flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The parameters flattened (a copy), for update_norm: the last step's `after` while no parameter
+        has been written since (same tensors, same version counters: torch bumps a tensor's version at
+        every in-place write, the optimizer's, a load's or a DDP broadcast's); else a new copy."""
+        if self._after is not None:
+            prev, versions, flat = self._after
+            if len(prev) == len(params) and all(a is b and a._version == v for a, b, v in zip(prev, params, versions)):
+                return flat
+        return self._flat(params)
+
+    @staticmethod
+    def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensors flattened (logical order, whatever their memory format) into one new vector."""
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
