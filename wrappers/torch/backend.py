@@ -37,7 +37,8 @@ from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
 from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
-from .layers import flat_from_canonical, flat_sources, flat_to_canonical, forward, from_torch_layout, nhwc, to_torch_layout
+from .layers import (EMULATION_FAULTS, fault_parts, flat_from_canonical, flat_sources, flat_to_canonical, forward,
+                     from_torch_layout, nhwc, to_torch_layout)
 
 BUFFER_ROLES = ("running_mean", "running_var")
 DIST_TIMEOUT_S = 60      # gloo/NCCL collectives and the rendezvous: a lost peer fails the run, never hangs it
@@ -100,7 +101,7 @@ def make_optimizer(hp: HParams, params: list[torch.Tensor], fault: str | None) -
 
 class TorchBackend(Backend):
     framework = "torch"
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS | EMULATION_FAULTS
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
@@ -361,9 +362,9 @@ class TorchBackend(Backend):
         lr = self.lr_for(step)
         for g in self.opt.param_groups:
             g["lr"] = lr
-            if self.opts.fault == "adam_eps_hat":   # eps-hat form == torch eps / sqrt(1 - b2^t)
+            if "adam_eps_hat" in fault_parts(self.opts.fault):   # eps-hat form == torch eps / sqrt(1 - b2^t)
                 g["eps"] = self.hp.eps / math.sqrt(1.0 - self.hp.beta2 ** (step + 1))
-        if self.opts.fault == "keras_momentum_schedule" and self.prev_lr is not None and self.prev_lr != lr:
+        if "keras_momentum_schedule" in fault_parts(self.opts.fault) and self.prev_lr is not None and self.prev_lr != lr:
             for q in params:  # Keras velocity v = mu v - lr g  <=>  torch buffer rescaled by lr_prev / lr
                 buf = self.opt.state.get(q, {}).get("momentum_buffer")
                 if buf is not None:

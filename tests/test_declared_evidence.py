@@ -1,0 +1,257 @@
+"""DECLARED only with evidence: each way a declared difference used to hide a bug, on synthetic runs and
+probes (the localizer's probe jobs replaced by arrays, the rest of localization and the verdict real).
+
+A candidate that declares a difference is compared with the reference computing the declared formula
+(per-replica BatchNorm: the candidate's replica count; Keras' biased running variance, replicate-padded
+average pooling, epsilon-hat Adam, lr-in-velocity momentum: emulation faults). It is DECLARED only when
+that reference agrees on every probe, the plain reference does not (evidence), and every diverging series
+is one the difference can move."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from algorithms.differences import DIFFERENCES
+from harness.compare import BUG, DECLARED, INCONCLUSIVE, check_pair, compare, resolve
+from harness.envelope import compute
+from harness.localize import Localizer
+from harness.runs import load_run, movable_keys
+
+from .synthetic import SPEC, base_eval, base_series, family, write_run
+
+N = 100
+LAYERS = [l["name"] for l in SPEC["layers"]]
+PARAMS = ["conv1.kernel", "conv1.bias", "fc1.kernel", "fc1.bias"]
+
+
+def _decl(*ids: str) -> list[dict]:
+    return [{"id": i, "probe_keys": ".*"} for i in ids]   # old manifests carried '.*': it must count for nothing
+
+
+def probes(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = {f"forward/{l}": rng.standard_normal((4, 8)) for l in LAYERS}
+    p.update({f"eval/{l}": rng.standard_normal((4, 8)) for l in LAYERS})
+    p["loss"] = np.asarray(2.3)
+    p.update({f"grad/{q}": rng.standard_normal(6) for q in PARAMS})
+    for i in range(3):
+        p.update({f"update{i}/{q}": rng.standard_normal(6) * 1e-2 for q in PARAMS})
+    return p
+
+
+class FakeLocalizer(Localizer):
+    """Probe jobs answered from arrays: `table[(run name, frozenset(change))]`; no replay checkpoints."""
+
+    def __init__(self, root, table):
+        super().__init__(root, log=lambda m: None)
+        self.table, self.calls = table, []
+
+    def probe0(self, run, **change):
+        self.calls.append((run.name, dict(change)))
+        key = (run.name, frozenset(change.items()))
+        if key not in self.table:
+            from harness.runner import BackendFailed
+            raise BackendFailed(f"no probe for {key}")
+        return self.table[key]
+
+    def probe64(self, ref, cand, **change):
+        return None
+
+    def replay(self, ref, cand, at, change=None):
+        return {"error": "no replay in this test"}
+
+
+@pytest.fixture
+def fam(tmp_path):
+    ref, members = family(tmp_path, N)
+    ref, members = load_run(ref), [load_run(m) for m in members]
+    return tmp_path, ref, members, compute(ref, members)
+
+
+def _cand(root, name, declared, *, devices=1, dropout="harness", series=("update_norm",), at=0, fault=None):
+    s, e = base_series(N), base_eval(N)
+    for x in series:
+        if x in s:
+            s[x][at:] = s[x][at:] * 1.02
+        else:
+            i = int(np.searchsorted(np.arange(0, N + 1, 10), at))
+            e[x][i:] = e[x][i:] * 1.02
+    opts = {"threads": 1, "dtype": "float32", "fault": fault, "devices": devices, "dropout": dropout}
+    return load_run(write_run(root, name, s, e, backend="keras-jax", declared=declared, options=opts, fault=fault))
+
+
+def _judge(root, ref, env, cand, table, localize=True):
+    loc = FakeLocalizer(root, table) if localize else None
+    c = compare(ref, [cand], env, [], localize=loc, all_pairs=False)
+    return c.pairs[0], loc
+
+
+# --------------------------------------------------------------------------- the catalogue
+def test_no_difference_may_move_every_probe_and_each_names_its_series():
+    for d in DIFFERENCES.values():
+        assert d.probe_keys not in (".*", "") and d.series and "lr" not in d.series, d.id
+        assert d.emulated or d.statistical, d.id            # verified, or never DECLARED
+    assert DIFFERENCES["running_var_biased"].series == ("eval_loss", "eval_accuracy")
+    assert DIFFERENCES["per_replica_batchnorm"].emulated_with == ("devices",)
+    assert DIFFERENCES["native_dropout_masks"].statistical and not DIFFERENCES["native_dropout_masks"].emulated
+
+
+def test_emulations_are_known_faults_and_combine():
+    from algorithms.faults import EMULATIONS, FAULTS, check_fault, combine, parts
+    assert all(d.emulated_by in FAULTS or d.emulated_by in EMULATIONS for d in DIFFERENCES.values() if d.emulated_by)
+    f = combine(["bn_running_var_biased", "adam_eps_hat"])
+    assert f == "adam_eps_hat+bn_running_var_biased" and parts(f) == {"adam_eps_hat", "bn_running_var_biased"}
+    check_fault(f)
+    with pytest.raises(ValueError, match="nonsense"):
+        check_fault("adam_eps_hat+nonsense")
+
+
+# --------------------------------------------------------------------------- per-replica BatchNorm
+def test_per_replica_batchnorm_verified_against_the_reference_on_the_candidates_replicas(fam):
+    root, ref, _, env = fam
+    cand = _cand(root, "dp2", _decl("per_replica_batchnorm"), devices=2, series=("loss", "update_norm"))
+    plain = probes()
+    per_replica = dict(plain, **{k: plain[k] + 0.3 for k in plain if k != "forward/conv1" and not k.startswith("eval/")})
+    table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("devices", 2)})): per_replica,
+             (cand.name, frozenset()): per_replica, (cand.name, frozenset({("devices", 1)})): plain}
+    p, loc = _judge(root, ref, env, cand, table)
+    assert p.verdict == DECLARED and p.declared == ["per_replica_batchnorm"], p.notes
+    assert "devices 2" in p.notes[-1] and "verified" in p.notes[-1]
+    assert (ref.name, {"devices": 2}) in loc.calls
+
+
+def test_optimizer_bug_in_a_per_replica_batchnorm_run_is_a_bug_in_the_optimizer(fam):
+    root, ref, _, env = fam
+    cand = _cand(root, "dp2bug", _decl("per_replica_batchnorm"), devices=2, series=("loss", "update_norm"))
+    plain = probes()
+    per_replica = dict(plain, **{k: plain[k] + 0.3 for k in plain if k != "forward/conv1" and not k.startswith("eval/")})
+    buggy = dict(per_replica, **{f"update0/{q}": per_replica[f"update0/{q}"] * 1.01 for q in PARAMS})
+    table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("devices", 2)})): per_replica,
+             (cand.name, frozenset()): buggy,
+             (cand.name, frozenset({("devices", 1)})): dict(plain, **{f"update0/{q}": plain[f"update0/{q}"] * 1.01
+                                                                      for q in PARAMS})}
+    p, _ = _judge(root, ref, env, cand, table)
+    assert p.verdict == BUG, p.notes
+    assert p.localization["stage"] == "optimizer" and p.localization["probe"].startswith("update0/")
+    assert "per_replica_batchnorm do not explain probe update0/" in p.notes[-1]
+
+
+# --------------------------------------------------------------------------- Keras running variance, avgpool
+@pytest.mark.parametrize("diff,fault,key", [("running_var_biased", "bn_running_var_biased", "eval/fc1"),
+                                            ("keras_torch_avgpool_same", "avgpool_replicate_pad", "forward/fc1")])
+def test_emulated_layer_difference_hides_no_bug(fam, diff, fault, key):
+    """The candidate computes the declared formula (agrees with the emulating reference) and, for the BUG
+    case, something else besides."""
+    root, ref, _, env = fam
+    series = ("eval_loss",) if diff == "running_var_biased" else ("loss", "update_norm")
+    plain = probes()
+    emulated = dict(plain, **{key: plain[key] + 0.5})
+    for bug, want in ((False, DECLARED), (True, BUG)):
+        cand = _cand(root, f"{diff}{bug}", _decl(diff), series=series, at=10)
+        got = dict(emulated, **({"grad/conv1.kernel": emulated["grad/conv1.kernel"] * 2} if bug else {}))
+        table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", fault)})): emulated,
+                 (cand.name, frozenset()): got}
+        p, _ = _judge(root, ref, env, cand, table)
+        assert p.verdict == want, (diff, bug, p.notes)
+        if bug:
+            assert p.localization["stage"] == "backward" and p.localization["parameter"] == "conv1.kernel"
+        else:
+            assert p.declared == [diff] and f"fault {fault}" in p.notes[-1]
+
+
+def test_running_var_biased_cannot_absorb_a_training_divergence(fam):
+    """shows_in enforced: the biased running variance moves the evaluation only."""
+    root, ref, _, env = fam
+    plain = probes()
+    emulated = dict(plain, **{"eval/fc1": plain["eval/fc1"] + 0.5})
+    cand = _cand(root, "rvtrain", _decl("running_var_biased"), series=("loss", "eval_loss"), at=10)
+    table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", "bn_running_var_biased")})): emulated,
+             (cand.name, frozenset()): emulated}
+    p, _ = _judge(root, ref, env, cand, table)
+    assert p.verdict != DECLARED and any("cannot move series loss" in n for n in p.notes), p.notes
+
+
+def test_two_emulations_are_applied_at_once(fam):
+    root, ref, _, env = fam
+    plain = probes()
+    both = dict(plain, **{"eval/fc1": plain["eval/fc1"] + 0.5, "update1/fc1.kernel": plain["update1/fc1.kernel"] * 1.1})
+    cand = _cand(root, "two", _decl("adam_epsilon_hat", "running_var_biased"), series=("update_norm",), at=0)
+    table = {(ref.name, frozenset()): plain,
+             (ref.name, frozenset({("fault", "adam_eps_hat+bn_running_var_biased")})): both,
+             (cand.name, frozenset()): both}
+    p, _ = _judge(root, ref, env, cand, table)
+    assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat", "running_var_biased"], p.notes
+
+
+# --------------------------------------------------------------------------- no evidence: never DECLARED
+def test_declared_difference_with_no_probe_disagreement_is_not_declared(fam):
+    root, ref, _, env = fam
+    plain = probes()
+    for at, want in ((0, BUG), (40, INCONCLUSIVE)):
+        cand = _cand(root, f"noev{at}", _decl("adam_epsilon_hat"), series=("update_norm",), at=at)
+        table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", "adam_eps_hat")})): plain,
+                 (cand.name, frozenset()): plain}
+        p, _ = _judge(root, ref, env, cand, table)
+        assert p.verdict == want, p.notes
+        assert any("nothing shows the difference at work" in n for n in p.notes)
+
+
+def test_no_localize_or_a_failed_localization_is_never_declared(fam):
+    root, ref, _, env = fam
+    cand = _cand(root, "noloc", _decl("adam_epsilon_hat"), series=("update_norm",))
+    p, _ = _judge(root, ref, env, cand, {}, localize=False)
+    assert p.verdict == BUG and any("--no-localize" in n and "not checked" in n for n in p.notes)
+    p, _ = _judge(root, ref, env, cand, {})      # every probe job fails
+    assert p.verdict == BUG and any("localization failed" in n for n in p.notes), p.notes
+
+
+# --------------------------------------------------------------------------- framework-RNG dropout
+def test_native_dropout_is_inconclusive_never_declared_and_a_bug_before_the_dropout_is_a_bug(tmp_path):
+    spec = dict(SPEC, layers=SPEC["layers"][:3] + [{"type": "dropout", "name": "drop1"}] + SPEC["layers"][3:])
+    ref_dir, members = family(tmp_path, N)
+    import json
+    for d in [ref_dir] + members:      # the model has a dropout layer after flatten_1
+        m = json.loads((d / "manifest.json").read_text())
+        (d / "manifest.json").write_text(json.dumps(dict(m, spec=spec)))
+    ref, members = load_run(ref_dir), [load_run(m) for m in members]
+    env = compute(ref, members)
+    layers = [l["name"] for l in spec["layers"]]
+    plain = probes()
+    plain["forward/drop1"] = plain["forward/flatten_1"]
+    masks = dict(plain, **{k: v + 0.4 for k, v in plain.items()
+                           if k.startswith(("grad/", "update")) or k in ("forward/drop1", "forward/fc1", "loss")})
+    for bug, want in ((False, INCONCLUSIVE), (True, BUG)):
+        s = base_series(N)
+        s["loss"] = s["loss"] * 1.02
+        cand = load_run(write_run(tmp_path, f"native{bug}", s, base_eval(N), backend="tensorflow", spec=spec,
+                                  declared=_decl("native_dropout_masks"),
+                                  options={"threads": 1, "dtype": "float32", "devices": 1, "dropout": "native"}))
+        got = dict(masks, **({"forward/conv1": masks["forward/conv1"] * 1.5} if bug else {}))
+        moved = movable_keys(ref, cand, list(got))
+        assert "forward/conv1" not in moved and "eval/fc1" not in moved and "forward/fc1" in moved
+        table = {(ref.name, frozenset()): plain, (cand.name, frozenset()): got}
+        c = compare(ref, [cand], env, [], localize=FakeLocalizer(tmp_path, table), all_pairs=False)
+        p = c.pairs[0]
+        assert p.verdict == want and DECLARED != p.verdict, (bug, p.notes)
+        if bug:
+            assert p.localization["stage"] == "forward" and p.localization["layer"] == "conv1"
+        else:
+            assert any("--stat" in n for n in p.notes)
+    # without localization there is nothing to compare: INCONCLUSIVE with the reason, never DECLARED
+    p = compare(ref, [cand], env, [], localize=None, all_pairs=False).pairs[0]
+    assert p.verdict == INCONCLUSIVE and any("--stat" in n for n in p.notes)
+    assert layers.index("drop1") == 3
+
+
+# --------------------------------------------------------------------------- lr is exact
+def test_lr_is_compared_exactly(fam):
+    root, ref, _, env = fam
+    s = base_series(N)
+    for i in (20, 40, 60, 80):          # four isolated points, each far below the envelope floor
+        s["lr"][i] = np.nextafter(s["lr"][i], 1.0)
+    cand = load_run(write_run(root, "lr", s, base_eval(N)))
+    p = check_pair(env, ref, cand)
+    assert p.verdict == BUG and p.first["series"] == "lr" and p.first["step"] == 20
+    assert p.checks["lr"].reason == "exact"
+    resolve(p, False)
+    assert p.verdict == BUG
