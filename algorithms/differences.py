@@ -97,5 +97,11 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
 ]}
 
 
+# how a candidate's manifest (`parallel.batchnorm`) says its per-replica running statistics are folded when it
+# averages them over the replicas (tf.distribute); the reference then emulates that too
+# (fault bn_replica_mean_running_stats); otherwise replica 0's are kept, as DDP and the reference do
+REPLICA_MEAN_FOLD = "MEAN over replicas"
+
+
 def describe(ids: list[str]) -> list[dict[str, str]]:
     return [vars(DIFFERENCES[i]) for i in ids]

@@ -70,6 +70,9 @@ EMULATIONS: dict[str, Fault] = {f.name: f for f in [
     Fault("avgpool_replicate_pad", "forward", "avgpool2d 'same' with asymmetric padding",
           "'same' average pooling padded by replicating the edge (Keras on torch) instead of excluding the padding",
           "an avgpool2d 'same' layer with asymmetric padding whose overhanging window holds >= 2 real pixels"),
+    Fault("bn_replica_mean_running_stats", "forward", "batchnorm2d running statistics",
+          "running statistics of per-replica BatchNorm averaged over the replicas (tf.distribute's MEAN "
+          "aggregation) where DDP keeps rank 0's", "a batchnorm2d layer and devices > 1"),
 ]}
 
 JOIN = "+"   # emulations applied together: "adam_eps_hat+bn_running_var_biased" (the reference backend only)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from algorithms.differences import DIFFERENCES
+from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
 from algorithms.faults import combine
 from algorithms.params import load_npz
 
@@ -447,9 +447,12 @@ class Localizer:
             chk["emulated"] = []
         elif emul:
             change = {}
-            fault = combine([DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by])
-            if fault:
-                change["fault"] = fault
+            faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
+            if "per_replica_batchnorm" in emul and REPLICA_MEAN_FOLD in str((cand.manifest.get("parallel") or {})
+                                                                           .get("batchnorm", "")):
+                faults.append("bn_replica_mean_running_stats")
+            if faults:
+                change["fault"] = combine(faults)
             for i in emul:
                 for opt in DIFFERENCES[i].emulated_with:
                     change[opt] = cand.options.get(opt, 1 if opt == "devices" else None)

@@ -37,7 +37,7 @@ from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
 from ..base import DP_FAULTS, LOWERING_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
-from .layers import (EMULATION_FAULTS, fault_parts, flat_from_canonical, flat_sources, flat_to_canonical, forward,
+from .layers import (EMULATION_FAULTS, fault_parts, flat_from_canonical, fold_replica_buffers, flat_sources, flat_to_canonical, forward,
                      from_torch_layout, nhwc, to_torch_layout)
 
 BUFFER_ROLES = ("running_mean", "running_var")
@@ -327,7 +327,8 @@ class TorchBackend(Backend):
         total = [torch.zeros_like(q) for q in params]
         scale = 1.0 if self.opts.fault == "grad_sum_replicas" else 1.0 / self.replicas
         losses, correct = [], 0.0
-        for (lo, hi), p in zip(self._shards(len(x)), self._replica_scratch()):
+        reps = self._replica_scratch()
+        for (lo, hi), p in zip(self._shards(len(x)), reps):
             xt = self._input(x[lo:hi])
             yt = torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device)
             logits = self._forward(xt, True, self._masks(self._shard_masks(masks, lo, hi)), None, p)
@@ -339,6 +340,7 @@ class TorchBackend(Backend):
                         t.add_(g * scale)
             losses.append(float(loss.item()))
             correct += float((logits.argmax(1) == yt).sum().item())
+        fold_replica_buffers(reps, self.opts.fault)
         for q, t in zip(params, total):
             q.grad = t
         return sum(losses) / len(losses), losses, correct / len(x)

@@ -90,10 +90,10 @@ def _same_pad(layer: LayerInfo, value: float, x: torch.Tensor, symmetric: bool =
 # the emulations of declared differences this backend computes (algorithms.faults.EMULATIONS and the two
 # catalogued faults that emulate Keras' optimizers), alone or joined by '+' (the verdict engine applies every
 # difference a candidate declares at once)
-_EMULATING = ("adam_eps_hat", "keras_momentum_schedule", "bn_running_var_biased", "avgpool_replicate_pad")
-EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(2, len(_EMULATING) + 1)
-                             for c in itertools.combinations(_EMULATING, n)) | {"bn_running_var_biased",
-                                                                               "avgpool_replicate_pad"}
+_EMULATING = ("adam_eps_hat", "keras_momentum_schedule", "bn_running_var_biased", "avgpool_replicate_pad",
+              "bn_replica_mean_running_stats")
+EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(1, len(_EMULATING) + 1)
+                             for c in itertools.combinations(_EMULATING, n))
 
 
 def fault_parts(fault: str | None) -> set[str]:
@@ -107,6 +107,18 @@ def _biased_running_var(x: torch.Tensor, rv_before: torch.Tensor, rv: torch.Tens
     with torch.no_grad():
         var = x.detach().var(dim=(0, 2, 3), unbiased=False)
         rv.copy_(rv_before * (1.0 - mom) + var * mom)
+
+
+def fold_replica_buffers(replicas: list[dict[str, torch.Tensor]], fault: str | None) -> None:
+    """After the emulated replicas' forward passes (replica 0 on the real buffers, the others on copies):
+    the bn_replica_mean_running_stats emulation keeps the mean of the replicas' running statistics
+    (tf.distribute's MEAN aggregation) instead of replica 0's (DDP's)."""
+    if "bn_replica_mean_running_stats" not in fault_parts(fault) or len(replicas) < 2:
+        return
+    with torch.no_grad():
+        for name, t in replicas[0].items():
+            if name.endswith(("running_mean", "running_var")):
+                t.copy_(torch.stack([r[name] for r in replicas]).mean(0))
 
 
 def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, train: bool,
