@@ -255,3 +255,66 @@ def test_lr_is_compared_exactly(fam):
     assert p.checks["lr"].reason == "exact"
     resolve(p, False)
     assert p.verdict == BUG
+
+
+# --------------------------------------------------------------------------- --stat: never DECLARED
+@pytest.mark.parametrize("declared,want", [(["adam_epsilon_hat"], INCONCLUSIVE), (["native_dropout_masks"], BUG)])
+def test_stat_mode_never_declares(tmp_path, declared, want):
+    """A significant difference of means in a group that declares a difference: --stat has no evidence for
+    it (INCONCLUSIVE, verify in lock-step); dropout masks explain no difference of means (BUG)."""
+    from harness.stats import stat_compare
+    rng = np.random.default_rng(0)
+    runs = []
+    for backend, shift, decl in (("torch", 0.0, []), ("keras-jax", 0.05, _decl(*declared))):
+        for sd in range(5):
+            e = {k: v.copy() for k, v in base_eval(N).items()}
+            e["eval_loss"][-1] = 0.15 + shift + 0.005 * rng.standard_normal()
+            runs.append(load_run(write_run(tmp_path, f"{backend}_s{sd}", base_series(N), e, backend=backend,
+                                           seed=sd, declared=decl)))
+    c = stat_compare(runs, "torch", ["eval_loss"], None, 0.05)
+    v = c.verdicts["keras-jax"]
+    assert v["verdict"] == want and v["verdict"] != DECLARED, v
+    if want == INCONCLUSIVE:
+        assert "cannot verify" in v["reason"]
+
+
+# --------------------------------------------------------------------------- real runs (torch only)
+@pytest.fixture(scope="module")
+def dp2_hard(results_root):
+    """cnn2d_hard, 4 steps: torch on one device (the reference), torch on 2 DDP ranks clean and with
+    lr_scale_1.001; the envelope is the reference alone (every dp=2 run leaves it at step 0 by ~700x,
+    per-replica statistics): what is tested is the probe-level verdict (about 8 backend processes)."""
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.runner import RunConfig
+
+    from .conftest import need
+    need("torch")
+    root = results_root / "declared-dp2"
+    root.mkdir(exist_ok=True)
+    hp = HParams(steps=4, eval_every=4, checkpoint_every=4)
+    cfg = lambda **kw: RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw)
+    ref = load_run(runner.execute(cfg(), root))
+    clean = load_run(runner.execute(cfg(devices=2), root))
+    faulty = load_run(runner.execute(cfg(devices=2, fault="lr_scale_1.001"), root))
+    c = compare(ref, [clean, faulty], compute(ref, [ref]), [ref], localize=Localizer(root, log=lambda m: None),
+                all_pairs=False)
+    return {p.b.name: p for p in c.pairs}, clean.name, faulty.name
+
+
+@pytest.mark.slow
+def test_clean_dp2_batchnorm_run_is_declared_against_the_reference_on_two_replicas(dp2_hard):
+    pairs, clean, _ = dp2_hard
+    p = pairs[clean]
+    assert p.first["step"] == 0                                  # it does leave the envelope
+    assert p.verdict == DECLARED and p.declared == ["per_replica_batchnorm"], p.notes
+    chk = p.localization["declared_check"]
+    assert chk["change"] == {"devices": 2} and chk["agree"] and chk["evidence"]
+
+
+@pytest.mark.slow
+def test_optimizer_bug_in_a_dp2_batchnorm_run_is_a_bug_in_the_optimizer(dp2_hard):
+    pairs, _, faulty = dp2_hard
+    p = pairs[faulty]
+    assert p.verdict == BUG and p.first["series"] in ("loss", "lr"), p.notes
+    assert p.localization["stage"] == "optimizer" and p.localization["probe"].startswith("update0/")
