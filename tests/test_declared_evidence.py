@@ -183,6 +183,44 @@ def test_two_emulations_are_applied_at_once(fam):
     assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat", "running_var_biased"], p.notes
 
 
+# --------------------------------------------------------------------------- Keras momentum at a schedule boundary
+class ReplayLocalizer(FakeLocalizer):
+    """Replays answered from arrays: the candidate's, the plain and the emulating reference's probes."""
+
+    def __init__(self, root, table, replays):
+        super().__init__(root, table)
+        self.replays, self.replay_calls = replays, []
+
+    def replay(self, ref, cand, at, change=None):
+        self.replay_calls.append((at, change))
+        cand_p, plain, emulated = self.replays
+        return {"checkpoint_step": at[0], "at": at, "reproduced": None, "emulated64": {},
+                "probes": [(t, cand_p, emulated if change else plain, None, plain if change else None) for t in at]}
+
+
+def test_keras_momentum_boundary_is_verified_on_the_replayed_step_and_a_bug_there_is_a_bug(fam):
+    """The step schedule changes the lr at step 40: the step-0 probes agree with both references, the
+    curves leave at step 40, and the replay of steps 39 and 40 is compared with the reference computing
+    Keras' velocity (fault keras_momentum_schedule)."""
+    root, ref, _, env = fam
+    plain = probes()
+    table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", "keras_momentum_schedule")})): plain}
+    at_boundary = dict(plain, **{f"update0/{q}": plain[f"update0/{q}"] * 1.2 for q in PARAMS})
+    for bug, want in ((False, DECLARED), (True, BUG)):
+        cand = _cand(root, f"nesterov{bug}", _decl("keras_momentum_velocity"), series=("update_norm", "loss"), at=40)
+        table[(cand.name, frozenset())] = plain
+        got = dict(at_boundary, **({"grad/fc1.bias": at_boundary["grad/fc1.bias"] * 1.5} if bug else {}))
+        loc = ReplayLocalizer(root, table, (got, plain, at_boundary))
+        p = compare(ref, [cand], env, [], localize=loc, all_pairs=False).pairs[0]
+        assert p.verdict == want, (bug, p.notes)
+        assert loc.replay_calls == [([39, 40], {"fault": "keras_momentum_schedule"})]
+        if bug:
+            assert p.localization["stage"] == "backward" and p.localization["step"] == 39
+        else:
+            assert p.declared == ["keras_momentum_velocity"] and "replay of steps [39, 40]" in p.notes[-1]
+            assert all(e.startswith(("step 39:", "step 40:")) for e in p.localization["declared_check"]["evidence"])
+
+
 # --------------------------------------------------------------------------- no evidence: never DECLARED
 def test_declared_difference_with_no_probe_disagreement_is_not_declared(fam):
     root, ref, _, env = fam
