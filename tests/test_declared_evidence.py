@@ -356,3 +356,58 @@ def test_optimizer_bug_in_a_dp2_batchnorm_run_is_a_bug_in_the_optimizer(dp2_hard
     p = pairs[faulty]
     assert p.verdict == BUG and p.first["series"] in ("loss", "lr"), p.notes
     assert p.localization["stage"] == "optimizer" and p.localization["probe"].startswith("update0/")
+
+
+# --------------------------------------------------------------------------- the torch emulations themselves
+def test_torch_emulations_compute_the_declared_formulas():
+    """bn_running_var_biased: the running variance moves towards the biased batch variance (and the
+    gradient still flows); avgpool_replicate_pad: edge-replicated padding counted in the mean (only where
+    the padding is asymmetric); bn_replica_mean_running_stats: the replicas' running statistics averaged."""
+    from .conftest import need
+    need("torch")
+    import torch
+    import torch.nn.functional as F
+
+    from algorithms.spec import load_model
+    from wrappers.torch.layers import EMULATION_FAULTS, fold_replica_buffers, forward
+    model = load_model("cnn2d_hard")
+    assert "adam_eps_hat+avgpool_replicate_pad+bn_running_var_biased" in EMULATION_FAULTS
+    g = torch.Generator().manual_seed(0)
+    params = {q.name: torch.randn(_torch_shape(q), generator=g) * 0.1
+              for q in model.params}
+    for q in model.params:
+        if q.name.endswith("running_var"):
+            params[q.name] = torch.ones_like(params[q.name])
+        elif q.name.endswith("running_mean"):
+            params[q.name] = torch.zeros_like(params[q.name])
+    x = torch.randn(8, 1, 8, 8, generator=g)
+    rec_plain, rec_emu = {}, {}
+    plain = {k: v.clone().requires_grad_(not k.endswith(("running_mean", "running_var"))) for k, v in params.items()}
+    emu = {k: v.clone().requires_grad_(not k.endswith(("running_mean", "running_var"))) for k, v in params.items()}
+    forward(model, plain, x, train=True, masks=None, fault=None, record=rec_plain)
+    out = forward(model, emu, x, train=True, masks=None, fault="avgpool_replicate_pad+bn_running_var_biased",
+                  record=rec_emu)
+    out.sum().backward()                                          # autograd survives the buffer update
+    bn_in = rec_emu["conv1"].detach()
+    want = 0.9 * 1.0 + 0.1 * bn_in.var(dim=(0, 2, 3), unbiased=False)
+    assert torch.allclose(emu["bn1.running_var"], want, rtol=1e-6)
+    assert not torch.allclose(plain["bn1.running_var"], want, rtol=1e-6)   # torch's own is the unbiased one
+    pool = next(l for l in model.layers if l.name == "pool1")
+    (t, b), (lft, r) = pool.padding
+    src = rec_emu[model.layers[pool.index - 1].name].detach()
+    ref = F.avg_pool2d(F.pad(src, (lft, r, t, b), mode="replicate"), pool.spec.options["pool"],
+                       pool.spec.options["stride"])
+    assert torch.allclose(rec_emu["pool1"], ref) and (t, b, lft, r) != (t, t, lft, lft)
+    reps = [{"bn1.running_mean": torch.zeros(2)}, {"bn1.running_mean": torch.full((2,), 4.0)}]
+    fold_replica_buffers(reps, "bn_replica_mean_running_stats")
+    assert reps[0]["bn1.running_mean"].tolist() == [2.0, 2.0]
+
+
+def _torch_shape(q) -> tuple[int, ...]:
+    """A parameter's torch layout shape (conv kernels OIHW, dense kernels out x in)."""
+    s = tuple(q.shape)
+    if len(s) == 4:            # canonical HWIO
+        return (s[3], s[2], s[0], s[1])
+    if len(s) == 2:            # canonical in x out
+        return (s[1], s[0])
+    return s

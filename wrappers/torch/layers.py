@@ -101,12 +101,12 @@ def fault_parts(fault: str | None) -> set[str]:
     return set(fault.split("+")) if fault else set()
 
 
-def _biased_running_var(x: torch.Tensor, rv_before: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
-    """The bn_running_var_biased emulation: overwrite the running variance F.batch_norm just updated with
-    the biased batch variance (Keras' running_var * m + var * (1 - m), m = 1 - torch momentum)."""
+def _biased_running_var(x: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
+    """The bn_running_var_biased emulation: the running variance moves towards the biased batch variance
+    (Keras' running_var * m + var * (1 - m), m = 1 - torch momentum)."""
     with torch.no_grad():
         var = x.detach().var(dim=(0, 2, 3), unbiased=False)
-        rv.copy_(rv_before * (1.0 - mom) + var * mom)
+        rv.copy_(rv * (1.0 - mom) + var * mom)
 
 
 def fold_replica_buffers(replicas: list[dict[str, torch.Tensor]], fault: str | None) -> None:
@@ -180,13 +180,13 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
                                         eps, mom, sync_bn[0], sync_bn[1])
             else:
                 rv = p[f"{layer.name}.running_var"]
-                before = rv.detach().clone() if train and "bn_running_var_biased" in emulate else None
-                xin = x
-                x = F.batch_norm(x, p[f"{layer.name}.running_mean"], rv,
+                biased = train and "bn_running_var_biased" in emulate
+                xin = x   # (biased: batch_norm updates a copy, which autograd keeps; the buffer gets Keras' value)
+                x = F.batch_norm(x, p[f"{layer.name}.running_mean"], rv.clone() if biased else rv,
                                  p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
                                  momentum=mom, eps=eps)
-                if before is not None:
-                    _biased_running_var(xin, before, rv, mom)
+                if biased:
+                    _biased_running_var(xin, rv, mom)
         elif k == "dropout":
             if train and not native_dropout and masks is not None:
                 x = x * masks[layer.name] / (1.0 - o["rate"])
