@@ -80,7 +80,7 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         "running_var += (1-mom)*(var_biased - running_var) vs reference var_unbiased = var_biased * n/(n-1)",
         "a batchnorm2d layer, on keras-* and wherever the framework's BatchNorm stores biased variance",
         "running_var buffers, eval loss/accuracy (not training loss)",
-        EVAL, r"^buffer\d+/.*running_var$|^eval/", emulated_by="bn_running_var_biased"),
+        EVAL, r"^buffer\d+/.*running_var$", emulated_by="bn_running_var_biased"),
     Difference(
         "per_replica_batchnorm",
         "BatchNorm statistics computed per replica under data parallelism",
