@@ -62,7 +62,34 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("lr_scale_1.001", "optimizer", "", "learning rate off by 0.1 % (a mistyped hyper-parameter)"),
 ]}
 
+# The reference backend's emulations of declared differences (algorithms/differences.py `emulated_by`) that
+# are not catalogued bug classes of their own: the verdict engine runs them, the self-test does not inject them.
+EMULATIONS: dict[str, Fault] = {f.name: f for f in [
+    Fault("bn_running_var_biased", "forward", "batchnorm2d running statistics",
+          "Keras' biased running variance stored where the reference stores the unbiased one", "a batchnorm2d layer"),
+    Fault("avgpool_replicate_pad", "forward", "avgpool2d 'same' with asymmetric padding",
+          "'same' average pooling padded by replicating the edge (Keras on torch) instead of excluding the padding",
+          "an avgpool2d 'same' layer with asymmetric padding whose overhanging window holds >= 2 real pixels"),
+    Fault("bn_replica_mean_running_stats", "forward", "batchnorm2d running statistics",
+          "running statistics of per-replica BatchNorm averaged over the replicas (tf.distribute's MEAN "
+          "aggregation) where DDP keeps rank 0's", "a batchnorm2d layer and devices > 1"),
+]}
+
+JOIN = "+"   # emulations applied together: "adam_eps_hat+bn_running_var_biased" (the reference backend only)
+
+
+def combine(names: list[str]) -> str | None:
+    """One fault value for several emulations at once (sorted, joined by '+'); None for none."""
+    names = sorted(set(names))
+    return JOIN.join(names) if names else None
+
+
+def parts(name: str | None) -> set[str]:
+    """The faults a (possibly combined) fault value applies."""
+    return set(name.split(JOIN)) if name else set()
+
 
 def check_fault(name: str | None) -> None:
-    if name is not None and name not in FAULTS:
-        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    for part in sorted(parts(name)):
+        if part not in FAULTS and part not in EMULATIONS:
+            raise ValueError(f"unknown fault {part!r}; known: {', '.join(FAULTS)}")

@@ -27,7 +27,7 @@ import numpy as np
 
 from .files import atomic_write_text
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
-from .runs import SERIES, Run, declared_patterns, mismatches
+from .runs import SERIES, Run, declared_records, mismatches
 
 IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
 DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
@@ -137,83 +137,125 @@ def declared_of(*runs: Run) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _why_unverified(i: str, chk: dict[str, Any]) -> str:
-    from algorithms.differences import DIFFERENCES
-    c = DIFFERENCES.get(i)
-    if c is None or c.emulated_by is None:
-        return "no emulation of this difference"
-    if i in (chk.get("differences") or []) and chk.get("skipped"):
-        return chk["skipped"]
-    return f"its emulation (fault {c.emulated_by}) was not run on these probes"
+def _diverging_series(p: Pair) -> list[str]:
+    return [p.first["series"]] + list(p.first.get("also") or [])
+
+
+def _not_moved(p: Pair, ids: list[str]) -> list[str]:
+    """The diverging series that none of the declared differences `ids` can move (their `series`)."""
+    recs = declared_records(p.a, p.b)
+    can = {s for i in ids for s in (recs.get(i) or {}).get("series", ())}
+    return [s for s in _diverging_series(p) if s not in can]
+
+
+def _compared(loc: dict[str, Any]) -> str:
+    """What the localization compared, for notes on a verdict that is not DECLARED."""
+    rep = loc.get("replay") or {}
+    return "step-0 probes" + (f" and the replay of steps {rep.get('at')}" if rep.get("at") else "")
 
 
 def resolve(p: Pair, localized: bool) -> None:
     """Turn an excess into BUG, DECLARED or INCONCLUSIVE, using the localization when there is one.
 
-    DECLARED: verified where the localization could emulate the difference (`declared_check`: the
-    reference computing the declared formula agrees with the candidate on every step-0 probe; some
-    probe still disagreeing with it is a BUG, localized from that comparison); otherwise every
-    disagreeing probe key matches the `probe_keys` of a difference declared in either manifest, said
-    to be unverified (no emulation, or no probe disagreement at all); a different batch is never
-    explained. INCONCLUSIVE: the excess starts after step 0, is finite, and neither the step-0 probes
-    nor the replay of the divergent step from the reference's own state reproduce it: this is what a
-    bifurcation of the trajectory looks like (Adam runs whose 1-ULP perturbations take another branch
-    do exactly this), and what a bug too small for one step's probes looks like; only --stat decides."""
-    if p.verdict != BUG:
-        p.declared = sorted(declared_of(p.a, p.b))
-        return
+    DECLARED only with evidence: the reference computing the formula of every difference the candidate
+    declares (`declared_check`: emulation faults, the candidate's replica count) agrees with the candidate
+    on every probe compared (step 0, and the replayed steps when they ran), some of those probes disagree
+    with the plain reference (the difference is really there), and every diverging series is one the
+    differences can move (their `series`). A difference without an emulation makes nothing DECLARED, except
+    a record outside the catalogue that names exactly its probe keys and series (then 'not verified').
+    Framework-RNG dropout (a `statistical` difference): when every disagreeing probe is one the masks may
+    move, INCONCLUSIVE (decide with --stat). Never DECLARED: a different batch, --no-localize, a failed
+    localization, no probe disagreement at all. INCONCLUSIVE: the excess starts after step 0, is finite,
+    and neither the step-0 probes nor the replay of the divergent step from the reference's own state
+    reproduce it (a bifurcation of the trajectory, or a bug too small for one step's probes)."""
     decl = declared_of(p.a, p.b)
     p.declared = sorted(decl)
+    if p.verdict != BUG:
+        return
     loc = p.localization or {}
+    chk = loc.get("declared_check") or {}
+    recs = declared_records(p.a, p.b)
+    statistical = sorted(i for i, r in recs.items() if r["statistical"])
     if decl and loc.get("stage") == "data":
         p.notes.append(f"declared difference(s) {', '.join(decl)} cannot explain a different batch")
-    elif decl:
-        keys = loc.get("disagreeing_keys")
-        if not keys:
-            p.verdict = DECLARED
-            p.notes.append(f"excess attributed to declared difference(s) {', '.join(decl)} "
-                           "(not verified: no probe disagreement to check it against)")
-            return
-        chk = loc.get("declared_check") or {}
-        x = chk.get("emulated") if chk.get("verified") else None
-        how = f"the reference with the declared formula (fault {chk.get('fault')})"
-        if x is not None and chk.get("agree"):
-            p.verdict, p.declared = DECLARED, [x]
-            p.notes.append(f"{x} verified: {how} agrees with the candidate on every probe")
-            return
-        # the pattern rule, for the keys left (all of them, or those the verified emulation does not explain)
-        pats = {i: pat for i, pat in declared_patterns(p.a, p.b).items() if i != x}
-        unexplained = [k for k in keys if not any(pat.search(k) for pat in pats.values())]
-        if not unexplained:
-            used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
-            p.verdict, p.declared = DECLARED, ([x] if x else []) + used
-            unver = "; ".join(f"{i} not verified ({_why_unverified(i, chk)})" for i in used)
-            p.notes.append((f"{x} verified against {how}; the probes still disagreeing with it are ones that "
-                            if x else "every disagreeing probe is one that ")
-                           + f"declared difference(s) {', '.join(used)} may move ({unver})")
-            return
-        if x is not None:
-            p.notes.append(f"declared difference {x} does not explain probe {chk.get('unexplained') or unexplained[0]} "
-                           f"(checked against the reference with {x}'s formula, fault {chk.get('fault')})")
+        return
+    if not localized or loc.get("error"):
+        why = ("not localized (--no-localize)" if not localized else f"localization failed ({loc['error']})")
+        if statistical:
+            p.verdict = INCONCLUSIVE
+            p.notes.append(f"{why}, and the runs use framework-RNG dropout ({', '.join(statistical)}): no probe was "
+                           "compared; decide with --stat")
         else:
-            p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe {unexplained[0]}")
-    if not localized:
-        p.notes.append("not localized (--no-localize): the excess alone makes this a BUG")
+            p.notes.append(f"{why}: no probe was compared, the excess alone makes this a BUG"
+                           + (f"; declared difference(s) {', '.join(decl)} not checked" if decl else ""))
         return
-    if loc.get("stage") is not None:
+    sa = loc.get("set_aside") or {}
+    if loc.get("stage") is not None and not sa.get("all"):
+        if chk.get("verified"):
+            p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])} do not explain probe "
+                           f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with the reference "
+                           f"computing their formula ({_change(chk)})")
+        elif decl:
+            p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe "
+                           f"{loc.get('probe') or (loc.get('disagreeing_keys') or ['?'])[0]}")
         return
-    if loc.get("error"):
-        p.notes.append(f"localization failed ({loc['error']}): the excess alone makes this a BUG")
-    elif p.first["step"] == 0:
-        p.notes.append("the step-0 values already differ beyond the envelope although the probes agree within "
-                       "their tolerance: a difference below the probe resolution")
+    if sa.get("all"):   # every disagreeing probe is one an unverified difference may move
+        if sa.get("statistical"):
+            p.verdict = INCONCLUSIVE
+            p.notes.append(f"every disagreeing probe ({len(sa['keys'])}) is one framework-RNG dropout masks may move "
+                           f"({', '.join(sa['differences'])}); those they cannot move agree: lock-step comparison "
+                           "cannot decide, compare seeds with --stat")
+            return
+        left = _not_moved(p, sa["differences"])
+        if not left:
+            p.verdict, p.declared = DECLARED, sa["differences"]
+            p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(sa['differences'])} "
+                           "name as theirs, and so is every diverging series (not verified: no emulation)")
+        else:
+            p.notes.append(f"declared difference(s) {', '.join(sa['differences'])} may move the disagreeing probes "
+                           f"but not series {', '.join(left)} (not verified: no emulation)")
+        return
+    # every compared probe agrees (with the emulating reference, when there is one)
+    if chk.get("verified") and chk.get("agree"):
+        left = _not_moved(p, chk["emulated"])
+        if chk.get("evidence") and not left and not chk.get("skipped"):
+            p.verdict, p.declared = DECLARED, list(chk["emulated"])
+            p.notes.append(f"{', '.join(chk['emulated'])} verified: the reference computing the declared formula "
+                           f"({_change(chk)}) agrees with the candidate on every probe compared ({_compared(loc)}); "
+                           f"{len(chk['evidence'])} of them disagree with the plain reference")
+            return
+        if not chk.get("evidence"):
+            p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])}: no probe compared ({_compared(loc)}) "
+                           "disagrees with the plain reference either, so nothing shows the difference at work: not "
+                           "DECLARED")
+        elif left:
+            p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])} agree with the candidate's probes but "
+                           f"cannot move series {', '.join(left)}: not DECLARED")
+        else:
+            p.notes.append(f"declared difference(s) {', '.join(chk['skipped_differences'])} not verified "
+                           f"({chk['skipped']}): not DECLARED")
+    elif decl:
+        p.notes.append(f"declared difference(s) {', '.join(decl)} not verified ({chk.get('skipped') or 'no emulation'})")
+    if p.first["step"] == 0:
+        p.notes.append(f"the step-0 values already differ beyond the envelope although the probes compared "
+                       f"({_compared(loc)}) agree within their tolerance; loss, gradients, updates and the inference "
+                       "output of one step from the same state are what was compared")
     elif p.first["reason"] == "non-finite":
         p.notes.append("one run is not finite where the other is")
+    elif statistical:
+        p.verdict = INCONCLUSIVE
+        p.notes.append(f"framework-RNG dropout ({', '.join(statistical)}): lock-step comparison cannot decide; "
+                       "compare seeds with --stat")
     else:
         p.verdict = INCONCLUSIVE
         p.notes.append(f"excess from step {p.first['step']} ({p.first['series']}, {_fmt_factor(p.first['factor'])}) "
-                       "that no one-step probe reproduces (step-0 probes and the replay from the reference's state "
-                       "agree): a bifurcation of the trajectory, or a bug too small for one step; decide with --stat")
+                       f"that no one-step probe reproduces ({_compared(loc)} agree): a bifurcation of the trajectory, "
+                       "or a bug too small for one step; decide with --stat")
+
+
+def _change(chk: dict[str, Any]) -> str:
+    from .localize import _change_text
+    return _change_text(chk.get("change"))
 
 
 def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:

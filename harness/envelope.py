@@ -22,6 +22,8 @@ THE RULE (measured by bench/calibrate_envelope.py; the numbers are in docs/verdi
   saturation  from the first point where S_t >= 0.5 x scale_t (|ref_t|; 1 for accuracies) the
               envelope is O(1) and later exceedances of that series are not counted (a non-finite
               value still is): nothing before it left -> INCONCLUSIVE.
+  exact       `lr` (EXACT_SERIES) has zero spread by construction: any difference at any step diverges
+              there (reason "exact"); no smoothing, floor, isolated exceedance or saturation applies.
   arbiter     an excess is a BUG when it starts at step 0, or when a one-step probe reproduces it
               (step 0 from the canonical weights, or the divergent step replayed from the
               reference's own state: harness/localize.py). Otherwise INCONCLUSIVE: over 300 steps,
@@ -43,6 +45,9 @@ import numpy as np
 from .runs import SERIES, Run, check_reproduces, config_of, load_run, same_config
 
 BOUNDED = ("accuracy", "eval_accuracy")
+# series with zero spread by construction (the schedule does not depend on the arithmetic): compared
+# exactly, no envelope, no isolated exceedance tolerated
+EXACT_SERIES = ("lr",)
 
 
 @dataclass(frozen=True)
@@ -218,11 +223,18 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     nonfinite = np.isinf(dev)
     sat_idx = n if env.saturated_at is None else int(np.searchsorted(idx, env.saturated_at))
     valid = np.arange(n) < sat_idx
-    exceed = ((ratio > margin) & (dev > q * (1 + 1e-9)) & valid) | nonfinite
+    exact = env.series in EXACT_SERIES
+    if exact:   # zero spread by construction: any difference is one, wherever it is, however small
+        sat_idx, valid = n, np.ones(n, bool)
+        exceed = (dev > 0) | nonfinite
+    else:
+        exceed = ((ratio > margin) & (dev > q * (1 + 1e-9)) & valid) | nonfinite
     ex_idx = np.flatnonzero(exceed)
     diverged, reason = None, ""
     n_iso = 0
-    if ex_idx.size:
+    if exact and ex_idx.size:
+        diverged, reason = int(ex_idx[0]), ("non-finite" if nonfinite[ex_idx[0]] else "exact")
+    elif ex_idx.size:
         # runs of consecutive exceeding points
         breaks = np.flatnonzero(np.diff(ex_idx) != 1) + 1
         starts = np.concatenate([[0], breaks])

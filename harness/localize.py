@@ -40,11 +40,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from algorithms.differences import DIFFERENCES
+from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
+from algorithms.faults import combine
 from algorithms.params import load_npz
 
 from . import probes, runner
-from .runs import EVAL_SERIES, Run, check_reproduces, config_of, declared_patterns
+from .runs import EVAL_SERIES, Run, check_reproduces, config_of, movable_keys
 
 R_EPS = 1e-7   # CRADLE's denominator guard
 
@@ -151,6 +152,15 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     return out
 
 
+def _agrees(res: dict[str, Any]) -> bool:
+    return res["stage"] is None and not res["disagreeing_keys"]
+
+
+def _change_text(change: dict[str, Any] | None) -> str:
+    """How the reference was changed to compute declared formulas, for notes: 'fault a+b, devices 2'."""
+    return ", ".join(f"{k} {v}" for k, v in sorted((change or {}).items())) or "no change"
+
+
 def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     """A one-line summary and detail lines for the terminal."""
     st = res.get("stage")
@@ -200,6 +210,10 @@ def same_path(a: Run, b: Run) -> bool:
     return a.backend == b.backend and all(a.options.get(k) == b.options.get(k) for k in keys)
 
 
+def _change_tag(change: dict[str, Any]) -> str:
+    return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
+
+
 def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
@@ -225,7 +239,7 @@ class Localizer:
                               job_extra=job_extra)
 
     def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
-        tag = "".join(f"__{k}-{v}" for k, v in sorted(change.items()))
+        tag = "__" + _change_tag(change) if change else ""
         f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
         return load_npz(f / "probe-0.npz")
 
@@ -242,7 +256,12 @@ class Localizer:
             self.log(f"localize: no float64 reference probe ({str(e).splitlines()[0]}); fixed tolerance")
             return None
 
-    def replay(self, ref: Run, cand: Run, at: list[int]) -> dict[str, Any]:
+    def replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Probe steps `at` of both backends from the reference's own states there. With `change` (the
+        emulation of the candidate's declared differences) the reference also probes those states computing
+        the declared formula: each entry of `probes` is (step, candidate, reference compared against, its
+        float64 probe, the plain reference's probe or None without `change`); `emulated64` the float64 probes
+        of the emulating reference per step."""
         ck_dir = ref.path / "checkpoints"
         cks = sorted(int(p.stem.split("_")[1]) for p in ck_dir.glob("step_*.npz")) if ck_dir.is_dir() else []
         usable = [s for s in cks if s <= at[0]]
@@ -263,6 +282,18 @@ class Localizer:
                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
             except runner.BackendFailed as e:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
+        emu, emu64 = None, {}
+        if change is not None:
+            emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{_change_tag(change)}__{tag}", "replay",
+                            {"replay": {"at": at, "states": states, "probe_steps": 1}}, **change)
+            if ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand):
+                try:
+                    e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{_change_tag(change)}__float64__{tag}",
+                                    "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
+                                    **dict(change, dtype="float64"))
+                    emu64 = {t: load_npz(e64 / f"probe-{i}.npz") for i, t in enumerate(at)}
+                except runner.BackendFailed as e:
+                    self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / "worker.json").read_text())
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
         repro = None
@@ -276,8 +307,10 @@ class Localizer:
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
-                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz(rf / f"probe-{i}.npz"),
-                            load_npz(r64 / f"probe-{i}.npz") if r64 else None) for i, t in enumerate(at)]}
+                "emulated64": emu64,
+                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz((emu or rf) / f"probe-{i}.npz"),
+                            load_npz(r64 / f"probe-{i}.npz") if r64 else None,
+                            load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
 
     # ----------------------------------------------------------------------- the procedure
     def __call__(self, pair) -> dict[str, Any]:
@@ -300,68 +333,87 @@ class Localizer:
                     f"({cand.checksum[j].decode()} vs reference {ref.checksum[i].decode()})")
             return {"stage": "data", "method": "batch checksum", "step": t, "layer": None, "parameter": None,
                     "probe": None, "summary": f"data: batch of step {t}", "lines": [line], "disagreeing_keys": []}
-        # (b) step-0 probes of both configurations
+        # (b) step-0 probes of both configurations; against the reference computing every emulated difference
+        # the candidate declares, when it declares some (`declared_check`)
+        emu = self.emulation(ref, cand)
         cand0 = self.probe0(cand)
         res = analyse(cand0, self.probe0(ref), layers, ref64=self.probe64(ref, cand))
+        chk = emu["check"]
+        change = emu["change"]
         method = "step-0 probes"
+        if change is not None:
+            plain = res
+            res = analyse(cand0, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change))
+            chk.update(verified=True, agree=_agrees(res), change=change,
+                       before={"stage": plain["stage"], "probe": plain["probe"],
+                               "disagreeing_keys": plain["disagreeing_keys"]},
+                       evidence=[f"step 0: {k}" for k in plain["disagreeing_keys"]])
+            method = f"step-0 probes against the reference computing the declared formula ({_change_text(change)})"
         if res["stage"] is not None:
-            res = self._reduction(ref, cand, res, layers)
+            res = self._reduction(ref, cand, res, layers, change or {})
         if res["stage"] is not None:
-            res = self._verify_declared(ref, cand, cand0, res, layers)
-            res = self._set_aside_declared(ref, cand, cand0, res, layers)
-            chk = res.get("declared_check") or {}
-            if chk.get("verified") and not chk.get("agree"):
-                method = f"step-0 probes against the reference with the declared formula (fault {chk['fault']})"
-        if res["stage"] is None:
+            res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {},
+                                           chk.get("emulated", []) if change is not None else [])
+        if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items()
                          if s not in EVAL_SERIES and c.diverged_step is not None]
             # (c) only the evaluation differs, from the evaluation of the initial weights on
-            if first["series"] in EVAL_SERIES and not train_div and d == 0:
+            if res["stage"] is None and first["series"] in EVAL_SERIES and not train_div and d == 0:
                 line = (f"localized by series: eval: only {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
                         " diverge; every training series stays inside and the step-0 probes agree")
                 return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
                         "probe": None, "summary": "eval: evaluation path", "lines": [line],
-                        "disagreeing_keys": [], "step0": res}
+                        "disagreeing_keys": [], "step0": res, "declared_check": chk or None}
             # (d) replay from the reference's state just before the divergence
             dt = min(train_div) if train_div else d
             last = int(ref.step[-1])
             at = sorted({max(dt - 1, 0), min(dt, last)})
-            if at != [0]:
-                rep = self.replay(ref, cand, at)
+            if at != [0] and res["stage"] is None:
+                rep = self.replay(ref, cand, at, change)
                 step0 = res
                 if "error" in rep:
                     res = dict(step0, replay=rep)
                 else:
-                    for t, pa, pb, p64 in rep["probes"]:
-                        r = analyse(pa, pb, layers, ref64=p64)
+                    for t, pa, pb, p64, plain_b in rep["probes"]:
+                        if plain_b is not None:   # what the plain reference's step disagrees in: the evidence
+                            chk["evidence"] += [f"step {t}: {k}" for k in
+                                                analyse(pa, plain_b, layers, ref64=p64)["disagreeing_keys"]]
+                        r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t))
                         if r["stage"] is not None:
-                            res, method = r, f"replay of step {t} from the reference's state"
+                            res, method = r, f"replay of step {t} from the reference's state" + (
+                                f", against the reference computing the declared formula ({_change_text(change)})"
+                                if change is not None else "")
                             res["step"] = t
+                            if chk.get("verified"):
+                                chk["agree"] = False
                             break
-                    res["replay"] = {k: v for k, v in rep.items() if k != "probes"}
+                    res["replay"] = {k: v for k, v in rep.items() if k not in ("probes", "emulated64")}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
+        if chk:
+            res["declared_check"] = chk
         summary, lines = describe(res, method)
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
             lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g}, or 3x the "
-                     "reference's own error against its float64 probe for another code path); the excess builds up "
-                     "over many steps or lies outside what one step's probes see"]
+                     "reference's own error against its float64 probe for another code path)"
+                     + ("" if change is None else f", against the reference computing the declared formula "
+                                                  f"({_change_text(change)})")]
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
         if res.get("set_aside"):
             sa = res["set_aside"]
             lines.append(f"set aside: {len(sa['keys'])} probes that declared difference(s) {', '.join(sa['differences'])} "
-                         f"may move ({', '.join(sa['keys'][:3])}{' ...' if len(sa['keys']) > 3 else ''}; not verified: "
-                         "no emulation); localized on the probes left")
-        chk = res.get("declared_check") or {}
-        if chk.get("verified") and not chk["agree"]:   # (the verified agreement is the verdict's note)
-            x, f = chk["emulated"], chk["fault"]
-            lines.append(f"declared difference {x} checked against the reference with its formula (fault {f}): "
-                         f"{len(chk['before']['disagreeing_keys'])} probes disagreed with the plain reference, "
-                         f"{len(res['disagreeing_keys'])} still disagree with it")
-        elif chk.get("skipped"):
-            lines.append(f"declared difference(s) {', '.join(chk['differences'])}: not verified ({chk['skipped']})")
+                         f"may move ({', '.join(sa['keys'][:3])}{' ...' if len(sa['keys']) > 3 else ''}; no emulation)"
+                         + ("; no other probe disagrees" if sa.get("all") else "; localized on the probes left"))
+        if chk.get("verified"):
+            lines.append(f"declared difference(s) {', '.join(chk['emulated'])} checked against the reference computing "
+                         f"their formula ({_change_text(change)}): {len(chk['before']['disagreeing_keys'])} step-0 probes "
+                         f"disagreed with the plain reference, {len(chk['evidence'])} probes in all; "
+                         + ("every compared probe agrees with the emulating reference" if chk["agree"] else
+                            f"{len(res['disagreeing_keys'])} still disagree with it"))
+        if chk.get("skipped"):
+            lines.append(f"declared difference(s) {', '.join(chk['skipped_differences'])}: not verified ({chk['skipped']})")
         rep = res.get("replay") or {}
         if rep.get("reproduced"):
             r = rep["reproduced"]
@@ -371,90 +423,81 @@ class Localizer:
         res.update(method=method if res["stage"] else None, summary=summary, lines=lines)
         return res
 
-    def _verify_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
-                         layers: list[str]) -> dict[str, Any]:
-        """Check the declared differences that may explain the step-0 disagreement against the reference
-        computing their formula (the fault of `emulated_by`). Adds `declared_check` to the result:
-        differences (those whose probe_keys match a disagreeing key), emulated (the one verified) and fault,
-        verified, agree, unexplained (the first probe the emulation leaves disagreeing), before (stage, probe
-        and disagreeing keys against the plain reference), or skipped (why nothing was verified). When some
-        probes still disagree with the emulated reference, the result is the analysis against it."""
+    def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
+        """What the reference must run to compute every difference the candidate declares: `change` (the
+        RunConfig fields: a '+'-joined emulation fault, the candidate's replica count), or None when there is
+        nothing to emulate or it cannot be; `check` (for `declared_check`): differences, emulated ids, and
+        skipped (why some declared difference is not verified) with skipped_differences."""
+        ref_ids = {d["id"] for d in ref.declared}
+        ids = sorted({d["id"] for d in cand.declared} - ref_ids)
+        emul = [i for i in ids if i in DIFFERENCES and DIFFERENCES[i].emulated]
+        chk: dict[str, Any] = {"differences": sorted(set(ids) | ref_ids), "emulated": emul, "verified": False}
+        skipped = []
+        if ref_ids:
+            skipped.append(("declared by the reference run itself: its emulation exists for the reference side "
+                            "only", sorted(ref_ids)))
+        rest = [i for i in ids if i not in emul]
+        if rest:
+            skipped.append(("no emulation: " + ", ".join(
+                "framework-RNG masks, comparable only statistically" if DIFFERENCES.get(i) and DIFFERENCES[i].statistical
+                else "not in the catalogue" if i not in DIFFERENCES else "none defined" for i in rest), rest))
+        change: dict[str, Any] | None = None
+        if emul and ref.fault is not None:
+            skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference", emul))
+            chk["emulated"] = []
+        elif emul:
+            change = {}
+            faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
+            if "per_replica_batchnorm" in emul and REPLICA_MEAN_FOLD in str((cand.manifest.get("parallel") or {})
+                                                                           .get("batchnorm", "")):
+                faults.append("bn_replica_mean_running_stats")
+            if faults:
+                change["fault"] = combine(faults)
+            for i in emul:
+                for opt in DIFFERENCES[i].emulated_with:
+                    change[opt] = cand.options.get(opt, 1 if opt == "devices" else None)
+        if skipped:
+            chk["skipped"] = "; ".join(why for why, _ in skipped)
+            chk["skipped_differences"] = sorted({i for _, xs in skipped for i in xs})
+        if not ids and not ref_ids:
+            chk = {}
+        return {"change": change, "check": chk}
+
+    def _set_aside_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
+                            layers: list[str], change: dict[str, Any], emulated: list[str]) -> dict[str, Any]:
+        """Localize on the probes that no unverified declared difference may move.
+
+        A difference that is not emulated here (framework-RNG dropout masks, a record outside the catalogue)
+        is credited with at most the probes it names (`harness.runs.movable_keys`); a disagreement elsewhere
+        is not its doing, and the first one of those is where the bug shows. When every disagreeing probe is
+        one it may move, the result carries set_aside.all: the verdict engine decides (INCONCLUSIVE for a
+        statistical difference, never DECLARED without an emulation unless the record names its keys and
+        series exactly)."""
         keys = res.get("disagreeing_keys") or []
         if not keys or res.get("stage") in ("data", "reduction"):
             return res
-        decl: dict[str, tuple[dict[str, Any], bool]] = {}
-        for r in (ref, cand):
-            for d in r.declared:
-                decl.setdefault(d["id"], (d, r is ref))
-        pats = declared_patterns(ref, cand)
-        def emulation(i: str) -> str | None:
-            c = DIFFERENCES.get(i)
-            return c.emulated_by if c is not None else decl[i][0].get("emulated_by")
-        matching = [i for i in sorted(decl) if any(pats[i].search(k) for k in keys)]
-        if not matching:
+        moves = movable_keys(ref, cand, keys, exclude=set(emulated))
+        aside = [k for k in keys if moves.get(k)]
+        if not aside:
             return res
-        chk: dict[str, Any] = {"differences": matching, "emulated": None, "fault": None, "verified": False}
-        emul = [i for i in matching if emulation(i)]
-        by_ref = [i for i in emul if decl[i][1]]
-        emul = [i for i in emul if not decl[i][1]]
-        if not emul:
-            chk["skipped"] = ("declared by the reference run itself: its emulation exists for the reference side only"
-                              if by_ref else "no emulation of this difference")
-        elif len({emulation(i) for i in emul}) > 1:
-            chk["skipped"] = ("two emulations would be needed at once (" + ", ".join(
-                f"{i}: fault {emulation(i)}" for i in emul) + "): the probe-key pattern rule decides")
-        elif ref.fault is not None:
-            chk["skipped"] = f"the reference carries fault {ref.fault}: it cannot also emulate the difference"
-        else:
-            x, fault = emul[0], emulation(emul[0])
-            try:
-                emu = self.probe0(ref, fault=fault)
-                emu64 = self.probe64(ref, cand, fault=fault)
-            except runner.BackendFailed as e:
-                chk["skipped"] = f"the reference backend cannot run fault {fault}: {str(e).splitlines()[0]}"
-            else:
-                r2 = analyse(cand0, emu, layers, ref64=emu64)
-                agree = not r2["disagreeing_keys"] and r2["stage"] is None
-                chk.update(emulated=x, fault=fault, verified=True, agree=agree,
-                           before={"stage": res["stage"], "probe": res["probe"], "disagreeing_keys": keys})
-                if agree:   # the original localization stays: where the declared difference shows
-                    return dict(res, declared_check=chk)
-                chk["unexplained"] = r2["probe"] or r2["disagreeing_keys"][0]
-                return dict(r2, declared_check=chk)
-        return dict(res, declared_check=chk)
-
-    def _set_aside_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
-                            layers: list[str]) -> dict[str, Any]:
-        """Localize on the probes that no unverified declared difference may move, when there are some.
-
-        A difference that could not be verified (no emulation) is credited with at most the probes its
-        `probe_keys` name; a disagreement elsewhere is not its doing, and the first one of those is where
-        the bug shows (Keras' biased running variance moves the buffers; dropout left on at evaluation
-        moves eval/<dropout layer>, which the buffers' disagreement would otherwise be reported for)."""
-        keys = res.get("disagreeing_keys") or []
-        chk = res.get("declared_check") or {}
-        if not keys or res.get("stage") in ("data", "reduction") or (chk.get("verified") and chk.get("agree")):
-            return res
-        verified = chk.get("emulated") if chk.get("verified") else None
-        pats = {i: pat for i, pat in declared_patterns(ref, cand).items() if i != verified}
-        used = sorted(i for i, pat in pats.items() if any(pat.search(k) for k in keys))
-        aside = [k for k in keys if any(pats[i].search(k) for i in used)]
-        if not aside or len(aside) == len(keys):
-            return res
-        change = {"fault": chk["fault"]} if verified else {}
+        used = sorted({i for k in aside for i in moves[k]})
+        statistical = any(DIFFERENCES[i].statistical for i in used if i in DIFFERENCES)
+        if len(aside) == len(keys):
+            return dict(res, set_aside={"differences": used, "keys": aside, "all": True, "statistical": statistical})
         drop = set(aside)
         r = analyse({k: v for k, v in cand0.items() if k not in drop},
                     {k: v for k, v in self.probe0(ref, **change).items() if k not in drop},
                     layers, ref64=self.probe64(ref, cand, **change))
         if r["stage"] is None:
             return res
-        r["set_aside"] = {"differences": used, "keys": aside}
-        if chk:
-            r["declared_check"] = chk
+        r["set_aside"] = {"differences": used, "keys": aside, "all": False, "statistical": statistical}
         return r
 
-    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str]) -> dict[str, Any]:
-        """A candidate on several replicas that agrees with the reference once run on one."""
+    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str],
+                   change: dict[str, Any]) -> dict[str, Any]:
+        """A candidate on several replicas that agrees with the reference once run on one (the reference with
+        the emulations in `change` but its own replica count)."""
+        change = {k: v for k, v in change.items() if k != "devices"}
         if cand.options.get("devices", 1) == ref.options.get("devices", 1) or cand.options.get("devices", 1) == 1:
             return res
         try:
@@ -465,7 +508,7 @@ class Localizer:
             # a fault that exists only across replicas (grad_sum_replicas, overlapping_shards) is refused at
             # --devices 1: the same code on one device is then the run without it
             single = self.probe0(cand, devices=1, fault=None)
-        one = analyse(single, self.probe0(ref), layers, ref64=self.probe64(ref, cand))
+        one = analyse(single, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change))
         if one["stage"] is None:
             stage = "data" if res["stage"] == "forward" else "reduction"
             res = dict(res, stage=stage, note=f"agrees with --devices 1: the replicas "

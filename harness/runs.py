@@ -167,15 +167,47 @@ def discover(root: Path) -> list[Path]:
     return out
 
 
-def declared_patterns(*runs: Run) -> dict[str, re.Pattern]:
-    """Each difference declared in these runs' manifests (first record of an id wins) -> the regex of
-    the probe keys it may move: the manifest's record, else the catalogue's, else any key."""
+def declared_records(*runs: Run) -> dict[str, dict[str, Any]]:
+    """Each difference declared in these runs' manifests (first record of an id wins) -> what it may move:
+    `probe_keys` (a regex, or None: nothing), `series` (names), `statistical`, `after_kind`, from the
+    catalogue (algorithms/differences.py), else from the manifest's own record. There is no default: a
+    record that names no probe keys explains no probe."""
     from algorithms.differences import DIFFERENCES
-    out: dict[str, re.Pattern] = {}
+    out: dict[str, dict[str, Any]] = {}
     for r in runs:
         for d in r.declared:
+            if d["id"] in out:
+                continue
             c = DIFFERENCES.get(d["id"])
-            out.setdefault(d["id"], re.compile(d.get("probe_keys") or (c.probe_keys if c else ".*")))
+            src = vars(c) if c is not None else d
+            pk = src.get("probe_keys")
+            out[d["id"]] = {"probe_keys": re.compile(pk) if pk and pk not in (".*", "^.*$") else None,
+                            "series": tuple(src.get("series") or ()), "statistical": bool(src.get("statistical")),
+                            "after_kind": src.get("after_kind")}
+    return out
+
+
+def movable_keys(a: Run, b: Run, keys: list[str], exclude: set[str] = frozenset()) -> dict[str, list[str]]:
+    """Probe key -> the declared differences (of runs a and b, but those in `exclude`) that may move it.
+    A difference with `after_kind` does not move the forward probes or step-0 buffers of the layers
+    before the first layer of that kind (dropout masks act after the dropout layer)."""
+    layers = (a.manifest.get("spec") or {}).get("layers", [])
+    out: dict[str, list[str]] = {}
+    for i, rec in declared_records(a, b).items():
+        if i in exclude or rec["probe_keys"] is None:
+            continue
+        before: set[str] = set()
+        if rec["after_kind"]:
+            kinds = [l.get("type", l.get("kind")) for l in layers]
+            n = kinds.index(rec["after_kind"]) if rec["after_kind"] in kinds else len(layers)
+            before = {l["name"] for l in layers[:n]}
+        for k in keys:
+            head, _, rest = k.partition("/")
+            layer = rest.rsplit(".", 1)[0] if head.startswith("buffer") else rest
+            if head in ("forward", "buffer0") and layer in before:
+                continue
+            if rec["probe_keys"].search(k):
+                out.setdefault(k, []).append(i)
     return out
 
 

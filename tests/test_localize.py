@@ -115,13 +115,14 @@ class _StubLocalizer:
         return None
 
 
-def _run(declared):
+def _run(declared, layers=()):
     from types import SimpleNamespace
-    return SimpleNamespace(declared=declared)
+    return SimpleNamespace(declared=declared, manifest={"spec": {"layers": [{"type": "x", "name": l} for l in layers]}})
 
 
 def test_unverified_declared_difference_is_set_aside_and_the_rest_localized():
-    from algorithms.differences import DIFFERENCES
+    """A difference that is not emulated (here a record outside the catalogue naming its keys) is credited
+    with at most the probes it names; the disagreement is localized on the others."""
     layers = LAYERS + ["bn1"]
     ref = probes()
     ref["buffer0/bn1.running_var"] = np.ones(4)
@@ -129,18 +130,24 @@ def test_unverified_declared_difference_is_set_aside_and_the_rest_localized():
     got = dict(ref, **{"buffer0/bn1.running_var": np.full(4, 0.9), "eval/fc2": ref["eval/fc2"] * 2})
     res = analyse(got, ref, layers)
     assert res["stage"] == "forward" and res["note"] == "running statistics"   # the declared buffer comes first
-    keras = _run([{"id": "running_var_biased", "probe_keys": DIFFERENCES["running_var_biased"].probe_keys}])
+    own = _run([{"id": "my_running_var", "probe_keys": r"^buffer\d+/.*running_var$", "series": ["eval_loss"]}])
     loc = _StubLocalizer(ref)
-    out = loc.set_aside(_run([]), keras, got, res, layers)
+    out = loc.set_aside(_run([], layers), own, got, res, layers, {}, [])
     assert out["stage"] == "eval" and out["layer"] == "fc2" and out["disagreeing_keys"] == ["eval/fc2"]
-    assert out["set_aside"] == {"differences": ["running_var_biased"], "keys": ["buffer0/bn1.running_var"]}
-    assert loc.calls == [{}]               # the plain reference: nothing was verified
-    # every disagreement is one the declared difference may move: the result stays (the pattern rule decides)
+    assert out["set_aside"] == {"differences": ["my_running_var"], "keys": ["buffer0/bn1.running_var"], "all": False,
+                                "statistical": False}
+    assert loc.calls == [{}]               # the plain reference: nothing was emulated
+    # every disagreement is one the declared difference may move: marked, the verdict engine decides
     only = dict(ref, **{"buffer0/bn1.running_var": np.full(4, 0.9)})
     res = analyse(only, ref, layers)
-    assert loc.set_aside(_run([]), keras, only, res, layers) is res
-    # nothing declared: nothing set aside
-    assert loc.set_aside(_run([]), _run([]), got, analyse(got, ref, layers), layers)["stage"] == "forward"
+    assert loc.set_aside(_run([], layers), own, only, res, layers, {}, [])["set_aside"]["all"]
+    # a record that names no keys (or '.*', as old manifests did) moves nothing
+    for rec in ({"id": "x"}, {"id": "x", "probe_keys": ".*"}):
+        assert loc.set_aside(_run([], layers), _run([rec]), got, res, layers, {}, []) is res
+    # an emulated difference is not set aside: it was compared against the emulating reference
+    keras = _run([{"id": "running_var_biased"}])
+    assert loc.set_aside(_run([], layers), keras, only, res, layers, {"fault": "bn_running_var_biased"},
+                         ["running_var_biased"]) is res
 
 
 # --------------------------------------------------------------------------- the replay job mode, on torch runs
@@ -158,7 +165,7 @@ def test_replay_probes_later_steps_from_the_reference_state(results_root):
     # the reference, re-trained from its checkpoint, reproduces its own rows bit for bit
     assert rep["reproduced"] == {"from_step": 20, "to_step": 24, "bitwise": True, "max_abs_diff": 0.0}
     assert rep["float64_job"] is None          # one code path: its correct probes are bitwise equal
-    for t, got, want, want64 in rep["probes"]:
+    for t, got, want, want64, _plain in rep["probes"]:
         res = analyse(got, want, _layers(ref.manifest), ref64=want64)
         assert res["stage"] == "optimizer" and res["probe"].startswith("update0/"), t
         # both backends start from the same saved state: forward and gradients agree bitwise

@@ -38,7 +38,8 @@ from algorithms.spec import ModelSpec
 
 from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, shard_bounds
 from . import TorchEntry
-from .layers import flat_from_canonical, flat_sources, flat_to_canonical, forward, from_torch_layout, nhwc, to_torch_layout
+from .layers import (EMULATION_FAULTS, fault_parts, flat_from_canonical, fold_replica_buffers, flat_sources, flat_to_canonical, forward,
+                     from_torch_layout, nhwc, to_torch_layout)
 
 BUFFER_ROLES = ("running_mean", "running_var")
 DIST_TIMEOUT_S = 60      # gloo/NCCL collectives and the rendezvous: a lost peer fails the run, never hangs it
@@ -101,7 +102,9 @@ def make_optimizer(hp: HParams, params: list[torch.Tensor], fault: str | None) -
 
 class TorchBackend(Backend):
     framework = "torch"
-    faults = TorchEntry.faults
+    # the catalogued faults it declares, and the emulations of declared differences the verdict engine asks of
+    # the reference (not catalogued: the self-test does not inject them)
+    faults = TorchEntry.faults | EMULATION_FAULTS
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
@@ -332,7 +335,8 @@ class TorchBackend(Backend):
         total = [torch.zeros_like(q) for q in params]
         scale = 1.0 if self.opts.fault == "grad_sum_replicas" else 1.0 / self.replicas
         losses, correct = [], 0.0
-        for (lo, hi), p in zip(self._shards(len(x)), self._replica_scratch()):
+        reps = self._replica_scratch()
+        for (lo, hi), p in zip(self._shards(len(x)), reps):
             xt = self._input(x[lo:hi])
             yt = torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device)
             logits = self._forward(xt, True, self._masks(self._shard_masks(masks, lo, hi)), None, p)
@@ -344,6 +348,7 @@ class TorchBackend(Backend):
                         t.add_(g * scale)
             losses.append(float(loss.item()))
             correct += float((logits.argmax(1) == yt).sum().item())
+        fold_replica_buffers(reps, self.opts.fault)
         for q, t in zip(params, total):
             q.grad = t
         return sum(losses) / len(losses), losses, correct / len(x)
@@ -367,9 +372,9 @@ class TorchBackend(Backend):
         lr = self.lr_for(step)
         for g in self.opt.param_groups:
             g["lr"] = lr
-            if self.opts.fault == "adam_eps_hat":   # eps-hat form == torch eps / sqrt(1 - b2^t)
+            if "adam_eps_hat" in fault_parts(self.opts.fault):   # eps-hat form == torch eps / sqrt(1 - b2^t)
                 g["eps"] = self.hp.eps / math.sqrt(1.0 - self.hp.beta2 ** (step + 1))
-        if self.opts.fault == "keras_momentum_schedule" and self.prev_lr is not None and self.prev_lr != lr:
+        if "keras_momentum_schedule" in fault_parts(self.opts.fault) and self.prev_lr is not None and self.prev_lr != lr:
             for q in params:  # Keras velocity v = mu v - lr g  <=>  torch buffer rescaled by lr_prev / lr
                 buf = self.opt.state.get(q, {}).get("momentum_buffer")
                 if buf is not None:

@@ -1,6 +1,7 @@
 """The spec's layers lowered to torch.nn.functional in NCHW, and canonical <-> torch layouts."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,40 @@ def _same_pad(layer: LayerInfo, value: float, x: torch.Tensor, symmetric: bool =
     return F.pad(x, (l, r, t, b), value=value)
 
 
+# the emulations of declared differences this backend computes (algorithms.faults.EMULATIONS and the two
+# catalogued faults that emulate Keras' optimizers), alone or joined by '+' (the verdict engine applies every
+# difference a candidate declares at once)
+_EMULATING = ("adam_eps_hat", "keras_momentum_schedule", "bn_running_var_biased", "avgpool_replicate_pad",
+              "bn_replica_mean_running_stats")
+EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(1, len(_EMULATING) + 1)
+                             for c in itertools.combinations(_EMULATING, n))
+
+
+def fault_parts(fault: str | None) -> set[str]:
+    """The faults a (possibly '+'-joined) fault value applies."""
+    return set(fault.split("+")) if fault else set()
+
+
+def _biased_running_var(x: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
+    """The bn_running_var_biased emulation: the running variance moves towards the biased batch variance
+    (Keras' running_var * m + var * (1 - m), m = 1 - torch momentum)."""
+    with torch.no_grad():
+        var = x.detach().var(dim=(0, 2, 3), unbiased=False)
+        rv.copy_(rv * (1.0 - mom) + var * mom)
+
+
+def fold_replica_buffers(replicas: list[dict[str, torch.Tensor]], fault: str | None) -> None:
+    """After the emulated replicas' forward passes (replica 0 on the real buffers, the others on copies):
+    the bn_replica_mean_running_stats emulation keeps the mean of the replicas' running statistics
+    (tf.distribute's MEAN aggregation) instead of replica 0's (DDP's)."""
+    if "bn_replica_mean_running_stats" not in fault_parts(fault) or len(replicas) < 2:
+        return
+    with torch.no_grad():
+        for name, t in replicas[0].items():
+            if name.endswith(("running_mean", "running_var")):
+                t.copy_(torch.stack([r[name] for r in replicas]).mean(0))
+
+
 def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, train: bool,
             masks: dict[str, torch.Tensor] | None, fault: str | None, record: dict[str, torch.Tensor] | None = None,
             native_dropout: bool = False, bn_momentum_flip: bool = False, sync_bn: Any = None) -> torch.Tensor:
@@ -95,6 +130,7 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     of the global batch across the group, as torch.nn.SyncBatchNorm does (its autograd function;
     torch allows it on GPU only)."""
     skipped_bias = False
+    emulate = fault_parts(fault)
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
@@ -116,7 +152,11 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             else:
                 x = F.max_pool2d(x, o["pool"], o["stride"], ceil_mode=(fault == "maxpool_ceil"))
         elif k == "avgpool2d":
-            if o["padding"] == "same":
+            (t, b), (l, r) = layer.padding if o["padding"] == "same" else ((0, 0), (0, 0))
+            if "avgpool_replicate_pad" in emulate and (t != b or l != r):
+                # keras-torch: edge pixels replicated into the padding and counted in the mean
+                x = F.avg_pool2d(F.pad(x, (l, r, t, b), mode="replicate"), o["pool"], o["stride"])
+            elif o["padding"] == "same":
                 # TF 'SAME' average excludes the padding from the count (asymmetric pads: divide by a pooled mask)
                 ones = torch.ones_like(x[:1, :1])
                 num = F.avg_pool2d(_same_pad(layer, 0.0, x), o["pool"], o["stride"], divisor_override=1)
@@ -139,9 +179,14 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
                                         p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
                                         eps, mom, sync_bn[0], sync_bn[1])
             else:
-                x = F.batch_norm(x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"],
+                rv = p[f"{layer.name}.running_var"]
+                biased = train and "bn_running_var_biased" in emulate
+                xin = x   # (biased: batch_norm updates a copy, which autograd keeps; the buffer gets Keras' value)
+                x = F.batch_norm(x, p[f"{layer.name}.running_mean"], rv.clone() if biased else rv,
                                  p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
                                  momentum=mom, eps=eps)
+                if biased:
+                    _biased_running_var(xin, rv, mom)
         elif k == "dropout":
             if train and not native_dropout and masks is not None:
                 x = x * masks[layer.name] / (1.0 - o["rate"])
