@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .runner import BadInput
+from .errors import BadInput
 from .runs import EVAL_SERIES, SERIES, Run
 
 STAT_FIELDS = ("spec_hash", "data_hash", "base_weights_hash")
