@@ -14,7 +14,7 @@ from ..baseline_set import BASELINES_DIR, load_set, rel_path, set_folder
 from ..check import Saved, check_baselines, update_baselines
 from ..errors import BadInput
 from ..files import atomic_write_text
-from .common import fail, say
+from .common import fail, options, say
 
 COMMON = [
     click.option("--matrix", "matrix_file", default="ci", show_default=True,
@@ -28,11 +28,7 @@ COMMON = [
 ]
 
 
-def common(f):
-    """The options of check and baseline save (matrix, baselines, out, jobs, reuse)."""
-    for o in reversed(COMMON):
-        f = o(f)
-    return f
+common = options(COMMON)   # the options of check and baseline save
 
 
 def _print_saved(saved: Saved) -> NoReturn:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -13,6 +13,15 @@ def fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Print `duipai: error: MSG` on stderr and exit (2 by default: bad input)."""
     click.echo(error_line(msg), err=True)
     sys.exit(code)
+
+
+def options(opts: list[Callable]) -> Callable:
+    """One decorator applying a list of click options in their listed order (shared option sets)."""
+    def apply(f: Callable) -> Callable:
+        for o in reversed(opts):
+            f = o(f)
+        return f
+    return apply
 
 
 def say(msg: str) -> None:

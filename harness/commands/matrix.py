@@ -10,7 +10,7 @@ import click
 from .. import matrix as M
 from ..compare_runs import compare_folder
 from ..errors import EXIT_CRASH, EXIT_OK, BadInput
-from .common import fail, say
+from .common import fail, options, say
 
 
 def _say_problems(entries: list[M.Entry]) -> None:
@@ -41,11 +41,7 @@ MATRIX_OPTS = [
 ]
 
 
-def matrix_options(f):
-    """The options of a matrix run (--out, -j, --force)."""
-    for o in reversed(MATRIX_OPTS):
-        f = o(f)
-    return f
+matrix_options = options(MATRIX_OPTS)   # the options of a matrix run
 
 
 def _crash_code(entries: list[M.Entry]) -> int:
