@@ -43,7 +43,8 @@ sys.path.insert(0, str(HERE))
 from algorithms.optim import HParams  # noqa: E402
 from bench_step import machine, quantiles, versions  # noqa: E402
 from harness import runner  # noqa: E402
-from harness.runner import BackendFailed, BadInput, RunConfig  # noqa: E402
+from harness.runner import RunConfig  # noqa: E402
+from harness.errors import BackendFailed, BadInput  # noqa: E402
 
 RESULTS = HERE / "results"
 DP_BACKENDS = ["torch", "tensorflow", "jax", "keras-jax", "keras-tensorflow"]

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from algorithms.spec import load_model  # noqa: E402
 from harness import matrix as M  # noqa: E402
 from harness import runner  # noqa: E402
-from harness.comparecmd import compare_folder  # noqa: E402
+from harness.compare_runs import compare_folder  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard")

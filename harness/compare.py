@@ -350,7 +350,7 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
 def check_comparable(runs: list[Run], force: bool) -> list[str]:
     """Refuse (BadInput naming the field and both values) runs that are not one configuration;
     with force, return the differences as notes to repeat in every output."""
-    from .runner import BadInput
+    from .errors import BadInput
     forced = []
     ref = runs[0]
     for r in runs[1:]:

@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import BackendFailed
 from .runs import SERIES, Run, check_reproduces, config_of, load_run, same_config
 
 BOUNDED = ("accuracy", "eval_accuracy")
@@ -294,7 +295,6 @@ def envelope_runs(ref: Run, seeds: list[int], root: Path | None = None, *, preci
     """The reference configuration re-trained with --perturb-ulp k for each seed and, with `precision`,
     once more in float64 (--dtype float64 --perturb-ulp seeds[0]), through runner.execute; an existing
     complete folder of the same name and configuration is reused. Returns (runs, notes)."""
-    from . import runner
     root = Path(root or ref.path.parent)
     log = log or (lambda m: print(m, file=sys.stderr))
     wanted = [{"perturb_ulp": k} for k in seeds]
@@ -305,7 +305,7 @@ def envelope_runs(ref: Run, seeds: list[int], root: Path | None = None, *, preci
     for change in wanted:
         try:
             out.append(_cached_run(ref, change, root, timeout, log))
-        except runner.BackendFailed as e:
+        except BackendFailed as e:
             if "dtype" not in change:
                 raise
             notes.append(f"no float64 envelope run ({str(e).splitlines()[0]}): the envelope is the "

@@ -45,6 +45,7 @@ from algorithms.faults import combine
 from algorithms.params import load_npz
 
 from . import probes, runner
+from .errors import BackendFailed, BadInput
 from .runs import EVAL_SERIES, Run, check_reproduces, config_of, movable_keys
 
 R_EPS = 1e-7   # CRADLE's denominator guard
@@ -252,7 +253,7 @@ class Localizer:
             return None
         try:
             return self.probe0(ref, dtype="float64", **change)
-        except runner.BackendFailed as e:
+        except BackendFailed as e:
             self.log(f"localize: no float64 reference probe ({str(e).splitlines()[0]}); fixed tolerance")
             return None
 
@@ -280,7 +281,7 @@ class Localizer:
             try:
                 r64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
-            except runner.BackendFailed as e:
+            except BackendFailed as e:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
         emu, emu64 = None, {}
         if change is not None:
@@ -292,7 +293,7 @@ class Localizer:
                                     "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
                                     **dict(change, dtype="float64"))
                     emu64 = {t: load_npz(e64 / f"probe-{i}.npz") for i, t in enumerate(at)}
-                except runner.BackendFailed as e:
+                except BackendFailed as e:
                     self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / "worker.json").read_text())
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
@@ -316,7 +317,7 @@ class Localizer:
     def __call__(self, pair) -> dict[str, Any]:
         try:
             return self.localize(pair)
-        except (runner.BackendFailed, runner.BadInput) as e:
+        except (BackendFailed, BadInput) as e:
             msg = str(e).splitlines()[0]
             return {"stage": None, "method": None, "error": msg, "summary": "not localized (a job failed)",
                     "lines": [f"localization failed: {msg}"]}
@@ -502,7 +503,7 @@ class Localizer:
             return res
         try:
             single = self.probe0(cand, devices=1)
-        except runner.BackendFailed as e:
+        except BackendFailed as e:
             if not e.unsupported:
                 raise
             # a fault that exists only across replicas (grad_sum_replicas, overlapping_shards) is refused at

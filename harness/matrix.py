@@ -23,9 +23,10 @@ from algorithms.optim import OPTIMIZERS, HParamError, HParams
 from . import runner
 from .files import atomic_write_text
 from .progress import RunsProgress
-from .runner import BackendFailed, BadInput, RunConfig
+from .defaults import MATRICES_DIR, REFERENCE
+from .errors import BackendFailed, BadInput
+from .runner import RunConfig
 
-MATRICES_DIR = Path(__file__).parent / "matrices"
 LIST_FIELDS = {"models": str, "backends": str, "devices": int, "seeds": int, "optimizers": str, "faults": str}
 SCALAR_FIELDS = {"name": str, "data": str, "steps": int, "batch_size": int, "reference": str, "envelope_k": int,
                  "envelope_fp64": bool, "timeout_s": (int, float), "description": str}
@@ -43,7 +44,7 @@ class Matrix:
     data: str = "digits"
     steps: int = 300
     batch_size: int = 64
-    reference: str = "torch"
+    reference: str = REFERENCE
     envelope_k: int = 3
     envelope_fp64: bool = True
     timeout_s: float = 900

@@ -32,29 +32,16 @@ from algorithms.optim import HParams
 from algorithms.params import check_params, init_params, params_hash, perturb_ulp, save_npz
 from algorithms.spec import ModelSpec, load_model
 
+from .defaults import REFERENCE
+from .errors import BackendFailed, BadInput
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = 1
-
-# exit codes shared by every command
-EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
-
-
-class BadInput(Exception):
-    """User error: one clear line, exit 2, nothing written."""
-
-
-class BackendFailed(Exception):
-    """The backend process crashed, hung or refused; its log is kept."""
-
-    def __init__(self, msg: str, log: Path | None = None, unsupported: bool = False):
-        super().__init__(msg)
-        self.log, self.unsupported = log, unsupported
-
 
 @dataclass
 class RunConfig:
     model: str = "cnn2d_2conv_2fc"
-    backend: str = "torch"
+    backend: str = REFERENCE
     hparams: HParams = field(default_factory=HParams)
     data: str = "digits"
     threads: int = 1
@@ -120,7 +107,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _hash_json(obj: Any) -> str:
+def hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -250,7 +237,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         if "unsupported" in last:
             raise BackendFailed(str(last["unsupported"]), kept / "run.log", unsupported=True)
         why = "timed out" if last.get("timeout") else f"exited with code {rc}"
-        tail = _log_tail(kept / "run.log")
+        tail = log_tail(kept / "run.log")
         raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / "run.log")
     worker = json.loads((tmp / "worker.json").read_text())
     if mode == "train":  # a train run is complete only with every step's row
@@ -265,7 +252,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
         "weights_hash": prep.weights_hash, "base_weights_hash": prep.base_weights_hash,
         "init": {"seed": cfg.hparams.init_seed, "perturb_ulp_seed": cfg.perturb_ulp},
-        "hparams": cfg.hparams.to_dict(), "hparams_hash": _hash_json(cfg.hparams.to_dict()),
+        "hparams": cfg.hparams.to_dict(), "hparams_hash": hash_json(cfg.hparams.to_dict()),
         "options": options, "fault": cfg.fault,
         "versions": worker.get("versions", {}), "devices": worker.get("devices", []),
         "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
@@ -288,7 +275,8 @@ def _source(source: str) -> str:
     return str(user_path(source)) if Path(source).is_file() else source
 
 
-def _log_tail(path: Path, n: int = 8) -> str:
+def log_tail(path: Path, n: int = 8) -> str:
+    """The last n lines of a log, indented (what a crash message shows)."""
     try:
         lines = path.read_text(errors="replace").strip().splitlines()
     except OSError:

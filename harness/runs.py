@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .runner import BadInput, RunConfig
+from .errors import BadInput
+from .runner import RunConfig
 
 STEP_SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr")
 EVAL_SERIES = ("eval_loss", "eval_accuracy")
@@ -289,7 +290,7 @@ def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
 def expected_hashes(cfg: RunConfig, prep) -> dict[str, str]:
     """The comparability fields a run of `cfg` (prepared as `prep`) will have in its manifest."""
     import hashlib
-    from .runner import _hash_json
+    from .runner import hash_json as _hash_json
     return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
             "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
             "base_weights_hash": prep.base_weights_hash, "hparams_hash": _hash_json(cfg.hparams.to_dict())}

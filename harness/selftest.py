@@ -19,6 +19,9 @@ from algorithms.optim import HParams
 
 from . import matrix as M
 from . import runner
+from .compare_runs import compare_folder
+from .defaults import REFERENCE
+from .errors import EXIT_BUG, EXIT_OK
 from .files import atomic_write_text
 from .runner import RunConfig
 
@@ -92,7 +95,7 @@ def implements(backend: str, fault: str) -> bool:
     return fault in runner.backend_info()[backend].get("faults", ())
 
 
-REDUCED = {"backends": ("torch",), "steps": 40,
+REDUCED = {"backends": (REFERENCE,), "steps": 40,
            "faults": ("flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "adam_eps_hat",
                       "grad_sum_replicas", "data_shift_one_batch", "label_smoothing", "grad_double", "lr_scale_1.001",
                       ),
@@ -106,7 +109,7 @@ class Plan:
 
 
 def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str, ...], steps: int,
-         reference: str = "torch", k: int = 3) -> Plan:
+         reference: str = REFERENCE, k: int = 3) -> Plan:
     p = Plan()
     seen: set[str] = set()
     default_eval_every = Scenario().hparams(steps).eval_every
@@ -264,8 +267,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     pl = plan(backends, faults, variants, steps)
     entries = M.run_entries(pl.entries, folder, Path(out_root), jobs, timeout=timeout)
     M.write_status(folder, type("S", (), {"name": name, "source": "duipai selftest"})(), entries)
-    from .comparecmd import compare_folder
-    compare_folder(folder, reference="torch", k=3)
+    compare_folder(folder, reference=REFERENCE, k=3)
     rows = judge(pl, entries, folder)
     meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} cores)",
@@ -276,4 +278,4 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     atomic_write_text(folder / "selftest.json", json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     print(text)
     bad = [r for r in rows if r["correct"] is False]
-    return runner.EXIT_BUG if bad else runner.EXIT_OK
+    return EXIT_BUG if bad else EXIT_OK

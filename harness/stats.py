@@ -17,7 +17,7 @@ import numpy as np
 
 from algorithms.differences import DIFFERENCES
 
-from .runner import BadInput
+from .errors import BadInput
 from .runs import EVAL_SERIES, SERIES, Run
 
 STAT_FIELDS = ("spec_hash", "data_hash", "base_weights_hash")

@@ -13,7 +13,7 @@ or, with the pytest plugin (`pytest_plugins = ["harness.testing"]` in your root 
     def test_torch_20_steps(tmp_path, duipai_baseline):
         duipai_baseline(train(backend="torch", steps=20, out=tmp_path))
 
-The comparison is `duipai check`'s (harness/baseline.py): bitwise when the platform fingerprint and
+The comparison is `duipai check`'s (harness/baseline_file.py, harness/exact_series.py): bitwise when the platform fingerprint and
 the run's framework versions, determinism switches and devices equal the baseline's, else the
 calibrated envelope (harness/envelope.py) with the baseline as the reference. Envelope mode needs
 an envelope: `envelope=[folders of 1-ULP-perturbed runs]`, one stored in the baseline file
@@ -27,8 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import baseline as BL
-from .baseline import BaselineMismatch, save_baseline
+from .baseline_file import Baseline, BaselineError, BaselineMismatch, config_mismatches, load_baseline, \
+    save_baseline, spread_envelope
+from .baseline_set import INDEX, load_set
+from .defaults import REFERENCE
+from .exact_series import describe_diff, load_current, series_diff
+from .fingerprint import platform_fingerprint, same_platform
 from .runs import COMPARABILITY
 
 
@@ -41,7 +45,7 @@ class Match:
     detail: str
 
 
-def train(*, model: str = "cnn2d_2conv_2fc", backend: str = "torch", steps: int = 20, out: str | Path = "results",
+def train(*, model: str = "cnn2d_2conv_2fc", backend: str = REFERENCE, steps: int = 20, out: str | Path = "results",
           optimizer: str = "momentum", lr: float | None = None, batch_size: int = 64, seed: int = 0,
           data: str = "digits", devices: int = 1, fault: str | None = None, perturb_ulp: int | None = None,
           timeout: float | None = 600, **hparams: Any) -> Path:
@@ -57,12 +61,12 @@ def train(*, model: str = "cnn2d_2conv_2fc", backend: str = "torch", steps: int 
     return runner.execute(cfg, Path(out), timeout=timeout)
 
 
-def _set_envelope(b: BL.Baseline):
+def _set_envelope(b: Baseline):
     """The envelope of the set `b` belongs to: its configuration's reference and 1-ULP baselines."""
     from .envelope import compute
-    if not (b.path.parent / BL.INDEX).is_file():
+    if not (b.path.parent / INDEX).is_file():
         return None
-    bs, _ = BL.load_set(b.path.parent)
+    bs, _ = load_set(b.path.parent)
     same = [x for x in bs.runs.values() if all(x.manifest.get(k) == b.manifest.get(k) for k in COMPARABILITY)]
     members = [x for x in same if x.doc.get("role") == "envelope"]
     if not members:
@@ -76,13 +80,13 @@ def _set_envelope(b: BL.Baseline):
     return compute(refs[0].run(), [m.run() for m in members])
 
 
-def _envelope(b: BL.Baseline, current, envelope: Iterable[str | Path] | None):
+def _envelope(b: Baseline, current, envelope: Iterable[str | Path] | None):
     from .envelope import compute
     if envelope:
-        members = [BL.load_current(Path(p))[0] for p in envelope]
+        members = [load_current(Path(p))[0] for p in envelope]
         return compute(current, members), f"{len(members)} given envelope run(s)"
     if b.doc.get("envelope"):
-        return BL.spread_envelope(b.run(), b.doc["envelope"]["spread"]), "the envelope stored in the baseline"
+        return spread_envelope(b.run(), b.doc["envelope"]["spread"]), "the envelope stored in the baseline"
     env = _set_envelope(b)
     if env is not None:
         return env, f"the envelope baselines of {b.path.parent}"
@@ -100,29 +104,29 @@ def assert_matches_baseline(run_dir: str | Path, baseline: str | Path, *, mode: 
     from .compare import check_pair
     if mode not in ("auto", "bitwise", "envelope"):
         raise ValueError(f"mode must be auto, bitwise or envelope, not {mode!r}")
-    b = BL.load_baseline(baseline)
-    cur, series = BL.load_current(Path(run_dir))
+    b = load_baseline(baseline)
+    cur, series = load_current(Path(run_dir))
     head = f"{cur.name} vs baseline {b.path}"
-    cfg = BL.config_mismatches(b.manifest, cur.manifest)
+    cfg = config_mismatches(b.manifest, cur.manifest)
     if cfg:
         raise BaselineMismatch(f"{head}: not the same configuration: {', '.join(cfg)}")
     if b.backend != cur.backend:
         raise BaselineMismatch(f"{head}: backend {cur.backend}, the baseline's is {b.backend}")
-    why = BL.same_platform(b.fingerprint, cur.manifest, BL.platform_fingerprint())
+    why = same_platform(b.fingerprint, cur.manifest, platform_fingerprint())
     use = mode if mode != "auto" else ("envelope" if why else "bitwise")
     reason = "; ".join(why) if why else "fingerprint and versions equal the baseline's"
     env, env_from = _envelope(b, cur, envelope)
     pair = check_pair(env, b.run(), cur) if env is not None else None
     if use == "bitwise":
-        d = BL.series_diff(b.series, series)
+        d = series_diff(b.series, series)
         if d is None:
             return Match("bitwise", reason, "IDENTICAL", "bitwise identical")
-        msg = f"{head}: bitwise difference ({reason}): {BL.describe_diff(d)}"
+        msg = f"{head}: bitwise difference ({reason}): {describe_diff(d)}"
         if pair is not None:
             msg += (f"; against {env_from}: {pair.verdict}" + (f" from {_first(pair.first)}" if pair.first else ""))
         raise BaselineMismatch(msg)
     if env is None:
-        raise BL.BaselineError(f"{head}: envelope mode ({reason}) needs an envelope: pass envelope=[folders of "
+        raise BaselineError(f"{head}: envelope mode ({reason}) needs an envelope: pass envelope=[folders of "
                                "--perturb-ulp runs], or save the baseline with one (save_baseline(..., envelope=...))")
     if pair.first is not None:
         raise BaselineMismatch(f"{head}: envelope mode ({reason}; envelope: {env_from}): {pair.verdict} from "

@@ -60,7 +60,7 @@ def args(d: dict[str, Path], *more: str, baselines: Path | None = None, out: Pat
 
 
 def test_save_writes_a_self_checking_set_with_exact_floats(saved):
-    from harness import baseline as BL
+    from harness import baseline_file as BL
     folder = saved["baselines"] / "tcheck"
     idx = json.loads((folder / "index.json").read_text())
     assert sorted(r["name"] for r in idx["runs"]) == sorted([TORCH, ULP1, JAX])
@@ -178,7 +178,7 @@ def test_backend_killed_mid_run_is_a_crash_and_the_rest_is_reported(saved, tmp_p
 
 def test_update_rewrites_and_prints_what_changed(saved, tmp_path):
     import math
-    from harness import baseline as BL
+    from harness import baseline_file as BL
     bl = tmp_path / "bl"
     shutil.copytree(saved["baselines"], bl)
 
@@ -208,7 +208,7 @@ def test_update_rewrites_and_prints_what_changed(saved, tmp_path):
 
 def _resave(folder: Path, name: str, change) -> None:
     """Rewrite one baseline of a set consistently (its sha256 and the index's)."""
-    from harness import baseline as BL
+    from harness import baseline_file as BL
     f = folder / f"{name}.json"
     doc = json.loads(f.read_text())
     change(doc)
@@ -244,7 +244,7 @@ def test_bad_check_arguments_are_bad_input(saved):
 
 # --------------------------------------------------------------------------- the pytest helper
 def test_assert_matches_baseline(saved, faulty):
-    from harness.baseline import BaselineError
+    from harness.baseline_file import BaselineError
     from harness.testing import BaselineMismatch, assert_matches_baseline
     runs, folder = saved["out"] / "tcheck" / "runs", saved["baselines"] / "tcheck"
     m = assert_matches_baseline(runs / JAX, folder / f"{JAX}.json")
@@ -263,7 +263,7 @@ def test_assert_matches_baseline(saved, faulty):
 
 
 def test_standalone_baseline_with_a_stored_envelope(saved, tmp_path):
-    from harness import baseline as BL
+    from harness import baseline_file as BL
     from harness.testing import assert_matches_baseline, save_baseline
     runs = saved["out"] / "tcheck" / "runs"
     p = save_baseline(runs / TORCH, tmp_path / "torch.json", envelope=[runs / ULP1])

@@ -96,7 +96,7 @@ def test_batchnorm_per_replica_is_declared_and_sync_bn_is_not(runs):
 
 
 def test_dp_faults_refused_without_replicas(runs):
-    from harness.runner import BackendFailed
+    from harness.errors import BackendFailed
     with pytest.raises(BackendFailed, match="needs data parallelism") as e:
         runs.get(1, steps=2, fault="grad_sum_replicas")
     assert e.value.unsupported

@@ -207,7 +207,8 @@ def test_hosts_refused_loudly(backend, root):
 
 def test_keras_torch_refuses_data_parallelism(results_root):
     from algorithms.optim import HParams
-    from harness.runner import BackendFailed, RunConfig, execute
+    from harness.runner import RunConfig, execute
+    from harness.errors import BackendFailed
     need("keras-torch")
     with pytest.raises(BackendFailed, match="Keras has no data parallelism on the torch backend") as e:
         execute(RunConfig(backend="keras-torch", hparams=HParams(steps=2), devices=2), results_root)

@@ -90,7 +90,7 @@ def test_reduction_and_sharding_faults_break_the_agreement(runs, fault):
 
 
 def test_dp_faults_refused_without_replicas(runs):
-    from harness.runner import BackendFailed
+    from harness.errors import BackendFailed
     with pytest.raises(BackendFailed, match="needs data parallelism") as e:
         runs.get(1, steps=2, fault="grad_sum_replicas")
     assert e.value.unsupported
@@ -152,7 +152,7 @@ def test_a_killed_rank_fails_the_run_fast(tmp_path):
 
 
 def test_sync_bn_is_refused_on_cpu_with_the_reason(runs):
-    from harness.runner import BackendFailed
+    from harness.errors import BackendFailed
     with pytest.raises(BackendFailed, match="SyncBatchNorm refuses CPU tensors") as e:
         runs.get(2, model="cnn2d_hard", steps=2, extra={"sync_bn": True})
     assert e.value.unsupported
@@ -161,7 +161,7 @@ def test_sync_bn_is_refused_on_cpu_with_the_reason(runs):
 
 def test_a_port_in_use_is_refused(runs):
     import socket
-    from harness.runner import BackendFailed
+    from harness.errors import BackendFailed
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -42,7 +42,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_load_matrix_names_the_entry(case, tmp_path):
     from harness.matrix import load_matrix
-    from harness.runner import BadInput
+    from harness.errors import BadInput
     text, message = CASES[case]
     p = tmp_path / f"{case}.toml"
     p.write_text(text)

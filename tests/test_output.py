@@ -66,7 +66,7 @@ def test_a_wrong_reference_leads_the_terminal_the_report_and_the_summary(wrong_r
     doc = json.loads((out / "comparison.json").read_text())
     assert set(doc["verdicts"].values()) == {"BUG"} and doc["odd_one_out"]["run"] == "ref"
 
-    from harness.allcmd import report_cmd
+    from harness.commands.report import report_cmd
     rr = CliRunner().invoke(report_cmd, [str(out)], catch_exceptions=False)
     assert rr.exit_code == 0, rr.output
     md = (out / "report" / "summary.md").read_text()
@@ -145,7 +145,7 @@ class FakeExecute:
         self.calls = 0
 
     def __call__(self, cfg, out_root, name=None, *, on_progress=None, **kw):
-        from harness.runner import BackendFailed
+        from harness.errors import BackendFailed
         self.calls += 1
         for s in (0, 5, 10):
             on_progress({"step": s, "of": 10, "loss": 1.0 / (s + 1)})

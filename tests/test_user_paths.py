@@ -154,7 +154,7 @@ def test_from_a_wheel_in_a_fresh_virtual_environment(tmp_path):
     # see the editable install's metadata there and call duipai already installed
     user = tmp_path / "user"
     user.mkdir()
-    where = subprocess.run([str(py), "-c", "import harness, algorithms.spec as s, harness.baseline as b; "
+    where = subprocess.run([str(py), "-c", "import harness, algorithms.spec as s, harness.baseline_set as b; "
                             "print(harness.__file__, s.MODELS_DIR, b.BASELINES_DIR)"],
                            capture_output=True, text=True, cwd=user, env=env, check=True)
     *code, baselines = where.stdout.split()

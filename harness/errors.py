@@ -1,0 +1,27 @@
+"""The exceptions every harness module raises and the exit codes every command returns.
+
+Here, apart from the process launcher (harness/runner.py), so that a module which only needs to say
+"bad input" does not import the machinery that starts backends."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# exit codes shared by every command
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
+
+
+class BadInput(Exception):
+    """User error: one clear line, exit 2, nothing written."""
+
+
+class BackendFailed(Exception):
+    """The backend process crashed, hung or refused; its log is kept."""
+
+    def __init__(self, msg: str, log: Path | None = None, unsupported: bool = False):
+        super().__init__(msg)
+        self.log, self.unsupported = log, unsupported
+
+
+def error_line(msg: object) -> str:
+    """The one line every command prints for a refused input or a failed backend (on stderr)."""
+    return f"duipai: error: {msg}"
