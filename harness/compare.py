@@ -254,8 +254,8 @@ def resolve(p: Pair, localized: bool) -> None:
 
 
 def _change(chk: dict[str, Any]) -> str:
-    from .localize import _change_text
-    return _change_text(chk.get("change"))
+    from .localize import change_text
+    return change_text(chk.get("change"))
 
 
 def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:

@@ -157,7 +157,7 @@ def _agrees(res: dict[str, Any]) -> bool:
     return res["stage"] is None and not res["disagreeing_keys"]
 
 
-def _change_text(change: dict[str, Any] | None) -> str:
+def change_text(change: dict[str, Any] | None) -> str:
     """How the reference was changed to compute declared formulas, for notes: 'fault a+b, devices 2'."""
     return ", ".join(f"{k} {v}" for k, v in sorted((change or {}).items())) or "no change"
 
@@ -349,7 +349,7 @@ class Localizer:
                        before={"stage": plain["stage"], "probe": plain["probe"],
                                "disagreeing_keys": plain["disagreeing_keys"]},
                        evidence=[f"step 0: {k}" for k in plain["disagreeing_keys"]])
-            method = f"step-0 probes against the reference computing the declared formula ({_change_text(change)})"
+            method = f"step-0 probes against the reference computing the declared formula ({change_text(change)})"
         if res["stage"] is not None:
             res = self._reduction(ref, cand, res, layers, change or {})
         if res["stage"] is not None:
@@ -382,7 +382,7 @@ class Localizer:
                         r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t))
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state" + (
-                                f", against the reference computing the declared formula ({_change_text(change)})"
+                                f", against the reference computing the declared formula ({change_text(change)})"
                                 if change is not None else "")
                             res["step"] = t
                             if chk.get("verified"):
@@ -398,7 +398,7 @@ class Localizer:
             lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g}, or 3x the "
                      "reference's own error against its float64 probe for another code path)"
                      + ("" if change is None else f", against the reference computing the declared formula "
-                                                  f"({_change_text(change)})")]
+                                                  f"({change_text(change)})")]
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
@@ -409,7 +409,7 @@ class Localizer:
                          + ("; no other probe disagrees" if sa.get("all") else "; localized on the probes left"))
         if chk.get("verified"):
             lines.append(f"declared difference(s) {', '.join(chk['emulated'])} checked against the reference computing "
-                         f"their formula ({_change_text(change)}): {len(chk['before']['disagreeing_keys'])} step-0 probes "
+                         f"their formula ({change_text(change)}): {len(chk['before']['disagreeing_keys'])} step-0 probes "
                          f"disagreed with the plain reference, {len(chk['evidence'])} probes in all; "
                          + ("every compared probe agrees with the emulating reference" if chk["agree"] else
                             f"{len(res['disagreeing_keys'])} still disagree with it"))

@@ -179,7 +179,7 @@ def forward(model: ModelSpec, p: Params, xs: list[np.ndarray], *, train: bool, m
     running buffers, the buffers the run exports. Inference mode: running statistics, no dropout."""
     caches: list[list[Any]] = []
     for layer in model.layers:
-        k, o = layer.kind, layer.spec.options
+        k = layer.kind
         if k == "batchnorm2d":
             if train:
                 moments = bn_moments(xs, sync_bn)
