@@ -326,15 +326,7 @@ F64_CHECK = textwrap.dedent("""
 
 
 def test_optax_steps_are_the_reference_update_in_float64():
-    base = dict(steps=3, batch_size=16)
-    cases = {
-        "sgd_l2": (dict(optimizer="sgd", lr=0.1, weight_decay=1e-2, **base), None),
-        "momentum_step": (dict(optimizer="momentum", lr=0.1, schedule="step", step_size=1, **base), None),
-        "nesterov_l2": (dict(optimizer="nesterov", lr=0.1, weight_decay=1e-2, schedule="cosine", **base), None),
-        "adam_l2": (dict(optimizer="adam", lr=1e-3, weight_decay=1e-2, **base), None),
-        "adamw": (dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2, schedule="warmup", **base), None),
-        "adam_eps_hat": (dict(optimizer="adam", lr=1e-3, **base), "adam_eps_hat"),
-    }
+    from .optim_cases import REFERENCE_CASES as cases
     import json
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     r = subprocess.run([sys.executable, "-c", F64_CHECK, json.dumps(cases)], capture_output=True, text=True,

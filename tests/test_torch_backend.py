@@ -21,16 +21,7 @@ from wrappers.base import RunOptions  # noqa: E402
 from wrappers.torch.backend import TorchBackend  # noqa: E402
 from wrappers.worker import masks_for  # noqa: E402
 
-BASE = dict(steps=4, batch_size=16)
-CASES = {
-    "sgd": (dict(optimizer="sgd", lr=0.1, **BASE), None),
-    "sgd_l2": (dict(optimizer="sgd", lr=0.1, weight_decay=1e-2, **BASE), None),
-    "momentum_step": (dict(optimizer="momentum", lr=0.1, schedule="step", step_size=1, **BASE), None),
-    "nesterov_l2_cosine": (dict(optimizer="nesterov", lr=0.1, weight_decay=1e-2, schedule="cosine", **BASE), None),
-    "adam_l2": (dict(optimizer="adam", lr=1e-3, weight_decay=1e-2, **BASE), None),
-    "adamw_warmup": (dict(optimizer="adamw", lr=1e-3, weight_decay=1e-2, schedule="warmup", **BASE), None),
-    "adam_eps_hat": (dict(optimizer="adam", lr=1e-3, **BASE), "adam_eps_hat"),
-}
+from .optim_cases import BASE, REFERENCE_CASES as CASES  # noqa: E402
 
 
 def batch(model, n=16, seed=1, dtype=np.float64):
