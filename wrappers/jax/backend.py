@@ -128,6 +128,9 @@ def adam_hyperparams(hyper: dict[str, jax.Array], count: jax.Array, b1: float, b
     return out
 
 
+STEP_STATS = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")   # the step's vector, in order
+
+
 def _host(a: Any) -> Any:
     """A replicated array's value on this host (another host's devices are not addressable here)."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -216,13 +219,13 @@ class Lowering:
         opt_state = opt_state._replace(hyperparams=hyper)
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        stats = {"loss": loss,
-                 "accuracy": jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)),
-                 "grad_norm": _global_norm(grads),
-                 "update_norm": _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)),
-                 "param_norm": _global_norm(new_params)}
+        # one vector (loss, accuracy, grad/update/param norms, then the replica losses): one device-to-host
+        # fetch per step instead of one per statistic (stacking promotes exactly, it never rounds)
+        parts = [loss, jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)), _global_norm(grads),
+                 _global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]
+        stats = jnp.stack(parts)
         if self.mesh is not None:
-            stats["replica_losses"] = aux[2]
+            stats = jnp.concatenate([stats, aux[2].astype(stats.dtype)])
             replicated = NamedSharding(self.mesh, P())
             new_params, new_buffers, opt_state, stats = jax.lax.with_sharding_constraint(
                 (new_params, new_buffers, opt_state, stats), replicated)
@@ -465,10 +468,9 @@ class JaxBackend(Backend):
         self.params, self.buffers, self.opt_state, stats = self._step(
             self.params, self.buffers, self.opt_state, xb, yb, mb,
             self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))
-        s = jax.device_get(jax.tree.map(_host, stats))
-        reps = [float(v) for v in s["replica_losses"]] if "replica_losses" in s else None
-        return StepStats(float(s["loss"]), float(s["accuracy"]), float(s["grad_norm"]), float(s["update_norm"]),
-                         float(s["param_norm"]), reps)
+        s = np.asarray(jax.device_get(_host(stats)))
+        reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None
+        return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         key = jax.random.fold_in(jax.random.fold_in(self.base_key, 0x0E7A1), self.eval_calls)
