@@ -11,11 +11,12 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 all: $(STAMP)
 	$(BIN)/duipai all -j $(JOBS)
 
+# the tests spread over the cores (pytest-xdist; each test's backend processes use one compute thread)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal --durations=20
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal -m slow
 
 # rerun the CI matrix against the committed golden baselines (results/baselines/ci/), docs/ci.md
 check: $(STAMP)
