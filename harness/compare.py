@@ -292,9 +292,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
     if not p.with_reference:
         return
     if not requested or rs is None:
-        if p.verdict in (DRIFT, INCONCLUSIVE):
-            p.notes.append("no shared-state step comparison (--no-localize or --resync-every 0): only the "
-                           "free-running curves were compared")
+        if p.verdict in (DRIFT, INCONCLUSIVE):   # first: the last note stays the verdict's own reason
+            p.notes.insert(0, "no shared-state step comparison (--no-localize or --resync-every 0): only the "
+                              "free-running curves were compared")
         return
     if "skipped" in rs or "error" in rs:
         why = rs.get("skipped") or f"a resync job failed ({rs['error']})"
@@ -334,7 +334,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         from .resync import STAGE_OF_KIND
         p.verdict = BUG
         line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
-                f"(mean {st['mean']:+.3g} rounding units, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
+                f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
                 f"{st['positive']} of {st['positive'] + st['negative']} positive)")
         if was != BUG or (p.localization or {}).get("stage") is None:
             p.localization = {"stage": STAGE_OF_KIND.get(kd, kd), "method": "sequential test over resynced steps",
@@ -351,16 +351,27 @@ def apply_resync(p: Pair, requested: bool) -> None:
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not _not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])
+        _superseded(p)
         p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
                        f"the declared formula agrees with the candidate at every resynced step, the plain reference "
                        f"does not ({len(rs['evidence'])} probes); {_resync_what(rs)}")
     elif was == INCONCLUSIVE:
         p.verdict = DRIFT
+        _superseded(p)
         p.notes.append(f"{RESYNC_DRIFT} ({rs['n']} resynced steps): {_resync_what(rs)}")
     elif was in (DRIFT, IDENTICAL, DECLARED):
         p.notes.append(f"every resynced step agrees: {_resync_what(rs)}")
     elif was == BUG:
         p.notes.append(f"the resynced steps agree ({_resync_what(rs)}), but the verdict above stands")
+
+
+def _superseded(p: Pair) -> None:
+    """The free-running verdict's INCONCLUSIVE reasons, kept as what the curves alone say, without their advice
+    to use --stat (the shared-state comparison decided)."""
+    for i, n in enumerate(p.notes):
+        for tail in ("; compare seeds statistically (--stat)", "; decide with --stat", ", compare seeds with --stat"):
+            if n.endswith(tail):
+                p.notes[i] = "free-running curves alone: " + n[: -len(tail)]
 
 
 def _not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
@@ -436,18 +447,23 @@ class Comparison:
 def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnvelope], envelope_runs: list[Run],
             rule: Rule = DEFAULT_RULE, *, forced: list[str] | None = None,
             localize: Callable[[Pair], dict[str, Any] | None] | None = None,
-            resync: Callable[[Pair], dict[str, Any] | None] | None = None,
+            resync: Callable[[Pair, list[int]], dict[str, Any] | None] | None = None,
             all_pairs: bool = True) -> Comparison:
     """Judge every candidate against the reference (localizing each excess when `localize` is given; the
     shared-state step comparison of every pair when `resync` is given, run first so that the localization
-    reuses its replay), and, with >= 3 runs, every pair of candidates too (for the odd one out)."""
+    reuses its replay; `resync(pair, extra)` gets the divergent steps of every pair as `extra`, so that the
+    reference's resync jobs are the same for all), and, with >= 3 runs, every pair of candidates too (for
+    the odd one out)."""
+    from .localize import divergent_steps
     pairs: list[Pair] = []
     index: dict[tuple[str, str], Pair] = {}
-    for c in candidates:
-        p = check_pair(envelope, reference, c, rule, True)
+    checked = [check_pair(envelope, reference, c, rule, True) for c in candidates]
+    extra = sorted({t for p in checked for t in divergent_steps(p)})
+    for p in checked:
+        c = p.b
         if resync is not None:
             p.resync = ({"skipped": "a different batch (data): the steps are not the same computation"}
-                        if p.first is not None and p.first["series"] == "batch_checksum" else resync(p))
+                        if p.first is not None and p.first["series"] == "batch_checksum" else resync(p, extra))
         if p.diverged and localize is not None:
             p.localization = localize(p)
         resolve(p, localize is not None)

@@ -216,6 +216,17 @@ def _change_tag(change: dict[str, Any]) -> str:
     return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
 
 
+def divergent_steps(pair) -> list[int]:
+    """The steps a divergence of the pair's free-running curves asks to replay: the first divergent step of
+    the training series (of any series when only the evaluation diverges) and the one before it; none for a
+    pair that does not diverge or is fed a different batch."""
+    if pair.first is None or pair.first.get("series") in ("batch_checksum", None):
+        return []
+    train = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
+    d = min(train) if train else int(pair.first["step"])
+    return [max(d - 1, 0), d]
+
+
 def checkpoints(run: Run) -> dict[int, Path]:
     """The run's saved states: step -> checkpoints/step_NNNNNNN.npz (taken after that many steps)."""
     d = run.path / "checkpoints"
@@ -331,11 +342,12 @@ class Localizer:
                             load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
 
     # ----------------------------------------------------------------------- the shared-state comparison
-    def resync(self, pair, every: int) -> dict[str, Any]:
-        """One step of the candidate from the reference's state at every resync point (its checkpoints
-        `every` steps apart, and the first divergent step of the training series and the one before it),
+    def resync(self, pair, every: int, extra: list[int] | None = None) -> dict[str, Any]:
+        """One step of the candidate from the reference's state at every resync point (every `every`-th
+        step, and the first divergent step of the training series and the one before it),
         against the reference there (computing the candidate's declared formulas when it declares emulated
-        differences): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
+        differences); `extra` replaces the divergent steps (compare passes every pair's, so that one reference
+        job serves all candidates): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
         kept, so that localizing the divergent step reuses it (one reference, one float64, one candidate
         process for every point)."""
         from . import resync as R
@@ -350,13 +362,7 @@ class Localizer:
             return {"skipped": f"declared difference(s) {', '.join(chk['skipped_differences'])} not emulated "
                                f"({chk['skipped']}): no reference step to compare with"}
         steps = int(ref.manifest.get("hparams", {}).get("steps") or (int(ref.step[-1]) + 1))
-        extra = []
-        if pair.first is not None and pair.first.get("series") != "batch_checksum":
-            train = [c.diverged_step for sn, c in pair.checks.items()
-                     if sn not in EVAL_SERIES and c.diverged_step is not None]
-            d = min(train) if train else int(pair.first["step"])
-            extra = [max(d - 1, 0), d]
-        at = R.resync_points(sorted(checkpoints(ref)), steps, every, extra)
+        at = R.resync_points(steps, every, divergent_steps(pair) if extra is None else extra)
         if not at:
             return {"skipped": f"no resync point (no checkpoint of {ref.name} with a step after it)"}
         try:

@@ -50,16 +50,13 @@ SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def resync_points(checkpoint_steps: list[int], steps: int, every: int, extra: list[int] = ()) -> list[int]:
-    """The steps probed from the reference's state: its checkpoints at least `every` steps apart (every
-    checkpoint when `every` is at most the checkpoint cadence; 0 = none), and `extra` (the first divergent
-    step and the one before it); only steps that have a batch (< steps)."""
-    pts: list[int] = []
-    if every > 0:
-        for t in sorted(checkpoint_steps):
-            if t < steps and (not pts or t - pts[-1] >= every):
-                pts.append(t)
-    return sorted({int(t) for t in list(pts) + list(extra) if 0 <= int(t) < steps})
+def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
+    """The steps probed from the reference's state: every `every`-th step from 0 (0 = none) and `extra`
+    (the first divergent step and the one before it), only steps that have a batch (< steps). The replay
+    job takes a step that has a checkpoint from it and re-trains to any other from the checkpoint before it
+    (one pass: at most one run's steps, however many points)."""
+    pts = list(range(0, steps, every)) if every > 0 else []
+    return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
 
 
 def projection(a: np.ndarray, b: np.ndarray) -> float:
