@@ -372,7 +372,7 @@ class Localizer:
         if "error" in rep:
             return {"error": rep["error"], "points": at}
         self._replays[(ref.name, cand.name, _change_tag(change or {}))] = rep
-        out = R.judge(rep, _layers(ref.manifest), emulated=change is not None)
+        out = R.judge(rep, _layers(ref.manifest), analyse, emulated=change is not None)
         out["every"] = every
         if change is not None:
             out["against"] = {"emulated": chk.get("emulated"), "change": change}

@@ -25,7 +25,7 @@ measured, a clean jax candidate's Adam updates differ from torch's by -0.6 ULP o
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -142,13 +142,13 @@ STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "upda
                  "buffer": "forward", "eval": "eval"}
 
 
-def judge(rep: dict[str, Any], layers: list[str], *, margin: float = MARGIN, floor: float = FLOOR,
-          emulated: bool = False) -> dict[str, Any]:
+def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
+          floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
     """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
     agree or not, the worst key and its factor over the tolerance, and the analysis of the first point that
     disagrees (stage, layer: Muffin's rule); the sequential test over every point; with `emulated`, the
-    evidence (keys where the plain reference disagrees with the candidate)."""
-    from .localize import analyse
+    evidence (keys where the plain reference disagrees with the candidate). `analyse` is
+    harness.localize.analyse (passed in: localize imports this module)."""
     points, devs, evidence = [], [], []
     first_bad = None
     for t, pa, pb, p64, plain in rep["probes"]:

@@ -8,6 +8,7 @@ import pytest
 
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
+from harness.localize import analyse
 from harness.runs import load_run
 
 from .synthetic import SPEC, base_eval, base_series, write_run
@@ -106,10 +107,10 @@ def _lr_scale(e: float):
 
 def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
     pts = [0, 25, 50, 75]
-    ok = R.judge(_rep(pts), LAYERS)
+    ok = R.judge(_rep(pts), LAYERS, analyse)
     assert ok["agree"] and ok["n"] == 4 and ok["calibrated"] and ok["sequential"]["bias"] is None
     assert ok["worst"]["worst_factor"] < 1
-    bad = R.judge(_rep(pts, 50, _lr_scale(1e-3)), LAYERS)
+    bad = R.judge(_rep(pts, 50, _lr_scale(1e-3)), LAYERS, analyse)
     assert not bad["agree"] and [p["agree"] for p in bad["per_point"]] == [True, True, False, False]
     fb = bad["first_disagreement"]
     assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
@@ -141,7 +142,7 @@ def test_clean_chaotic_pair_is_drift_when_every_resynced_step_agrees(tmp_path):
     env = compute(ref, members)
     nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
     p = compare(ref, [cand], env, members, localize=nothing,
-                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75]), LAYERS)).pairs[0]
+                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)).pairs[0]
     assert p.verdict == DRIFT, p.notes
     assert "trajectories diverged by accumulated rounding; every step agrees from a shared state (4 resynced" in p.notes[-1]
     assert p.to_dict()["resync"]["points"] == [0, 25, 50, 75]
@@ -161,7 +162,7 @@ def test_late_fault_inside_the_envelope_is_a_bug_from_the_resynced_step(tmp_path
     ref, members, s, e = _saturating_family(tmp_path)
     cand = load_run(write_run(tmp_path, "late", {k: v.copy() for k, v in s.items()}, e, backend="jax"))
     p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: None,
-                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75], 50, _lr_scale(1e-3)), LAYERS)).pairs[0]
+                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75], 50, _lr_scale(1e-3)), LAYERS, analyse)).pairs[0]
     assert p.verdict == BUG, p.notes
     assert p.first["series"] == "resync" and p.first["step"] == 50
     assert p.localization["stage"] == "optimizer" and p.localization["step"] == 50
@@ -175,7 +176,7 @@ def test_subtle_bias_inside_every_steps_tolerance_is_a_bug_by_the_sequential_tes
     ref, members, s, e = _saturating_family(tmp_path)
     cand = _chaotic_candidate(tmp_path, s, e, "subtle")
     pts = list(range(0, 300, 25))
-    rs = R.judge(_rep(pts, 0, _lr_scale(5e-6), seed=3), LAYERS)
+    rs = R.judge(_rep(pts, 0, _lr_scale(5e-6), seed=3), LAYERS, analyse)
     assert all(x["agree"] for x in rs["per_point"])
     p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
                 resync=lambda pair, extra: rs).pairs[0]
