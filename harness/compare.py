@@ -48,6 +48,7 @@ class Pair:
     declared: list[str] = field(default_factory=list)
     localization: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    resync: dict[str, Any] | None = None   # the shared-state step comparison (harness/resync.py)
 
     @property
     def diverged(self) -> bool:
@@ -59,7 +60,7 @@ class Pair:
                 "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
                 "declared_differences": self.declared, "checksum_first_difference_step": self.checksum_step,
                 "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
-                "localization": self.localization, "notes": self.notes}
+                "localization": self.localization, "resync": _resync_doc(self.resync), "notes": self.notes}
 
 
 def _align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):
@@ -253,6 +254,132 @@ def resolve(p: Pair, localized: bool) -> None:
                        "or a bug too small for one step; decide with --stat")
 
 
+def _resync_doc(rs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """comparison.json's resync section: the first disagreement's analysis reduced to its place."""
+    if rs is None:
+        return None
+    out = {k: v for k, v in rs.items() if k != "first_disagreement"}
+    fb = rs.get("first_disagreement")
+    if fb:
+        out["first_disagreement"] = {k: fb.get(k) for k in ("step", "stage", "layer", "parameter", "probe", "rel",
+                                                            "disagreeing_keys")}
+    return out
+
+
+RESYNC_DRIFT = "trajectories diverged by accumulated rounding; every step agrees from a shared state"
+
+
+def _resync_what(rs: dict[str, Any]) -> str:
+    w = rs.get("worst") or {}
+    seq = rs.get("sequential") or {}
+    return (f"{rs['n']} resynced steps {rs['points'][0]}..{rs['points'][-1]}; worst {w.get('worst_key')} at step "
+            f"{w.get('step')}, {_fmt_factor(w.get('worst_factor'))} its calibrated tolerance; sequential test "
+            + (f"min p {seq['min_p']:.3g} >= {seq['threshold']:.3g}" if seq.get("min_p") is not None
+               else "not run (fewer than 3 points)"))
+
+
+def apply_resync(p: Pair, requested: bool) -> None:
+    """The shared-state step comparison's part of the verdict, after the free-running one (`resolve`).
+
+    BUG when a resynced step disagrees (localized from that step's probes) or the sequential test finds a
+    bias, whatever the free-running curves say (a late or subtle bug inside the envelope). When every
+    resynced step agrees: an INCONCLUSIVE pair (saturated envelope, an excess no probe reproduces) is DRIFT
+    ("trajectories diverged by accumulated rounding"), or DECLARED when the candidate declares emulated
+    differences and the plain reference disagrees with it at some resynced step while the emulating one
+    agrees everywhere. Without the comparison (not requested, skipped, a failed job) nothing is upgraded:
+    the note says what was not compared."""
+    rs = p.resync
+    if not p.with_reference:
+        return
+    if not requested or rs is None:
+        if p.verdict in (DRIFT, INCONCLUSIVE):   # first: the last note stays the verdict's own reason
+            p.notes.insert(0, "no shared-state step comparison (--no-localize or --resync-every 0): only the "
+                              "free-running curves were compared")
+        return
+    if "skipped" in rs or "error" in rs:
+        why = rs.get("skipped") or f"a resync job failed ({rs['error']})"
+        p.notes.append(f"shared-state step comparison not made: {why}"
+                       + ("; the free-running verdict stands" if p.verdict in (DRIFT, INCONCLUSIVE, DECLARED) else ""))
+        return
+    seq = rs["sequential"]
+    was = p.verdict
+    if not rs["agree"]:
+        from .localize import describe
+        fb = rs["first_disagreement"]
+        t = fb["step"]
+        worst = next(x for x in rs["per_point"] if x["step"] == t)
+        against = rs.get("against")
+        method = f"resync of step {t} from the reference's state" + (
+            f", against the reference computing the declared formula ({_change({'change': against['change']})})"
+            if against else "")
+        if was != BUG or (p.localization or {}).get("stage") is None:
+            summary, lines = describe(fb, method)
+            keep = {k: (p.localization or {}).get(k) for k in ("declared_check", "replay") if (p.localization or {}).get(k)}
+            p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
+                                  lines=lines, **keep)
+        p.verdict = BUG
+        if p.first is None:
+            p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
+                       "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
+                       "probe": worst["worst_key"]}
+        p.notes.append(f"resynced step {t} disagrees: one step from the reference's state computes something else "
+                       f"({fb.get('probe') or worst['worst_key']}; worst {worst['worst_key']}, "
+                       f"{_fmt_factor(worst['worst_factor'])} its calibrated tolerance; {rs['n']} resynced steps)"
+                       + (f"; the free-running verdict was {was}" if was != BUG else "")
+                       + (f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else ""))
+        return
+    if seq.get("bias") is not None:
+        kd = seq["bias"]
+        st = seq["kinds"][kd]
+        from .resync import STAGE_OF_KIND
+        p.verdict = BUG
+        line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
+                f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
+                f"{st['positive']} of {st['positive'] + st['negative']} positive)")
+        if was != BUG or (p.localization or {}).get("stage") is None:
+            p.localization = {"stage": STAGE_OF_KIND.get(kd, kd), "method": "sequential test over resynced steps",
+                              "layer": None, "parameter": None, "probe": kd, "summary": f"{STAGE_OF_KIND.get(kd, kd)}: "
+                              f"bias in {kd} (p {st['p']:.2g})", "lines": [line], "disagreeing_keys": []}
+        if p.first is None:
+            p.first = {"series": "resync-sequential", "factor": None, "reason": "bias", "a_value": None,
+                       "b_value": None, "deviation": None, "envelope": None, "also": [], "probe": kd}
+        p.notes.append(f"every resynced step is inside its tolerance, but the signed differences of the {kd} probes "
+                       f"keep one sign: p {st['p']:.3g} < {seq['threshold']:.3g} (Bonferroni over "
+                       f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
+                       + (f"; the free-running verdict was {was}" if was != BUG else ""))
+        return
+    against = rs.get("against")
+    if was == INCONCLUSIVE and against and rs.get("evidence") and not _not_moved_ids(p, against["emulated"]):
+        p.verdict, p.declared = DECLARED, list(against["emulated"])
+        _superseded(p)
+        p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
+                       f"the declared formula agrees with the candidate at every resynced step, the plain reference "
+                       f"does not ({len(rs['evidence'])} probes); {_resync_what(rs)}")
+    elif was == INCONCLUSIVE:
+        p.verdict = DRIFT
+        _superseded(p)
+        p.notes.append(f"{RESYNC_DRIFT} ({rs['n']} resynced steps): {_resync_what(rs)}")
+    elif was in (DRIFT, IDENTICAL, DECLARED):
+        p.notes.append(f"every resynced step agrees: {_resync_what(rs)}")
+    elif was == BUG:
+        p.notes.append(f"the resynced steps agree ({_resync_what(rs)}), but the verdict above stands")
+
+
+def _superseded(p: Pair) -> None:
+    """The free-running verdict's INCONCLUSIVE reasons, kept as what the curves alone say, without their advice
+    to use --stat (the shared-state comparison decided)."""
+    for i, n in enumerate(p.notes):
+        for tail in ("; compare seeds statistically (--stat)", "; decide with --stat", ", compare seeds with --stat"):
+            if n.endswith(tail):
+                p.notes[i] = "free-running curves alone: " + n[: -len(tail)]
+
+
+def _not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
+    if p.first is None:
+        return []
+    return _not_moved(p, ids)
+
+
 def _change(chk: dict[str, Any]) -> str:
     from .localize import change_text
     return change_text(chk.get("change"))
@@ -320,16 +447,27 @@ class Comparison:
 def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnvelope], envelope_runs: list[Run],
             rule: Rule = DEFAULT_RULE, *, forced: list[str] | None = None,
             localize: Callable[[Pair], dict[str, Any] | None] | None = None,
+            resync: Callable[[Pair, list[int]], dict[str, Any] | None] | None = None,
             all_pairs: bool = True) -> Comparison:
-    """Judge every candidate against the reference (localizing each excess when `localize` is given),
-    and, with >= 3 runs, every pair of candidates too (for the odd one out)."""
+    """Judge every candidate against the reference (localizing each excess when `localize` is given; the
+    shared-state step comparison of every pair when `resync` is given, run first so that the localization
+    reuses its replay; `resync(pair, extra)` gets the divergent steps of every pair as `extra`, so that the
+    reference's resync jobs are the same for all), and, with >= 3 runs, every pair of candidates too (for
+    the odd one out)."""
+    from .localize import divergent_steps
     pairs: list[Pair] = []
     index: dict[tuple[str, str], Pair] = {}
-    for c in candidates:
-        p = check_pair(envelope, reference, c, rule, True)
+    checked = [check_pair(envelope, reference, c, rule, True) for c in candidates]
+    extra = sorted({t for p in checked for t in divergent_steps(p)})
+    for p in checked:
+        c = p.b
+        if resync is not None:
+            p.resync = ({"skipped": "a different batch (data): the steps are not the same computation"}
+                        if p.first is not None and p.first["series"] == "batch_checksum" else resync(p, extra))
         if p.diverged and localize is not None:
             p.localization = localize(p)
         resolve(p, localize is not None)
+        apply_resync(p, resync is not None)
         pairs.append(p)
         index[(reference.name, c.name)] = p
     runs = [reference] + candidates
@@ -390,7 +528,9 @@ def jsonable(o: Any) -> Any:
 CSV_FIELDS = ["reference", "candidate", "reference_backend", "candidate_backend", "with_reference", "verdict",
               "first_step", "first_series", "factor", "deviation", "envelope", "reference_value", "candidate_value",
               "reason", "also_diverging", "stage", "layer", "parameter", "probe", "localization_method",
-              "declared_differences", "saturated", "max_factor_inside", "notes", "forced"]
+              "declared_differences", "saturated", "max_factor_inside", "notes", "forced",
+              "resync_points", "resync_agree", "resync_worst_key", "resync_worst_factor", "resync_sequential_p",
+              "resync_sequential_bias"]
 
 
 def pair_row(p: Pair, forced: list[str]) -> dict[str, Any]:
@@ -406,7 +546,18 @@ def pair_row(p: Pair, forced: list[str]) -> dict[str, Any]:
             "parameter": loc.get("parameter"), "probe": loc.get("probe"), "localization_method": loc.get("method"),
             "declared_differences": " ".join(p.declared),
             "saturated": " ".join(f"{s}@{t}" for s, t in p.saturated.items()),
-            "max_factor_inside": inside, "notes": " | ".join(p.notes), "forced": " | ".join(forced)}
+            "max_factor_inside": inside, "notes": " | ".join(p.notes), "forced": " | ".join(forced),
+            **_resync_row(p.resync)}
+
+
+def _resync_row(rs: dict[str, Any] | None) -> dict[str, Any]:
+    """comparison.csv's resync columns (empty when it was not made)."""
+    if not rs or "points" not in rs or "per_point" not in rs:
+        return {}
+    w, seq = rs.get("worst") or {}, rs.get("sequential") or {}
+    return {"resync_points": rs["n"], "resync_agree": rs["agree"], "resync_worst_key": w.get("worst_key"),
+            "resync_worst_factor": w.get("worst_factor"), "resync_sequential_p": seq.get("min_p"),
+            "resync_sequential_bias": seq.get("bias")}
 
 
 def to_csv(rows: list[dict[str, Any]], fields: list[str]) -> str:
@@ -594,6 +745,9 @@ def render(c: Comparison, verbose: bool = False) -> str:
             f = p.first
             if f["series"] == "batch_checksum":
                 lines.append(f"  step {f['step']}: batch checksum {f['b_value']} vs reference {f['a_value']}")
+            elif f["series"] in ("resync", "resync-sequential"):
+                lines.append("  the free-running curves stay inside the envelope; the shared-state step comparison "
+                             "disagrees" + (f" at step {f['step']}" if f.get("step") is not None else " (a bias)"))
             else:
                 lines.append(f"  step {f['step']} {f['series']}: {f['b_value']!r} vs reference {f['a_value']!r}, "
                              f"|diff| {f['deviation']:.3g} = {_fmt_factor(f['factor'])} the envelope {f['envelope']:.3g} "

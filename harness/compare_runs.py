@@ -13,6 +13,9 @@ from typing import Callable
 from .errors import EXIT_BAD_INPUT, EXIT_CRASH, BackendFailed, BadInput, error_line
 
 DEFAULT_METRICS = "eval_loss,eval_accuracy,loss"
+# resync cadence in steps: every reference checkpoint at least this far apart, re-trained in between when
+# finer than the checkpoints (docs/verdict.md: the cost measured)
+DEFAULT_RESYNC_EVERY = 25
 
 
 def stderr_line(msg: str) -> None:
@@ -109,10 +112,12 @@ def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | No
 def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int = 3,
                  envelope_paths: tuple[Path, ...] | list[Path] = (), fp64: bool = True, margin: float | None = None,
                  force: bool = False, localize: bool = True, out: Path | None = None, steps_csv: bool | None = None,
-                 timeout: float | None = None, verbose: bool = False,
+                 timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
                  log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Compare runs of one configuration (run folders), or every comparable group of one results folder,
-    against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False.
+    against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False. Every
+    candidate is also compared one step at a time from the reference's states (resync, harness/resync.py)
+    every `resync_every` steps (0: not at all; also off with localize=False).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -157,7 +162,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                 group_notes += env_notes
             env = compute(ref, members, rule)
             loc = Localizer(ref.path.parent, timeout=timeout, log=say) if localize else None
-            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc)
+            rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
+                  if loc is not None and resync_every > 0 else None)
+            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs)
             c.notes += group_notes
             results.append(c)
     if not results:
@@ -195,7 +202,7 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
 
 
 def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = True, localize: bool = True,
-                   timeout: float | None = None, verbose: bool = False,
+                   timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
                    log: Callable[[str], None] = stderr_line) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
@@ -204,7 +211,7 @@ def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = Tru
     runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
     try:
         outcome = compare_runs(paths=(runs_dir,), reference=reference, k=k, fp64=fp64, localize=localize, out=folder,
-                               timeout=timeout, verbose=verbose, log=log)
+                               timeout=timeout, verbose=verbose, resync_every=resync_every, log=log)
     except BadInput as e:
         log(error_line(e))
         return EXIT_BAD_INPUT

@@ -84,11 +84,12 @@ def _layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[s
 
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
-            rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+            rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None,
+            margin: float = 3.0) -> dict[str, Any]:
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
     probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
     of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
-    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64)}
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin)}
     missing = probes.missing_keys(a, b)
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
@@ -215,6 +216,29 @@ def _change_tag(change: dict[str, Any]) -> str:
     return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
 
 
+def divergent_steps(pair) -> list[int]:
+    """The steps a divergence of the pair's free-running curves asks to replay: the first divergent step of
+    the training series (of any series when only the evaluation diverges) and the one before it; none for a
+    pair that does not diverge or is fed a different batch."""
+    if pair.first is None or pair.first.get("series") in ("batch_checksum", None):
+        return []
+    train = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
+    d = min(train) if train else int(pair.first["step"])
+    return [max(d - 1, 0), d]
+
+
+def checkpoints(run: Run) -> dict[int, Path]:
+    """The run's saved states: step -> checkpoints/step_NNNNNNN.npz (taken after that many steps)."""
+    d = run.path / "checkpoints"
+    return {int(p.stem.split("_")[1]): p for p in sorted(d.glob("step_*.npz"))} if d.is_dir() else {}
+
+
+def _at_tag(at: list[int]) -> str:
+    """A job-name part for the replayed steps; hashed when there are many (file names stay short)."""
+    text = "-".join(map(str, at))
+    return f"at{text}" if len(at) <= 4 else f"at{at[0]}-{at[-1]}-n{len(at)}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
 def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
@@ -227,6 +251,7 @@ class Localizer:
         self.jobs = self.root / ".localize"
         self.timeout = timeout
         self.log = log or (lambda m: print(m, file=sys.stderr))
+        self._replays: dict[tuple[str, str, str], dict[str, Any]] = {}   # the resync's, by (ref, cand, change)
 
     def _job(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
         folder = self.jobs / name
@@ -263,17 +288,19 @@ class Localizer:
         the declared formula: each entry of `probes` is (step, candidate, reference compared against, its
         float64 probe, the plain reference's probe or None without `change`); `emulated64` the float64 probes
         of the emulating reference per step."""
-        ck_dir = ref.path / "checkpoints"
-        cks = sorted(int(p.stem.split("_")[1]) for p in ck_dir.glob("step_*.npz")) if ck_dir.is_dir() else []
+        cks = checkpoints(ref)
         usable = [s for s in cks if s <= at[0]]
         if not usable:
             return {"error": f"no checkpoint of {ref.name} at or before step {at[0]}"}
         s0 = usable[-1]
-        tag = f"at{'-'.join(map(str, at))}"
+        tag = _at_tag(at)
+        # every checkpoint is offered: a step that has one is probed from it directly, any other is re-trained
+        # from the latest one before it (one reference process for all the steps)
         rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
-                       {"replay": {"at": at, "checkpoint": str(ck_dir / f"step_{s0:07d}.npz"),
-                                   "checkpoint_step": s0, "probe_steps": 1}})
-        states = {str(t): str(rf / f"state_{t:07d}.npz") for t in at}
+                       {"replay": {"at": at, "checkpoints": {str(t): str(f) for t, f in cks.items()},
+                                   "probe_steps": 1}})
+        done = json.loads((rf / "worker.json").read_text()).get("states") or {}
+        states = {str(t): str(rf / done.get(str(t), f"state_{t:07d}.npz")) for t in at}   # absolute stays itself
         cf = self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
                        {"replay": {"at": at, "states": states, "probe_steps": 1}})
         r64 = None
@@ -306,12 +333,57 @@ class Localizer:
             repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
                      "max_abs_diff": float(np.max(np.abs(got - want)))}
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
+                "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
                 "emulated64": emu64,
                 "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz((emu or rf) / f"probe-{i}.npz"),
                             load_npz(r64 / f"probe-{i}.npz") if r64 else None,
                             load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
+
+    # ----------------------------------------------------------------------- the shared-state comparison
+    def resync(self, pair, every: int, extra: list[int] | None = None) -> dict[str, Any]:
+        """One step of the candidate from the reference's state at every resync point (every `every`-th
+        step, and the first divergent step of the training series and the one before it),
+        against the reference there (computing the candidate's declared formulas when it declares emulated
+        differences); `extra` replaces the divergent steps (compare passes every pair's, so that one reference
+        job serves all candidates): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
+        kept, so that localizing the divergent step reuses it (one reference, one float64, one candidate
+        process for every point)."""
+        from . import resync as R
+        ref, cand = pair.a, pair.b
+        recs = {d["id"]: d for d in cand.declared}
+        statistical = sorted(i for i in recs if DIFFERENCES.get(i) is not None and DIFFERENCES[i].statistical)
+        if statistical:
+            return {"skipped": f"framework-RNG dropout ({', '.join(statistical)}): no deterministic step to compare"}
+        emu = self.emulation(ref, cand)
+        chk, change = emu["check"], emu["change"]
+        if chk.get("skipped"):
+            return {"skipped": f"declared difference(s) {', '.join(chk['skipped_differences'])} not emulated "
+                               f"({chk['skipped']}): no reference step to compare with"}
+        steps = int(ref.manifest.get("hparams", {}).get("steps") or (int(ref.step[-1]) + 1))
+        at = R.resync_points(steps, every, divergent_steps(pair) if extra is None else extra)
+        if not at:
+            return {"skipped": f"no resync point (no checkpoint of {ref.name} with a step after it)"}
+        try:
+            rep = self.replay(ref, cand, at, change)
+        except (BackendFailed, BadInput) as e:
+            return {"error": str(e).splitlines()[0], "points": at}
+        if "error" in rep:
+            return {"error": rep["error"], "points": at}
+        self._replays[(ref.name, cand.name, _change_tag(change or {}))] = rep
+        out = R.judge(rep, _layers(ref.manifest), analyse, emulated=change is not None)
+        out["every"] = every
+        if change is not None:
+            out["against"] = {"emulated": chk.get("emulated"), "change": change}
+        return out
+
+    def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
+        """The resync's replay restricted to `at`, when it probed every step of `at`."""
+        rep = self._replays.get((ref.name, cand.name, _change_tag(change or {})))
+        if rep is None or not set(at) <= set(rep["at"]):
+            return None
+        return dict(rep, at=at, probes=[p for p in rep["probes"] if p[0] in at])
 
     # ----------------------------------------------------------------------- the procedure
     def __call__(self, pair) -> dict[str, Any]:
@@ -370,7 +442,7 @@ class Localizer:
             last = int(ref.step[-1])
             at = sorted({max(dt - 1, 0), min(dt, last)})
             if at != [0] and res["stage"] is None:
-                rep = self.replay(ref, cand, at, change)
+                rep = self._cached_replay(ref, cand, at, change) or self.replay(ref, cand, at, change)
                 step0 = res
                 if "error" in rep:
                     res = dict(step0, replay=rep)

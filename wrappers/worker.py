@@ -157,9 +157,10 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     """Probe the training steps `replay.at` from a saved state instead of the canonical weights.
 
     `replay.checkpoint` (a train checkpoint, 'param/<name>' and 'opt/<key>', taken after
-    `replay.checkpoint_step` steps) is loaded and the run is advanced deterministically, this
-    backend's own steps on the job's batch order, up to each step of `at`; the state there is saved
-    as state_<step>.npz. Or `replay.states` ({step: state file}) gives those states directly, so a
+    `replay.checkpoint_step` steps; or `replay.checkpoints`, {step: file} of every checkpoint) is loaded
+    and the run is advanced deterministically, this backend's own steps on the job's batch order, up to
+    each step of `at`; the state there is saved as state_<step>.npz (a step with a checkpoint of its own
+    uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t."""
     r = job["replay"]
@@ -189,20 +190,33 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     if r.get("states"):
         states = {int(t): str(p) for t, p in r["states"].items()}
     else:
-        start = int(r["checkpoint_step"])
-        load(load_npz(r["checkpoint"]), start)
+        # checkpoints to start from: `checkpoints` ({step: file}, every one the run saved), or the single
+        # `checkpoint` taken after `checkpoint_step` steps. A step of `at` that has a checkpoint is that file
+        # itself (nothing re-trained); any other is re-trained from the latest checkpoint at or before it, or
+        # from the previous step of `at` when that is later (one pass over the steps, however many points).
+        cks = ({int(t): str(p) for t, p in r["checkpoints"].items()} if r.get("checkpoints")
+               else {int(r["checkpoint_step"]): str(r["checkpoint"])})
         states = {}
-        for step in range(start, at[-1] + 1):
-            if step in at:
-                st = {f"param/{n}": v for n, v in backend.export_params().items()}
-                st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
-                states[step] = f"state_{step:07d}.npz"
-                save_npz(out_dir / states[step], st)
-            if step == at[-1]:
-                break
-            x, y, b = batch(step)
-            s = backend.train_step(step, x, y, masks_for(model, hp.seed, step, b, opts.dropout))
-            replayed.append([step, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
+        pos: int | None = None   # the step the backend's current state is at (None: nothing loaded)
+        for t in at:
+            if t in cks:
+                states[t] = cks[t]
+                continue
+            start = max((c for c in cks if c <= t), default=None)
+            if start is None:
+                raise ValueError(f"replay: no checkpoint at or before step {t}")
+            if pos is None or pos > t or start > pos:
+                load(load_npz(cks[start]), start)
+                pos = start
+            while pos < t:
+                x, y, b = batch(pos)
+                s = backend.train_step(pos, x, y, masks_for(model, hp.seed, pos, b, opts.dropout))
+                replayed.append([pos, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
+                pos += 1
+            st = {f"param/{n}": v for n, v in backend.export_params().items()}
+            st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
+            states[t] = f"state_{t:07d}.npz"
+            save_npz(out_dir / states[t], st)
     for i, t in enumerate(at):
         load(load_npz(out_dir / states[t]), t)   # an absolute path stays itself
         x, y, b = batch(t)

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
-from ..compare_runs import DEFAULT_METRICS, compare_runs, compare_seeds, parse_ints
+from ..compare_runs import DEFAULT_METRICS, DEFAULT_RESYNC_EVERY, compare_runs, compare_seeds, parse_ints
 from ..defaults import REFERENCE
 from ..errors import EXIT_CRASH, BackendFailed, BadInput
 from .common import fail, say
 
 EPILOG = """\b
-Verdicts: IDENTICAL (bitwise), DRIFT (inside the envelope), BUG (first divergent step, series,
-factor over the envelope, localized), DECLARED (a declared difference explains it), INCONCLUSIVE
-(the envelope saturates first: use --stat). Exit 0: no BUG; 1: a BUG; 2: bad input; 3: a backend
+Verdicts: IDENTICAL (bitwise), DRIFT (inside the envelope, or outside it while every step from a
+shared state agrees), BUG (first divergent step, series, factor over the envelope, or a resynced step
+that disagrees; localized), DECLARED (a declared difference explains it, verified), INCONCLUSIVE (no
+deterministic comparison: framework-RNG dropout, or no resync made). Exit 0: no BUG; 1: a BUG; 2: bad input; 3: a backend
 failed. The rule is in docs/verdict.md.
 \b
 Examples:
@@ -35,7 +36,11 @@ Examples:
 @click.option("--no-fp64", is_flag=True, help="Leave the float64 run out of the envelope (1-ULP runs only).")
 @click.option("--margin", type=float, default=None, help="Override the margin over the envelope (default 3).")
 @click.option("--force", is_flag=True, help="Compare runs of different configurations anyway (said in every output).")
-@click.option("--no-localize", is_flag=True, help="Do not run probe/replay jobs to localize a BUG.")
+@click.option("--no-localize", is_flag=True,
+              help="Do not run probe/replay jobs to localize a BUG (nor the shared-state step comparison).")
+@click.option("--resync-every", "resync_every", type=int, default=DEFAULT_RESYNC_EVERY, show_default=True,
+              help="Compare one step of every candidate from the reference's state every K steps "
+                   "(its checkpoints, re-trained in between when finer); 0: off.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Folder for comparison.csv/.json (default: next to the runs).")
 @click.option("--steps-csv/--no-steps-csv", "steps_csv", default=None,
@@ -52,7 +57,7 @@ Examples:
 def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths: tuple[Path, ...], no_fp64: bool,
                 margin: float | None, force: bool, no_localize: bool, out: Path | None, steps_csv: bool | None,
                 as_json: bool, timeout: float | None, stat: bool, seeds: str | None, at: str | None,
-                metrics: str, alpha: float, verbose: bool) -> None:
+                metrics: str, alpha: float, verbose: bool, resync_every: int) -> None:
     """Compare runs of one configuration: IDENTICAL / DRIFT / BUG / DECLARED / INCONCLUSIVE per
     candidate against the reference's calibrated 1-ULP envelope; a BUG is localized to a stage,
     layer and parameter. PATHS: run folders, or one results folder."""
@@ -66,7 +71,8 @@ def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths:
         else:
             outcome = compare_runs(paths=paths, reference=reference, k=k, envelope_paths=envelope_paths,
                                    fp64=not no_fp64, margin=margin, force=force, localize=not no_localize, out=out,
-                                   steps_csv=steps_csv, timeout=timeout, verbose=verbose, log=say)
+                                   steps_csv=steps_csv, timeout=timeout, verbose=verbose,
+                                   resync_every=resync_every, log=say)
     except BadInput as e:
         fail(str(e))
     except BackendFailed as e:

@@ -1,0 +1,182 @@
+"""The shared-state step comparison (resync): one step of the candidate from the reference's own state,
+at every resync point, held to a tolerance calibrated at that state; and a sequential test over the
+signed per-step differences. Framework-free: the probes come from replay jobs (harness/localize.py).
+
+Why: the free-running curves of two correct implementations part by accumulated rounding (the 1-ULP
+envelope saturates within ~50-80 steps on the chaotic models), but one step from the same state agrees
+to rounding at step 5,000 as at step 0. So "the curves diverged" and "some step computes something else"
+are separate questions; only the second is a bug.
+
+Per point t (a reference checkpoint, the first divergent step): the reference (float32), the reference
+in float64 and the candidate each load the reference's state at t and probe one step (forward per layer,
+inference forward, loss, gradients, update, buffers, optimizer state). Per key, PyTorch Inductor's rule
+on that state: the candidate's RMS error against the float64 step may be MARGIN times the float32
+reference's own (never less than FLOOR of the tensor's scale). A key outside it: that step disagrees.
+
+A bias too small for one step's tolerance (lr x (1 + 1e-5), an eps off by a little) keeps one sign over
+all resynced steps, while rounding has no preferred sign and no systematic size beyond a few ULPs: per
+key kind (forward, loss, gradients, updates, buffers, eval) the signed projection of the candidate's
+deviation on the reference's tensor, in float32 ULPs, its median over the kind's keys at each point, is
+tested over the points for a mean beyond SEQ_DELTA ULPs (one-sample t-test; the sign test is reported
+next to it). BUG when p < SEQ_ALPHA / (kinds tested) (Bonferroni). A plain test of mean 0 is not enough:
+measured, a clean jax candidate's Adam updates differ from torch's by -0.6 ULP on average, consistently
+(p 0.0004 over 30 points with a mean-0 test on deviations normalized by the projected rounding noise).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from .probes import ABS_FLOOR, kind_of
+
+# The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
+# on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
+# bench/calibrate_resync.py.
+MARGIN = 3.0
+FLOOR = 3e-5
+# The sequential test: family-wise false-alarm rate over the kinds tested (Bonferroni), and the fewest
+# points a kind needs to be tested at all.
+SEQ_ALPHA = 0.01
+SEQ_MIN_POINTS = 3
+# a bias rounding can produce: two float32 implementations of one step differ systematically by a fraction
+# of a ULP to a few ULPs (a learning rate rounded to float32, bias corrections computed in another
+# precision); measured on clean pairs (jax, tensorflow vs torch, 30 points each), the mean over the points
+# of a kind's per-point median reached 4.1 ULP (cnn2d_hard adamw gradients; docs/verdict.md). The test asks
+# whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
+SEQ_DELTA = 8.0
+SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
+    """The steps probed from the reference's state: every `every`-th step from 0 (0 = none) and `extra`
+    (the first divergent step and the one before it), only steps that have a batch (< steps). The replay
+    job takes a step that has a checkpoint from it and re-trains to any other from the checkpoint before it
+    (one pass: at most one run's steps, however many points)."""
+    pts = list(range(0, steps, every)) if every > 0 else []
+    return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
+
+
+def projection(a: np.ndarray, b: np.ndarray) -> float:
+    """The candidate's deviation projected on the reference's tensor, relative: <a - b, b> / <b, b>
+    (a = (1 + e) b gives e, whatever the sign of b). 0 for an all-zero reference; nan on a shape mismatch."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if a.shape != b.shape:
+        return float("nan")
+    bb = float(b @ b)
+    return float((a - b) @ b) / bb if bb > 0 else 0.0
+
+
+def signed_deviations(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per key of the kinds tested (first optimizer step only): the candidate's deviation projected on the
+    reference's tensor (`projection`), in float32 ULPs of relative size (units of EPS32)."""
+    out = {}
+    for k, y in b.items():
+        kind, step = kind_of(k)
+        if kind not in SEQ_KINDS or step != 0 or k not in a:
+            continue
+        p = projection(a[k], y)
+        if math.isfinite(p):
+            out[k] = p / EPS32
+    return out
+
+
+def _bias_test(x: np.ndarray, delta: float) -> tuple[float, float]:
+    """Is the mean of x beyond +-delta? One-sample t statistic of |mean| - delta and its one-sided p
+    (H0: |mean| <= delta). A sample with no spread: p 0 beyond delta, else 1."""
+    n = len(x)
+    m = abs(float(np.mean(x)))
+    sd = float(np.std(x, ddof=1)) if n > 1 else 0.0
+    if sd == 0.0 or not math.isfinite(sd):
+        return (math.inf, 0.0) if m > delta else (-math.inf, 1.0)
+    from scipy import stats
+    t = (m - delta) / (sd / math.sqrt(n))
+    return t, float(stats.t.sf(t, n - 1))
+
+
+def _sign_test(x: np.ndarray) -> tuple[int, int, float]:
+    """(positives, negatives, two-sided binomial p), zeros left out."""
+    pos, neg = int(np.sum(x > 0)), int(np.sum(x < 0))
+    if pos + neg == 0:
+        return 0, 0, 1.0
+    from scipy import stats
+    return pos, neg, float(stats.binomtest(pos, pos + neg, 0.5).pvalue)
+
+
+def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA, delta: float = SEQ_DELTA,
+                    min_points: int = SEQ_MIN_POINTS) -> dict[str, Any]:
+    """The signed deviations of every resynced point (key -> projection in float32 ULPs) tested for a bias:
+    per key kind, the median over the kind's keys at each point (one ill-conditioned key does not speak for
+    the kind; a bias of the whole step moves them all), then a one-sample t-test over the points of
+    H0 |mean| <= delta ULPs. Significant when p < alpha / (kinds tested). Returns the per-kind statistics
+    (with the sign test next to it), the threshold and the kind with the smallest p (`bias`: None when none
+    is significant)."""
+    by_kind: dict[str, list[float]] = {}
+    for dev in per_point:
+        groups: dict[str, list[float]] = {}
+        for k, v in dev.items():
+            groups.setdefault(kind_of(k)[0], []).append(v)
+        for kd, vs in groups.items():
+            by_kind.setdefault(kd, []).append(float(np.median(vs)))
+    tested = {kd: np.asarray(v) for kd, v in by_kind.items() if len(v) >= min_points}
+    threshold = alpha / max(len(tested), 1)
+    kinds = {}
+    for kd, x in sorted(tested.items(), key=lambda kv: SEQ_KINDS.index(kv[0]) if kv[0] in SEQ_KINDS else 99):
+        t, p = _bias_test(x, delta)
+        pos, neg, p_sign = _sign_test(x)
+        kinds[kd] = {"points": len(x), "mean_ulp": float(np.mean(x)),
+                     "sd_ulp": float(np.std(x, ddof=1)) if len(x) > 1 else 0.0,
+                     "t": t, "p": p, "positive": pos, "negative": neg, "p_sign": p_sign, "significant": p < threshold}
+    sig = [kd for kd, st in kinds.items() if st["significant"]]
+    bias = min(sig, key=lambda kd: kinds[kd]["p"]) if sig else None
+    return {"test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
+                    f"point; one-sample t-test over the points of H0 |mean| <= {delta:g} ULP",
+            "alpha": alpha, "delta_ulp": delta, "kinds_tested": len(tested), "threshold": threshold, "kinds": kinds,
+            "bias": bias, "min_p": min((st["p"] for st in kinds.values()), default=None),
+            "untested": sorted(kd for kd, v in by_kind.items() if len(v) < min_points)}
+
+
+STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "update": "optimizer",
+                 "buffer": "forward", "eval": "eval"}
+
+
+def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
+          floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
+    """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
+    agree or not, the worst key and its factor over the tolerance, and the analysis of the first point that
+    disagrees (stage, layer: Muffin's rule); the sequential test over every point; with `emulated`, the
+    evidence (keys where the plain reference disagrees with the candidate). `analyse` is
+    harness.localize.analyse (passed in: localize imports this module)."""
+    points, devs, evidence = [], [], []
+    first_bad = None
+    for t, pa, pb, p64, plain in rep["probes"]:
+        z = p64 if plain is None else rep.get("emulated64", {}).get(t)
+        res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin)
+        worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
+        agree = res["stage"] is None and not res["disagreeing_keys"]
+        points.append({"step": int(t), "agree": agree, "disagreeing": len(res["disagreeing_keys"]),
+                       "worst_key": worst["key"] if worst else None,
+                       "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
+                       "calibrated": z is not None})
+        if not agree and first_bad is None:
+            first_bad = dict(res, step=int(t))
+        if plain is not None:
+            evidence += [f"step {t}: {k}" for k in
+                         analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
+        devs.append(signed_deviations(pa, pb))
+    worst_pt = max(points, key=lambda p: p["worst_factor"] or 0.0, default=None)
+    out = {"points": [p["step"] for p in points], "per_point": points, "n": len(points),
+           "agree": first_bad is None, "margin": margin, "floor": floor,
+           "worst": {k: worst_pt[k] for k in ("step", "worst_key", "worst_factor")} if worst_pt else None,
+           "calibrated": all(p["calibrated"] for p in points),
+           "sequential": sequential_test(devs), "first_disagreement": first_bad,
+           "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
+    if emulated:
+        out["evidence"] = evidence
+    return out
+
+
+__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "projection",
+           "MARGIN", "FLOOR", "SEQ_ALPHA"]

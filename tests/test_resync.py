@@ -1,0 +1,199 @@
+"""The shared-state step comparison (resync, harness/resync.py) and its part of the verdict: the sequential
+bias test on synthetic deviations (power below one step's tolerance, false alarms on noise), the per-point
+judgement on synthetic probes, and the verdict on synthetic runs (the resync jobs replaced by arrays)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import resync as R
+from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
+from harness.localize import analyse
+from harness.runs import load_run
+
+from .synthetic import SPEC, base_eval, base_series, write_run
+
+N = 100
+LAYERS = [l["name"] for l in SPEC["layers"]]
+PARAMS = ["conv1.kernel", "conv1.bias", "fc1.kernel", "fc1.bias"]
+UPDATE_KEYS = [f"update0/p{i}" for i in range(10)]
+
+
+# --------------------------------------------------------------------------- pieces
+def test_resync_points_every_k_steps_plus_the_divergent_steps():
+    assert R.resync_points(300, 25) == list(range(0, 300, 25))          # step 300 has no batch
+    assert R.resync_points(300, 100) == [0, 100, 200]
+    assert R.resync_points(300, 100, extra=[63, 64]) == [0, 63, 64, 100, 200]
+    assert R.resync_points(300, 0, extra=[5, 6]) == [5, 6]
+
+
+def test_projection_is_the_relative_scale_of_the_deviation_whatever_the_sign():
+    b = np.array([1.0, -2.0, 3.0])
+    assert R.projection(1.001 * b, b) == pytest.approx(1e-3)
+    assert R.projection(-b * 0.0 + b, b) == 0.0
+    assert R.projection(b + np.array([1.0, 0.5, 0.0]), b) == pytest.approx(0.0)   # orthogonal noise
+    assert np.isnan(R.projection(np.zeros(2), b))
+
+
+def _points(rng, n_points: int, bias_ulp: float, noise_ulp: float, keys=UPDATE_KEYS) -> list[dict[str, float]]:
+    return [{k: bias_ulp + noise_ulp * rng.standard_normal() for k in keys} for _ in range(n_points)]
+
+
+# --------------------------------------------------------------------------- the sequential test
+def test_sequential_test_catches_a_bias_far_below_one_steps_tolerance():
+    """lr x (1 + 3e-6): every update 25 float32 ULPs larger, 1/12 of the per-step floor (3e-5 = 252 ULPs),
+    under rounding noise of 20 ULPs per key; 12 resynced points (300 steps, every 25)."""
+    assert 3e-6 <= R.FLOOR / 10
+    rng = np.random.default_rng(0)
+    bias = 3e-6 / R.EPS32
+    st = R.sequential_test(_points(rng, 12, bias, 20.0))
+    assert st["bias"] == "update" and st["kinds"]["update"]["p"] < st["threshold"]
+    assert st["kinds"]["update"]["positive"] == 12
+    # the same bias of the opposite sign (lr x (1 - 3e-6)) too
+    assert R.sequential_test(_points(rng, 12, -bias, 20.0))["bias"] == "update"
+
+
+def test_sequential_test_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay_below_alpha():
+    """400 pairs of pure noise, and 400 with a systematic deviation of 4 ULPs (the size measured on clean
+    jax / tensorflow vs torch pairs): the fraction called a bias is at most SEQ_ALPHA."""
+    rng = np.random.default_rng(1)
+    for offset in (0.0, 4.0):
+        hits = sum(R.sequential_test(_points(rng, 12, offset, 20.0, UPDATE_KEYS[:3]) + [])["bias"] is not None
+                   for _ in range(400))
+        assert hits / 400 <= R.SEQ_ALPHA, (offset, hits)
+
+
+def test_sequential_test_needs_three_points_and_tolerates_zero_spread():
+    st = R.sequential_test([{"loss": 1e3}, {"loss": 1e3}])
+    assert st["kinds_tested"] == 0 and st["bias"] is None and st["untested"] == ["loss"]
+    same = R.sequential_test([{"loss": 0.0}] * 5)          # bitwise equal steps (same code path)
+    assert same["bias"] is None and same["kinds"]["loss"]["p"] == 1.0
+    off = R.sequential_test([{"loss": 50.0}] * 5)          # the same deviation at every step, beyond delta
+    assert off["bias"] == "loss"
+
+
+# --------------------------------------------------------------------------- per point
+def probes(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = {f"forward/{l}": rng.standard_normal((4, 8)) for l in LAYERS}
+    p.update({f"eval/{l}": rng.standard_normal((4, 8)) for l in LAYERS})
+    p["loss"] = np.asarray(2.3)
+    p.update({f"grad/{q}": rng.standard_normal(6) for q in PARAMS})
+    p.update({f"update0/{q}": rng.standard_normal(6) * 1e-2 for q in PARAMS})
+    return p
+
+
+def _noisy(p: dict[str, np.ndarray], rel: float, rng) -> dict[str, np.ndarray]:
+    return {k: v * (1 + rel * rng.standard_normal(np.shape(v))) for k, v in p.items()}
+
+
+def _rep(points: list[int], late_fault_from: int | None = None, fault=lambda p: p, seed: int = 0) -> dict:
+    """A replay result: the float32 reference 1e-7 (relative) from float64, the candidate 2e-7 from it,
+    and from `late_fault_from` on the candidate computes `fault` of the step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in points:
+        p64 = probes(t)
+        ref, cand = _noisy(p64, 1e-7, rng), _noisy(p64, 2e-7, rng)
+        if late_fault_from is not None and t >= late_fault_from:
+            cand = fault(cand)
+        out.append((t, cand, ref, p64, None))
+    return {"at": points, "probes": out, "reproduced": None, "jobs": 3}
+
+
+def _lr_scale(e: float):
+    return lambda p: {k: v * (1 + e) if k.startswith("update0/") else v for k, v in p.items()}
+
+
+def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
+    pts = [0, 25, 50, 75]
+    ok = R.judge(_rep(pts), LAYERS, analyse)
+    assert ok["agree"] and ok["n"] == 4 and ok["calibrated"] and ok["sequential"]["bias"] is None
+    assert ok["worst"]["worst_factor"] < 1
+    bad = R.judge(_rep(pts, 50, _lr_scale(1e-3)), LAYERS, analyse)
+    assert not bad["agree"] and [p["agree"] for p in bad["per_point"]] == [True, True, False, False]
+    fb = bad["first_disagreement"]
+    assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
+
+
+# --------------------------------------------------------------------------- the verdict
+def _saturating_family(root):
+    """A reference whose envelope saturates at step 30 (its members' loss moves O(1) from there)."""
+    s, e = base_series(N), base_eval(N)
+    ref = load_run(write_run(root, "ref", s, e))
+    members = []
+    for j in (1, 2, 3):
+        m = {k: v.copy() for k, v in s.items()}
+        m["loss"][30:] *= 1 + 0.8 * j
+        members.append(load_run(write_run(root, f"m{j}", m, e, perturb=j)))
+    return ref, members, s, e
+
+
+def _chaotic_candidate(root, s, e, name="cand", **man):
+    c = {k: v.copy() for k, v in s.items()}
+    c["loss"][40:] *= 2.5                               # far off, but only where the envelope is O(1)
+    return load_run(write_run(root, name, c, e, **man))
+
+
+def test_clean_chaotic_pair_is_drift_when_every_resynced_step_agrees(tmp_path):
+    from harness.envelope import compute
+    ref, members, s, e = _saturating_family(tmp_path)
+    cand = _chaotic_candidate(tmp_path, s, e)
+    env = compute(ref, members)
+    nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
+    p = compare(ref, [cand], env, members, localize=nothing,
+                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)).pairs[0]
+    assert p.verdict == DRIFT, p.notes
+    assert "trajectories diverged by accumulated rounding; every step agrees from a shared state (4 resynced" in p.notes[-1]
+    assert p.to_dict()["resync"]["points"] == [0, 25, 50, 75]
+    # without the shared-state comparison the same pair stays INCONCLUSIVE and says what was not compared
+    q = compare(ref, [cand], env, members, localize=nothing).pairs[0]
+    assert q.verdict == INCONCLUSIVE and "no shared-state step comparison" in q.notes[0]
+    # a failed resync job never makes it DRIFT
+    r = compare(ref, [cand], env, members, localize=nothing,
+                resync=lambda pair, extra: {"error": "replay torch: exit 1", "points": [0, 25]}).pairs[0]
+    assert r.verdict == INCONCLUSIVE and any("a resync job failed" in n for n in r.notes)
+
+
+def test_late_fault_inside_the_envelope_is_a_bug_from_the_resynced_step(tmp_path):
+    """Free-running curves identical to the reference's (inside the envelope); from step 50 on the
+    candidate's update is x 1.001: BUG, optimizer, step 50."""
+    from harness.envelope import compute
+    ref, members, s, e = _saturating_family(tmp_path)
+    cand = load_run(write_run(tmp_path, "late", {k: v.copy() for k, v in s.items()}, e, backend="jax"))
+    p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: None,
+                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75], 50, _lr_scale(1e-3)), LAYERS, analyse)).pairs[0]
+    assert p.verdict == BUG, p.notes
+    assert p.first["series"] == "resync" and p.first["step"] == 50
+    assert p.localization["stage"] == "optimizer" and p.localization["step"] == 50
+    assert "resync of step 50" in p.localization["method"]
+    assert "resynced step 50 disagrees" in p.notes[-1]
+
+
+def test_subtle_bias_inside_every_steps_tolerance_is_a_bug_by_the_sequential_test(tmp_path):
+    """lr x (1 + 5e-6) at every one of 12 points: each step is inside its tolerance, the sequence is not."""
+    from harness.envelope import compute
+    ref, members, s, e = _saturating_family(tmp_path)
+    cand = _chaotic_candidate(tmp_path, s, e, "subtle")
+    pts = list(range(0, 300, 25))
+    rs = R.judge(_rep(pts, 0, _lr_scale(5e-6), seed=3), LAYERS, analyse)
+    assert all(x["agree"] for x in rs["per_point"])
+    p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
+                resync=lambda pair, extra: rs).pairs[0]
+    assert p.verdict == BUG and p.localization["stage"] == "optimizer", p.notes
+    assert "keep one sign" in p.notes[-1] and rs["sequential"]["kinds"]["update"]["p"] < rs["sequential"]["threshold"]
+
+
+def test_dropout_native_resync_is_skipped_and_stays_inconclusive(tmp_path):
+    from harness.envelope import compute
+    from harness.localize import Localizer
+    ref, members, s, e = _saturating_family(tmp_path)
+    cand = _chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}],
+                              options={"threads": 1, "dtype": "float32", "fault": None, "devices": 1,
+                                       "dropout": "native"})
+    loc = Localizer(tmp_path, log=lambda m: None)
+    p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
+                resync=lambda pair, extra: loc.resync(pair, 25)).pairs[0]
+    assert p.verdict == INCONCLUSIVE and "skipped" in p.resync
+    assert any("framework-RNG dropout" in n for n in p.notes)
+    assert DECLARED != p.verdict
