@@ -109,10 +109,11 @@ def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | No
 def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int = 3,
                  envelope_paths: tuple[Path, ...] | list[Path] = (), fp64: bool = True, margin: float | None = None,
                  force: bool = False, localize: bool = True, out: Path | None = None, steps_csv: bool | None = None,
-                 timeout: float | None = None, verbose: bool = False,
+                 timeout: float | None = None, verbose: bool = False, arbiter: str | None = None,
                  log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Compare runs of one configuration (run folders), or every comparable group of one results folder,
-    against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False.
+    against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False, and
+    arbitrated by the backend `arbiter` in float64 when given (harness/arbiter.py).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -121,6 +122,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     from .runs import load_run
     if k < 1:
         raise BadInput(f"-k must be >= 1, got {k}")
+    if arbiter:   # before anything is trained
+        from .arbiter import check_arbiter
+        check_arbiter(arbiter)
     folders, scanned, notes = _resolve(tuple(paths))
     runs = [load_run(p) for p in folders]
     out_dir = _out_dir(out, scanned, runs)
@@ -158,6 +162,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             env = compute(ref, members, rule)
             loc = Localizer(ref.path.parent, timeout=timeout, log=say) if localize else None
             c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc)
+            if arbiter:   # which side of each BUG the exact computation supports
+                from .arbiter import arbitrate_comparison
+                c = arbitrate_comparison(c, arbiter, timeout=timeout, log=say)
             c.notes += group_notes
             results.append(c)
     if not results:
@@ -171,7 +178,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
         text = render(c, verbose)
     else:
         written, doc, text = _write_groups(results, out_dir, notes, steps_csv, verbose)
-    return CompareOutcome(code, written, json.dumps(doc), text)
+    from .arbiter import lead_text
+    return CompareOutcome(code, written, json.dumps(doc), lead_text(results) + text)
 
 
 def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force: bool = False,
@@ -195,7 +203,7 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
 
 
 def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = True, localize: bool = True,
-                   timeout: float | None = None, verbose: bool = False,
+                   timeout: float | None = None, verbose: bool = False, arbiter: str | None = None,
                    log: Callable[[str], None] = stderr_line) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
@@ -204,7 +212,7 @@ def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = Tru
     runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
     try:
         outcome = compare_runs(paths=(runs_dir,), reference=reference, k=k, fp64=fp64, localize=localize, out=folder,
-                               timeout=timeout, verbose=verbose, log=log)
+                               timeout=timeout, verbose=verbose, arbiter=arbiter, log=log)
     except BadInput as e:
         log(error_line(e))
         return EXIT_BAD_INPUT
