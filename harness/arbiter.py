@@ -282,8 +282,10 @@ def variant(run, backend: str | None = None, **options: Any):
     if backend is not None and backend != run.backend:
         man.update(backend=backend, fault=None, declared_differences=[])
         options = {"fault": None, **options}
-    man["options"] = dict(man.get("options") or {}, **options)
-    tag = "__".join(f"{k}-{v}" for k, v in sorted(options.items()) if k != "extra")
+    before = man.get("options") or {}
+    tag = "__".join(f"{k}-{v}" for k, v in sorted(options.items())
+                    if k not in ("extra", "fault") and before.get(k) != v) or "same"
+    man["options"] = dict(before, **options)
     return Run(run.path.parent / f"{run.name}__{backend or run.backend}__{tag}", man, run.step, run.values,
                run.checksum, run.eval_step)
 

@@ -6,6 +6,7 @@ catalogued fault on either side: the faulty side must be named, the reference in
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -153,6 +154,78 @@ def test_options_the_arbiter_cannot_honour_are_said():
     assert o is None and "framework-RNG" in why
     o, adj, why = arbiter_options({"jit": False, "extra": {"xla": True}}, caps)
     assert o["jit"] is True and o["extra"] == {} and len(adj) == 2
+
+
+# --------------------------------------------------------------------------- the procedure, with stand-in jobs
+class StandInLocalizer:
+    """The Localizer's public probe0/replay with hand-built probes instead of backend processes: the reference
+    ('ref') computes update0/fc2.kernel wrongly, but only from the state of step 2 (a bug the step-0 probes
+    cannot see); the reference backend has no float64 (its tolerance falls back to the arbiter's rounding)."""
+
+    def __init__(self):
+        self.ex = {t: exact_probes() for t in (0, 1, 2)}   # the exact values from each step's state
+        self.calls = []
+
+    def _probes(self, run, t: int, dtype: str) -> dict:
+        ex = self.ex[t]
+        if run.backend == "arb" and dtype == "float64":
+            return ex
+        p = rounded(ex, 1e-7, hash((run.backend, dtype, t)) % 1000)
+        if run.backend == "ref" and t == 2:
+            p = off(p, ["update0/fc2.kernel"])
+        return p
+
+    def probe0(self, run, **change):
+        from harness.errors import BackendFailed
+        dtype = change.get("dtype", run.options.get("dtype", "float32"))
+        self.calls.append(("probe0", run.backend, dtype))
+        if run.backend == "ref" and dtype == "float64":
+            raise BackendFailed("ref: float64 not supported", None, unsupported=True)
+        return self._probes(run, 0, dtype)
+
+    def replay(self, ref, run, at, change=None):
+        dtype = run.options.get("dtype", "float32")
+        self.calls.append(("replay", run.backend, dtype))
+        return {"probes": [(t, self._probes(run, t, dtype), self._probes(ref, t, "float32"), None, None) for t in at]}
+
+
+def stand_in_pair(localization: dict):
+    from harness.compare import Pair
+    from harness.runs import Run
+    man = {"spec": {"layers": [{"name": n} for n in LAYERS]}, "options": {"dtype": "float32", "devices": 1}}
+    z = np.zeros(0)
+    ref = Run(Path("/nonexistent/r"), dict(man, backend="ref"), z, {}, z, z)
+    cand = Run(Path("/nonexistent/c"), dict(man, backend="cand"), z, {}, z, z)
+    return Pair(ref, cand, True, {}, None, {}, verdict="BUG", localization=localization)
+
+
+def test_a_bug_seen_only_in_the_replay_is_arbitrated_there():
+    from harness.arbiter import arbitrate_pair
+    loc = StandInLocalizer()
+    pair = stand_in_pair({"stage": "optimizer", "method": "replay of step 2 from the reference's state",
+                          "replay": {"at": [1, 2]}})
+    sec = arbitrate_pair(pair, "arb", loc, capabilities={"float64"}, log=lambda m: None)
+    assert [r["side"] for r in sec["results"]] == ["neither", "neither", "reference"]
+    assert (sec["side"], sec["key"], sec["step"]) == ("reference", "update0/fc2.kernel", 2)
+    assert "(replayed step 2, from the reference's state)" in sec["statement"]
+    assert any("ref float64 probe unavailable" in a for a in sec["adjusted"])
+    assert ("replay", "arb", "float64") in loc.calls and ("replay", "arb", "float32") in loc.calls
+    # without a replay in the localization, step 0 is all there is: neither side, and it says so
+    sec = arbitrate_pair(stand_in_pair({"stage": "forward"}), "arb", StandInLocalizer(), capabilities={"float64"},
+                         log=lambda m: None)
+    assert sec["side"] == "neither" and "neither side disagrees" in sec["statement"]
+
+
+def test_the_arbiter_says_when_it_does_not_run():
+    from harness.arbiter import arbitrate_pair
+    sec = arbitrate_pair(stand_in_pair({"stage": "data"}), "arb", StandInLocalizer(), capabilities={"float64"},
+                         log=lambda m: None)
+    assert not sec["ran"] and "NOT RUN" in sec["statement"] and "different batches" in sec["reason"]
+    pair = stand_in_pair({"stage": "forward"})
+    pair.a.manifest["options"] = {"devices": 2}
+    sec = arbitrate_pair(pair, "arb", StandInLocalizer(), capabilities={"float64"}, log=lambda m: None)
+    assert not sec["ran"] and "data_parallel" in sec["reason"]
+    assert lead_lines({"pairs": {"c": sec}}) == [sec["statement"]]
 
 
 # --------------------------------------------------------------------------- real probes, real comparisons
