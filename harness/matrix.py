@@ -151,6 +151,8 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
     for b, field_name in where.items():
         if b not in info:
             raise bad(f"{field_name}: unknown backend {b!r}; known: {', '.join(info)}")
+    if m.arbiter and "float64" not in info[m.arbiter].get("capabilities", []):
+        raise bad(f"arbiter: {m.arbiter!r} does not declare float64; the exact computation needs it")
     seen: dict[str, str] = {}
     for name in m.models:
         try:

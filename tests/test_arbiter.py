@@ -312,9 +312,29 @@ def test_arbiter_names_the_reference_when_the_fault_is_in_the_reference(fault, f
     assert o.text.startswith(f"arbiter ({ARBITER} float64): the exact computation supports jax; the reference torch "
                              f"fault-{fault} disagrees with it at {a['key']}")
     assert doc["arbiter"]["lead"] == [a["statement"]]
-    from harness.report import markdown
+    from harness.report import build, markdown
     md = markdown(out)
     assert md.index(f"**{a['statement']}**") < md.index("| candidate |")
+    if fault == "flatten_no_permute":   # the page once (matplotlib is slow to start)
+        page = build(out).read_text()
+        assert page.index("<p class=lead id=arbiter>arbiter (") < page.index("<table>")
+
+
+def test_matrix_arbiter_field(tmp_path):
+    """`arbiter = NAME` in a matrix: a known float64 backend, used by `duipai all` only when installed."""
+    from harness.errors import BadInput
+    from harness.matrix import arbiter_of, load_matrix
+    base = 'models = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\n'
+    f = tmp_path / "m.toml"
+    f.write_text(base + f'arbiter = "{ARBITER}"\n')
+    m = load_matrix(f)
+    assert m.arbiter == ARBITER and arbiter_of(m) == (ARBITER, None)
+    f.write_text(base + 'arbiter = "no-such-backend"\n')
+    with pytest.raises(BadInput, match="arbiter: unknown backend"):
+        load_matrix(f)
+    f.write_text(base)
+    assert arbiter_of(load_matrix(f)) == (None, None)
+    assert load_matrix("default").arbiter == ARBITER
 
 
 @pytest.mark.parametrize("fault, first", [c if c[0] == "label_smoothing" else pytest.param(*c, marks=pytest.mark.slow)
@@ -327,3 +347,11 @@ def test_arbiter_names_the_candidate_when_the_fault_is_in_the_candidate(fault, f
     assert a["candidate_error"] > 1e2 * a["candidate_tol"] and a["reference_error"] < a["reference_tol"]
     assert doc["arbiter"]["lead"] == [] and not o.text.startswith("arbiter")   # the usual order: nothing to lead
     assert f"note: {a['statement']}" in o.text
+
+
+def test_an_unknown_arbiter_is_refused_before_anything_runs(tmp_path):
+    from harness.compare_runs import compare_runs
+    from harness.errors import BadInput
+    with pytest.raises(BadInput, match="--arbiter no-such-backend: unknown backend"):
+        compare_runs(paths=[tmp_path / "a", tmp_path / "b"], reference="x", arbiter="no-such-backend")
+    assert not any(tmp_path.iterdir())
