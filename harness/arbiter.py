@@ -290,7 +290,7 @@ def variant(run, backend: str | None = None, **options: Any):
                run.checksum, run.eval_step)
 
 
-def _own64(loc, run, log: Callable[[str], None]) -> tuple[dict[str, Any] | None, str | None]:
+def _own64(loc, run) -> tuple[dict[str, Any] | None, str | None]:
     """A side's step-0 probes in float64 (its own rounding, for its tolerance), or None and why not."""
     if run.options.get("dtype", "float32") == "float64":
         return None, None
@@ -366,7 +366,7 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
     except BackendFailed as e:
         calib = None
         sec["adjusted"].append(f"no float32 calibration ({str(e).splitlines()[0]}): fixed tolerance {REL_TOL:g}")
-    (c64, why_c), (r64, why_r) = _own64(loc, cand, log), _own64(loc, ref, log)
+    (c64, why_c), (r64, why_r) = _own64(loc, cand), _own64(loc, ref)
     sec["adjusted"] += [w + ": its tolerance from the arbiter's float32 rounding only" for w in (why_c, why_r) if w]
     aside = set(movable_keys(ref, cand, list(exact)))
     sec["set_aside"] = sorted(aside)
