@@ -113,11 +113,12 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                  envelope_paths: tuple[Path, ...] | list[Path] = (), fp64: bool = True, margin: float | None = None,
                  force: bool = False, localize: bool = True, out: Path | None = None, steps_csv: bool | None = None,
                  timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
-                 log: Callable[[str], None] = stderr_line) -> CompareOutcome:
+                 arbiter: str | None = None, log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Compare runs of one configuration (run folders), or every comparable group of one results folder,
     against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False. Every
     candidate is also compared one step at a time from the reference's states (resync, harness/resync.py)
-    every `resync_every` steps (0: not at all; also off with localize=False).
+    every `resync_every` steps (0: not at all; also off with localize=False); each BUG is arbitrated by the
+    backend `arbiter` in float64 when given (harness/arbiter.py).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -126,6 +127,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     from .runs import load_run
     if k < 1:
         raise BadInput(f"-k must be >= 1, got {k}")
+    if arbiter:   # before anything is trained
+        from .arbiter import check_arbiter
+        check_arbiter(arbiter)
     folders, scanned, notes = _resolve(tuple(paths))
     runs = [load_run(p) for p in folders]
     out_dir = _out_dir(out, scanned, runs)
@@ -165,6 +169,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
                   if loc is not None and resync_every > 0 else None)
             c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs)
+            if arbiter:   # which side of each BUG the exact computation supports
+                from .arbiter import arbitrate_comparison
+                c = arbitrate_comparison(c, arbiter, timeout=timeout, log=say)
             c.notes += group_notes
             results.append(c)
     if not results:
@@ -178,7 +185,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
         text = render(c, verbose)
     else:
         written, doc, text = _write_groups(results, out_dir, notes, steps_csv, verbose)
-    return CompareOutcome(code, written, json.dumps(doc), text)
+    from .arbiter import lead_text
+    return CompareOutcome(code, written, json.dumps(doc), lead_text(results) + text)
 
 
 def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force: bool = False,
@@ -203,6 +211,7 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
 
 def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = True, localize: bool = True,
                    timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
+                   arbiter: str | None = None, log: Callable[[str], None] = stderr_line) -> int:
                    log: Callable[[str], None] = stderr_line) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
@@ -211,7 +220,8 @@ def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = Tru
     runs_dir = folder / "runs" if (folder / "runs").is_dir() else folder
     try:
         outcome = compare_runs(paths=(runs_dir,), reference=reference, k=k, fp64=fp64, localize=localize, out=folder,
-                               timeout=timeout, verbose=verbose, resync_every=resync_every, log=log)
+                               timeout=timeout, verbose=verbose, resync_every=resync_every, arbiter=arbiter,
+                               log=log)
     except BadInput as e:
         log(error_line(e))
         return EXIT_BAD_INPUT

@@ -29,7 +29,7 @@ from .runner import RunConfig
 
 LIST_FIELDS = {"models": str, "backends": str, "devices": int, "seeds": int, "optimizers": str, "faults": str}
 SCALAR_FIELDS = {"name": str, "data": str, "steps": int, "batch_size": int, "reference": str, "envelope_k": int,
-                 "envelope_fp64": bool, "timeout_s": (int, float), "description": str}
+                 "envelope_fp64": bool, "timeout_s": (int, float), "description": str, "arbiter": str}
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Matrix:
     hparams: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     source: str = ""
+    arbiter: str = ""               # a backend probed in float64 on every BUG (harness/arbiter.py); "" for none
 
 
 @dataclass
@@ -145,9 +146,13 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
     info = runner.backend_info()
     where = {b: "backends" for b in m.backends}
     where.setdefault(m.reference, "reference")
+    if m.arbiter:
+        where.setdefault(m.arbiter, "arbiter")
     for b, field_name in where.items():
         if b not in info:
             raise bad(f"{field_name}: unknown backend {b!r}; known: {', '.join(info)}")
+    if m.arbiter and "float64" not in info[m.arbiter].get("capabilities", []):
+        raise bad(f"arbiter: {m.arbiter!r} does not declare float64; the exact computation needs it")
     seen: dict[str, str] = {}
     for name in m.models:
         try:
@@ -172,6 +177,17 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
             hparams_for(m, o, m.seeds[0] if m.seeds else 0)
     except (HParamError, TypeError) as e:
         raise bad(f"[hparams]: {e}") from None
+
+
+def arbiter_of(m: Matrix) -> tuple[str | None, str | None]:
+    """The matrix's arbiter when it is installed, else (None, why not) -- said by `duipai all`, never silent."""
+    if not m.arbiter:
+        return None, None
+    missing = runner.backend_info()[m.arbiter]["missing"]
+    if missing:
+        return None, (f"arbiter {m.arbiter} not installed ({', '.join(missing)}): BUGs are not arbitrated "
+                      "by an exact computation")
+    return m.arbiter, None
 
 
 def hparams_for(m: Matrix, optimizer: str, seed: int) -> HParams:
@@ -313,4 +329,4 @@ def load_status(out: Path) -> dict[str, Any]:
     return json.loads((out / "matrix.json").read_text())
 
 
-__all__ = ["Matrix", "Entry", "load_matrix", "expand", "run_matrix", "run_key", "os"]
+__all__ = ["Matrix", "Entry", "load_matrix", "arbiter_of", "expand", "run_matrix", "run_key", "os"]

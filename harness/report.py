@@ -175,6 +175,8 @@ def verdict_table(comp: dict[str, Any]) -> str:
             extra = "declared: " + esc(", ".join(p["declared_differences"]))
         if odd.get("run") == p.get("candidate"):
             extra += " odd one out"
+        if p.get("arbiter"):
+            extra += (" " if extra else "") + f"<span class=arbiter>{esc(p['arbiter'].get('statement'))}</span>"
         rows.append(f"<tr><td>{esc(_short(p['candidate'], ref))}</td>{_verdict_cell(p['verdict'])}"
                     f"<td>{esc(f.get('step', '-'))}</td><td>{esc(f.get('series', '-'))}</td>"
                     f"<td>{esc(_fmt(f.get('factor')))}</td><td>{where or '-'}</td><td>{extra}</td>{series}</tr>")
@@ -233,6 +235,23 @@ def odd_lead(comp: dict[str, Any]) -> tuple[bool, str] | None:
     return odd_one_out_line(comp.get("odd_one_out"), ref, lambda n: backend if n == ref else _short(n, ref))
 
 
+def arbiter_lead(comp: dict[str, Any]) -> list[str]:
+    """The arbiter's sentences that lead a comparison (harness/arbiter.py lead_lines): the reference named as
+    the side the exact computation does not support, and an arbiter that could not run."""
+    return list((comp.get("arbiter") or {}).get("lead") or [])
+
+
+def arbiter_lines(comp: dict[str, Any]) -> list[str]:
+    """Every arbitrated pair's sentence, with what the arbiter did not honour."""
+    out = []
+    for p in comp["pairs"]:
+        a = p.get("arbiter")
+        if p.get("with_reference") and a:
+            out.append(a.get("statement", ""))
+            out += [f"  arbiter ({a.get('backend')}): {x}" for x in a.get("adjusted") or []]
+    return out
+
+
 def _finite(x: Any) -> float:
     return x if isinstance(x, (int, float)) and x == x and abs(x) != float("inf") else 0.0
 
@@ -257,6 +276,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
         ref = comp["reference"]["run"]
         odd = odd_lead(comp)
         md += [f"## {ref}", ""]
+        md += [x for line in arbiter_lead(comp) for x in (f"**{line}**", "")]
         if odd and odd[0]:
             md += [f"**{odd[1]}**", ""]
         md += ["| candidate | verdict | first step | series | factor | located |", "|---|---|---|---|---|---|"]
@@ -268,6 +288,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
                           f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | "
                           f"{' / '.join(str(x) for x in (loc.get('stage'), loc.get('layer') or loc.get('parameter')) if x) or '-'} |")
         md.append("")
+        md += [f"- {x.strip()}" for x in arbiter_lines(comp)] + ([""] if arbiter_lines(comp) else [])
         more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])
         if more:
             md += ["```", *more, "```", ""]
@@ -302,6 +323,8 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
         all_runs += list(runs.values())
         parts.append(f"<h2>Verdicts: {esc(ref)}</h2>")
         odd = odd_lead(comp)
+        for line in arbiter_lead(comp):
+            parts.append(f"<p class=lead id=arbiter>{esc(line)}</p>")
         if odd and odd[0]:
             parts.append(f"<p class=lead id=odd-one-out>{esc(odd[1])}</p>")
         for note in comp.get("forced", []) + comp.get("notes", []):
@@ -309,6 +332,9 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
         parts.append(verdict_table(comp))
         if odd and not odd[0]:
             parts.append(f"<p id=odd-one-out><b>{esc(odd[1])}</b></p>")
+        arb = arbiter_lines(comp)
+        if arb:
+            parts.append("<h3>Arbiter</h3><pre class=arbiter>" + esc(chr(10).join(arb)) + "</pre>")
         summary, every = other_pairs(comp, hint=""), other_pairs(comp, verbose=True)
         if summary:
             parts.append(f"<p class=pairs>{'<br>'.join(esc(x) for x in summary)}</p>"

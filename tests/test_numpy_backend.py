@@ -125,24 +125,3 @@ def test_refusals_say_why():
         make(devices=2, extra={"hosts": 2})
     with pytest.raises(UnsupportedError, match="float32 or float64"):
         make(dtype="float16")
-
-
-# ----------------------------------------------------------------------------- the arbiter's helper
-@pytest.mark.parametrize("fault, first", [("grad_double", "grad/"),
-                                          pytest.param("flatten_no_permute", "forward/fc1", marks=pytest.mark.slow)])
-def test_arbiter_names_the_side_that_leaves_the_exact_computation(fault, first, results_root):
-    """torch with a catalogued fault against clean torch, numpy float64 as the exact values: the faulty side is
-    named whichever role it plays, at the stage the fault lives in (clean and exact probes shared with the
-    other probe tests of the session)."""
-    from wrappers.numpy.arbiter import arbitrate
-
-    from .conftest import probes_for
-    clean = probes_for("torch", "cnn2d_2conv_2fc", results_root)["sgd"].arrays
-    bad = probes_for("torch", "cnn2d_2conv_2fc", results_root, fault=fault)["sgd"].arrays
-    exact = probes_for("numpy", "cnn2d_2conv_2fc", results_root, dtype="float64")["sgd"].arrays
-    as_reference = arbitrate(clean, bad, exact)
-    as_candidate = arbitrate(bad, clean, exact)
-    assert as_reference.side == "reference" and as_candidate.side == "candidate"
-    assert as_reference.key.startswith(first) and as_candidate.key == as_reference.key
-    assert as_reference.candidate_error < 1e-5 < 1e-2 < as_reference.reference_error
-    assert arbitrate(clean, clean, exact).side == "neither"

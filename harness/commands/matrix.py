@@ -79,8 +79,11 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool, verbose: bool) 
         click.echo("(nothing changed: comparison and report are up to date)")
         code = max(code, int(prev.get("exit_code", 0)))
     else:
+        arbiter, why_not = M.arbiter_of(m)
+        if why_not:
+            say(f"WARNING: {why_not}")
         code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k, fp64=m.envelope_fp64,
-                                         verbose=verbose, log=say))
+                                         verbose=verbose, arbiter=arbiter, log=say))
         index = build(folder, verbose=verbose)
     click.echo(f"report:  {index.resolve()}")
     click.echo(f"results: {folder.resolve()}")
