@@ -439,6 +439,9 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
             oh, ow, padding = _window(kind, h, w, opts["pool"], opts["stride"], opts["padding"], fail)
             out = (oh, ow, c)
         elif kind in ("batchnorm2d", "layernorm"):
+            if flat_of[inputs[0]] is not None:
+                fail("inputs", f"{kind} of a flattened map: its per-feature gamma would depend on the framework's "
+                               "flatten order; normalise before the flatten")
             c = cur[-1]
             out = cur
             params += [ParamInfo(f"{lname}.gamma", lname, "gamma", (c,), True, "ones"),
