@@ -46,7 +46,9 @@ def probes_for(backend: str, model: str, root: Path, fault: str | None = None, c
                dtype: str = "float32"):
     """Probe results per standard case, computed once per (backend, model, fault, dtype) per session."""
     from harness.probes import run_cases, standard_cases
-    key = (backend, model, fault, tuple(cases) if cases else None, dtype)
+    # the cases' contents, not only their names: two tests may use the same names with other batches or seeds
+    key = (backend, model, fault, tuple((n, json.dumps(hp.to_dict(), sort_keys=True)) for n, hp in cases.items())
+           if cases else None, dtype)
     if key not in _PROBES:
         need(backend)
         _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault, dtype=dtype,

@@ -37,17 +37,54 @@ def lowers(backend: str, model: str) -> bool:
     pytest.skip(f"{backend} does not lower {', '.join(missing)} (declared in its Entry; the harness refuses {model})")
 
 
-def graph_cases():
+KINK_MARGIN = 2e-6    # ~5x float32's absolute forward error on these models (3e-7 to 1e-6 of the scale)
+
+
+def kink_free_seed(model: str, batch: int = 16, margin: float = KINK_MARGIN, tries: int = 60) -> int:
+    """The first run seed whose step-0 batch (digits32) puts every relu/relu6 input at least `margin` from a kink
+    in the float64 forward (numpy). Otherwise one input within float32 rounding of zero may fall on the other side
+    in one framework: measured on resnet_tiny, seed 0: one block1_out input flipped in jax float32 and block1's
+    gradients moved 0.5% (jax float64 agrees with torch float64 to 1e-14 on the same batch). A property of float32
+    at a kink, not of the lowering; the harness's localization meets the same (reported, not solved here)."""
+    import numpy as np
+    from algorithms import data as D
+    from algorithms.optim import HParams
+    from algorithms.params import init_params
+    from algorithms.spec import INPUT
+    from wrappers.base import RunOptions
+    from wrappers.numpy.backend import NumpyBackend
+    m = load_model(model)
+    ds = D.digits32()
+    b = NumpyBackend(m, HParams(), RunOptions(dtype="float64"))
+    b.load_params(init_params(m, HParams().init_seed))
+    for seed in range(tries):
+        x = ds.x_train[D.batch_order(len(ds.x_train), batch, 1, seed)[0]].astype(np.float64)
+        rec = b.forward_layers(x, {})
+        gaps = [np.abs(x if l.inputs[0] == INPUT else rec[l.inputs[0]]) for l in m.layers if l.kind in ("relu", "relu6")]
+        gaps += [np.abs(rec[l.inputs[0]] - 6.0) for l in m.layers if l.kind == "relu6"]
+        if not gaps or min(float(g.min()) for g in gaps) >= margin:
+            return seed
+    raise AssertionError(f"{model}: no batch of {batch} with every relu input {margin} from a kink in {tries} seeds")
+
+
+def graph_cases(model: str) -> dict:
+    """Three of the standard cases at batch 16, on a batch away from the relu kinks (kink_free_seed)."""
     from harness.probes import standard_cases
-    return {n: hp.with_(batch_size=16) for n, hp in standard_cases().items() if n in ("sgd_l2", "nesterov_step", "adamw")}
+    seed = kink_free_seed(model)
+    return {n: hp.with_(batch_size=16, seed=seed) for n, hp in standard_cases().items()
+            if n in ("sgd_l2", "nesterov_step", "adamw")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", GRAPH_MODELS)
 @pytest.mark.parametrize("backend", OTHERS)
 def test_step0_probes_graph_models_match_torch(backend, model, results_root):
-    """Residual adds, grouped/depthwise convolutions, LayerNorm, GELU, ReLU6 on digits32, batch 16."""
+    """Residual adds, grouped/depthwise convolutions, LayerNorm, GELU, ReLU6 on digits32, batch 16: step 0 (the
+    forward, the gradients, the first update); the later updates start from parameters the first one moved, whose
+    relu inputs are not checked for kinks. Slow: jax compiles three cases of each model (90-190 s per model on the
+    loaded 2-core machine)."""
     lowers(backend, model)
-    _check(backend, model, results_root, graph_cases())
+    _check(backend, model, results_root, graph_cases(model), steps=(0,))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -57,12 +94,15 @@ def test_step0_probes_match_torch(backend, model, results_root):
     _check(backend, model, results_root, None)
 
 
-def _check(backend: str, model: str, results_root, cases: dict | None) -> None:
+def _check(backend: str, model: str, results_root, cases: dict | None, steps: tuple[int, ...] | None = None) -> None:
+    from harness.probes import kind_of
     ref = probes_for("torch", model, results_root, cases=cases)
     ref64 = probes_for("torch", model, results_root, cases=cases, dtype="float64")
     got = probes_for(backend, model, results_root, cases=cases)
     for case, res in got.items():
         keys = [k for k in res.undeclared_keys() if k in ref[case].arrays]
+        if steps is not None:
+            keys = [k for k in keys if kind_of(k)[1] in steps]
         assert any(k.startswith("forward/") for k in keys) or res.declared, f"{case}: nothing compared"
         assert any(k.startswith("eval/") for k in keys), f"{case}: no inference-mode probe compared"
         diffs = compare(res.arrays, ref[case].arrays, keys=keys, ref64=ref64[case].arrays)
