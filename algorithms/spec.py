@@ -256,7 +256,7 @@ def _check_field(kind: str, key: str, value: Any, typ: type, fail) -> Any:
     raise AssertionError(typ)
 
 
-def _layer_names(mname: str, source: str, raw_layers: list[Any]) -> list[str]:
+def _layer_names(raw_layers: list[Any]) -> list[str]:
     """Every layer's name (declared, or `<type>_<n>`), in order: a first pass, so that `inputs` can tell a
     forward reference from an unknown name. Type and name errors are left to the full pass."""
     names, counters = [], {}
@@ -324,11 +324,13 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     if not isinstance(raw_layers, list) or not raw_layers:
         top_fail("field 'layers' must be a non-empty array of tables ([[layers]])")
 
-    all_names = _layer_names(mname, source, raw_layers)
+    all_names = _layer_names(raw_layers)
     position = {n: i for i, n in enumerate(all_names)}
-    raw_inputs = {all_names[i]: list(r["inputs"]) for i, r in enumerate(raw_layers)
-                  if isinstance(r, dict) and isinstance(r.get("inputs"), list)
-                  and all(isinstance(v, str) for v in r["inputs"])}
+    # what each layer reads as written (declared, or the previous layer): the edges a cycle report follows
+    raw_inputs = {all_names[i]: (list(r["inputs"]) if isinstance(r, dict) and isinstance(r.get("inputs"), list)
+                                 and all(isinstance(v, str) for v in r["inputs"])
+                                 else [INPUT if i == 0 else all_names[i - 1]])
+                  for i, r in enumerate(raw_layers)}
     shapes: dict[str, tuple[int, ...]] = {INPUT: tuple(shape)}
     flat_of: dict[str, tuple[int, int, int] | None] = {INPUT: None}
     readers: dict[str, list[str]] = {INPUT: []}

@@ -41,6 +41,8 @@ def test_straight_line_models_keep_spec_hash_and_weights(name):
     ([conv("a", inputs=["b"]), {"type": "relu", "name": "b", "inputs": ["a"]}],
      "layer 0 'a' (conv2d): field 'inputs': cycle: a -> b -> a"),
     ([{"type": "relu", "name": "a", "inputs": ["a"]}], "layer 0 'a' (relu): field 'inputs': cycle: 'a' reads its own output"),
+    ([{"type": "relu", "name": "a", "inputs": ["c"]}, {"type": "relu", "name": "b"}, {"type": "relu", "name": "c"}],
+     "layer 0 'a' (relu): field 'inputs': cycle: a -> c -> b -> a"),      # through the default edges
     ([{"type": "relu", "name": "a", "inputs": ["c"]}, {"type": "relu", "name": "c", "inputs": ["input"]},
       {"type": "add", "name": "s", "inputs": ["a", "c"]}],
      "layer 0 'a' (relu): field 'inputs': 'c' is declared after this layer"),

@@ -129,7 +129,6 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
         k = layer.kind
         x = outs[layer.inputs[0]]
         if k == "add":
-            x = outs[layer.inputs[0]]
             for src in layer.inputs[1:]:
                 x = x + outs[src]
         elif k == "concat":
