@@ -329,7 +329,8 @@ def test_step0_probes_numpy_float64_match_torch_float64(model, results_root):
     """Forward (training and inference), loss, gradients, three updates, buffers and optimizer state:
     sgd, sgd + L2, momentum and Nesterov with a step schedule, adam, adamw."""
     for case, (rel, key) in probe_agreement(model, results_root).items():
-        assert rel < PROBE_TOL, f"{model} {case}: {key} relative error {rel:.3g} >= {PROBE_TOL}"
+        tol = GRAPH_ADAM_TOL if model in GRAPH_MODELS and case.startswith("adam") else PROBE_TOL
+        assert rel < tol, f"{model} {case}: {key} relative error {rel:.3g} >= {tol}"
 
 
 @pytest.mark.parametrize("model", GRAPH_MODELS)
