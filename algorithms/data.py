@@ -106,6 +106,59 @@ def load_digits(cache_dir: str | Path | None = None) -> Dataset:
                    {"split": f"seeded permutation (seed {SPLIT_SEED}), {TEST_FRACTION:.0%} test"})
 
 
+DIGITS32_SEED = 20261130   # the fixed colour jitter and shifts of digits32
+
+
+def _upsample_matrix(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in) linear interpolation between pixel centres (align_corners=False, edges clamped)."""
+    pos = (np.arange(n_out) + 0.5) * n_in / n_out - 0.5
+    lo = np.clip(np.floor(pos).astype(int), 0, n_in - 1)
+    hi = np.clip(lo + 1, 0, n_in - 1)
+    frac = np.clip(pos - np.floor(pos), 0.0, 1.0)
+    frac = np.where(pos < 0, 0.0, frac)
+    m = np.zeros((n_out, n_in))
+    m[np.arange(n_out), lo] += 1.0 - frac
+    m[np.arange(n_out), hi] += frac
+    return m
+
+
+def digits32(cache_dir: str | Path | None = None) -> Dataset:
+    """32x32x3 colour digits, no download: scikit-learn's 1797 8x8 digits, bilinearly upsampled to 32x32,
+    shifted by up to 3 pixels and painted with a random foreground and background colour plus pixel noise,
+    all from one fixed seed (DIGITS32_SEED), so every machine builds the same bytes (float64 NumPy maths).
+    For the 32x32x3 models (resnet_tiny, mobilenet_tiny, convnext_tiny): real labels, a learnable task."""
+    if cache_dir is not None:
+        import importlib.metadata as md
+        cache = Path(cache_dir) / f"digits32-sklearn-{md.version('scikit-learn')}-{DIGITS32_SEED}.npz"
+        if cache.exists():
+            z = load_npz(cache)
+            meta = json.loads(str(z.pop("meta")))
+            return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"], meta)
+        ds = digits32()
+        save_npz(cache, {**ds.arrays(), "meta": np.array(json.dumps(ds.meta))})
+        return ds
+    from sklearn.datasets import load_digits as _ld
+    d = _ld()
+    up = _upsample_matrix(8, 32)
+    ink = np.einsum("ij,njk,lk->nil", up, d.images.astype(np.float64) / 16.0, up)        # (N, 32, 32) in [0, 1]
+    rng = np.random.default_rng(DIGITS32_SEED)
+    n = len(ink)
+    shifts = rng.integers(-3, 4, (n, 2))
+    for i, (dy, dx) in enumerate(shifts):                  # shift with zero fill (ink leaves, nothing wraps)
+        ink[i] = np.roll(ink[i], (dy, dx), axis=(0, 1))
+        if dy > 0: ink[i, :dy] = 0
+        if dy < 0: ink[i, dy:] = 0
+        if dx > 0: ink[i, :, :dx] = 0
+        if dx < 0: ink[i, :, dx:] = 0
+    fg = rng.uniform(0.35, 1.0, (n, 1, 1, 3))
+    bg = rng.uniform(0.0, 0.45, (n, 1, 1, 3))
+    x = np.clip(bg + (fg - bg) * ink[..., None] + rng.normal(0.0, 0.04, (n, 32, 32, 3)), 0.0, 1.0)
+    return _finish(*_split(x, d.target.astype(np.int64)), "digits32", 1.0,
+                   {"split": f"seeded permutation (seed {SPLIT_SEED}), {TEST_FRACTION:.0%} test",
+                    "construction": f"sklearn digits 8x8 -> bilinear 32x32, shift +-3 px, colour jitter and noise "
+                                    f"(seed {DIGITS32_SEED})"})
+
+
 def synthetic(n: int = 1200, shape: tuple[int, int, int] = (8, 8, 1), classes: int = 10, seed: int = 0) -> Dataset:
     """Learnable random data: each class is a random prototype image plus noise."""
     rng = np.random.default_rng(seed)
@@ -187,13 +240,16 @@ def _recorded(path: Path) -> str:
 
 def load_csv(train: str | Path, test: str | Path | None = None, *, raw_max: float = 255.0,
              image_shape: tuple[int, ...] | None = None, cache_dir: str | Path | None = None) -> Dataset:
-    """MNIST-style CSV (label + pixel columns). Parsed once; later loads read a cached .npz."""
+    """MNIST-style CSV (label + pixel columns, pixels in (H, W, C) order). Parsed once; later loads read a
+    cached .npz. `image_shape` (the model's input shape) says how to fold the pixel columns; without it
+    they must be a square single-channel image."""
     paths = [Path(train)] + ([Path(test)] if test else [])
     for p in paths:
         if not p.is_file():
             raise DataError(f"{p}: no such data file")
     key = "-".join(_file_hash(p) for p in paths)
-    cache = Path(cache_dir) / f"csv-{key}.npz" if cache_dir else None
+    folded = "x".join(map(str, image_shape)) if image_shape else "square"
+    cache = Path(cache_dir) / f"csv-{key}-{folded}.npz" if cache_dir else None
     if cache and cache.exists():
         arrs = load_npz(cache)
     else:
@@ -213,8 +269,10 @@ def load_csv(train: str | Path, test: str | Path | None = None, *, raw_max: floa
                    {"file_hash": key, "split": "given" if test else f"seeded permutation (seed {SPLIT_SEED})"})
 
 
-def load_npz_data(path: str | Path, *, raw_max: float | None = None) -> Dataset:
-    """An .npz with x_train, y_train, x_test, y_test (or x, y, split here); images (N,H,W[,C])."""
+def load_npz_data(path: str | Path, *, raw_max: float | None = None,
+                  image_shape: tuple[int, int, int] | None = None) -> Dataset:
+    """An .npz with x_train, y_train, x_test, y_test (or x, y, split here); images (N,H,W[,C]), or flat
+    (N, H*W*C) rows in (H, W, C) order folded to `image_shape` (the model's input shape)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such data file")
@@ -230,6 +288,10 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None) -> Dataset:
         raise DataError(f"{p}: needs arrays x_train, y_train, x_test, y_test (or x, y); has {sorted(z)}")
     for i in (0, 2):
         x = parts[i]
+        if x.ndim == 2 and image_shape is not None:
+            if x.shape[1] != math.prod(image_shape):
+                raise DataError(f"{p}: flat images of {x.shape[1]} values do not fit the image shape {list(image_shape)}")
+            parts[i] = x = x.reshape(len(x), *image_shape)
         if x.ndim == 3:
             parts[i] = x[..., None]
         elif x.ndim != 4:
@@ -245,24 +307,30 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None) -> Dataset:
 
 def load_data(spec: str, *, cache_dir: str | Path | None = None,
               image_shape: tuple[int, int, int] | None = None, classes: int = 10) -> Dataset:
-    """`digits` | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`."""
+    """`digits` (8x8x1) | `digits32` (32x32x3) | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`.
+    `image_shape` (the model's input shape) shapes synthetic data and folds flat CSV/npz pixel rows."""
     if spec == "digits":
         return load_digits(cache_dir)
+    if spec == "digits32":
+        return digits32(cache_dir)
     if spec.startswith("synthetic"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 1200
         return synthetic(n, image_shape or (8, 8, 1), classes)
     parts = spec.split(",")
     if parts[0].endswith(".csv"):
-        return load_csv(parts[0], parts[1] if len(parts) > 1 else None, cache_dir=cache_dir)
+        return load_csv(parts[0], parts[1] if len(parts) > 1 else None, cache_dir=cache_dir, image_shape=image_shape)
     if spec.endswith(".npz"):
-        return load_npz_data(spec)
-    raise DataError(f"data {spec!r}: unknown source; use 'digits', 'synthetic[:N]', a .csv (train[,test]) or an .npz")
+        return load_npz_data(spec, image_shape=image_shape)
+    raise DataError(f"data {spec!r}: unknown source; use 'digits', 'digits32', 'synthetic[:N]', a .csv (train[,test]) "
+                    "or an .npz")
 
 
 def check_fits(ds: Dataset, input_shape: tuple[int, ...], num_classes: int, model_name: str) -> None:
     src = ds.meta.get("source", "data")
     if ds.image_shape != tuple(input_shape):
-        raise DataError(f"{src}: images are {list(ds.image_shape)} but model '{model_name}' expects {list(input_shape)}")
+        hint = " (built in at that shape: --data digits32)" if tuple(input_shape) == (32, 32, 3) else ""
+        raise DataError(f"{src}: images are {list(ds.image_shape)} but model '{model_name}' expects {list(input_shape)}"
+                        f"{hint}; --data synthetic takes the model's shape")
     top = int(max(ds.y_train.max(), ds.y_test.max()))
     if top >= num_classes:
         raise DataError(f"{src}: label {top} is out of range for model '{model_name}' ({num_classes} classes)")

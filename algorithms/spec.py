@@ -9,6 +9,10 @@ the canonical layout (see `docs/canonical-layout.md`) is:
   batch variance, the PyTorch convention), momentum in the PyTorch convention:
   ``running = (1 - momentum) * running + momentum * batch_stat``.
 * 'same' padding is TF/XLA 'SAME': out = ceil(in / stride), the odd pixel padded bottom/right.
+
+A model is a DAG written in topological order: a layer reads the previous layer's output unless it
+names its `inputs` (layer names, or `input` for the model input). Merges (`add`, `concat`) read two
+or more. Every layer's output must be read by a later layer, except the last (the logits).
 """
 from __future__ import annotations
 
@@ -32,10 +36,13 @@ class SpecError(ValueError):
 REQUIRED = object()
 INITS = ("he_normal", "he_uniform", "glorot_uniform", "glorot_normal")
 PADDINGS = ("valid", "same")
+GELU_APPROXIMATIONS = ("none", "tanh")
+INPUT = "input"            # the reserved name of the model input in `inputs`
 
 LAYER_FIELDS: dict[str, dict[str, tuple[type, Any]]] = {
     "conv2d": {"filters": (int, REQUIRED), "kernel": (int, REQUIRED), "stride": (int, 1),
-               "padding": (str, "valid"), "use_bias": (bool, True), "init": (str, "he_normal")},
+               "padding": (str, "valid"), "use_bias": (bool, True), "init": (str, "he_normal"),
+               "groups": (int, 1), "dilation": (int, 1)},
     "maxpool2d": {"pool": (int, REQUIRED), "stride": (int, None), "padding": (str, "valid")},
     "avgpool2d": {"pool": (int, REQUIRED), "stride": (int, None), "padding": (str, "valid")},
     "relu": {},
@@ -45,8 +52,27 @@ LAYER_FIELDS: dict[str, dict[str, tuple[type, Any]]] = {
     "flatten": {},
     "dense": {"units": (int, REQUIRED), "use_bias": (bool, True), "init": (str, "he_normal")},
     "global_avgpool2d": {},
+    # graph merges: element-wise sum of equal shapes; concatenation on the channel (last) axis
+    "add": {},
+    "concat": {},
+    # activations; alpha, approximate and eps are required because the framework defaults differ
+    "leaky_relu": {"alpha": (float, REQUIRED)},
+    "gelu": {"approximate": (str, REQUIRED)},
+    "silu": {},
+    "sigmoid": {},
+    "relu6": {},
+    "layernorm": {"eps": (float, REQUIRED)},
 }
-SPATIAL_KINDS = {"conv2d", "maxpool2d", "avgpool2d", "batchnorm2d", "global_avgpool2d"}
+SPATIAL_KINDS = {"conv2d", "maxpool2d", "avgpool2d", "batchnorm2d", "global_avgpool2d", "concat"}
+MERGE_KINDS = {"add", "concat"}
+# element-wise: output shape = input shape, and a flattened vector stays in its flatten order
+ELEMENTWISE_KINDS = {"relu", "tanh", "dropout", "leaky_relu", "gelu", "silu", "sigmoid", "relu6"}
+# the layer kinds of the first spec (straight lines on 8x8x1); every backend lowers these
+BASE_LAYER_KINDS = frozenset({"conv2d", "maxpool2d", "avgpool2d", "relu", "tanh", "batchnorm2d", "dropout",
+                              "flatten", "dense", "global_avgpool2d"})
+# fields added after the first golden baselines: left out of the normalised declaration (`to_dict`, which
+# the spec hash covers) at these values, so that a model written before them keeps its spec hash
+OMITTED_AT_DEFAULT: dict[str, dict[str, Any]] = {"conv2d": {"groups": 1, "dilation": 1}}
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,9 @@ class LayerSpec:
     kind: str
     name: str
     options: dict[str, Any]
+    # the layers (or INPUT) this one reads, resolved; `inputs_declared`: named in the file, not the default
+    inputs: tuple[str, ...] = ()
+    inputs_declared: bool = False
 
     def __getitem__(self, key: str) -> Any:
         return self.options[key]
@@ -84,6 +113,15 @@ class LayerInfo:
     # that (H, W, C). Wrappers whose flatten order is not HWC must permute this kernel's rows.
     flattened_from: tuple[int, int, int] | None = None
     padding: tuple[tuple[int, int], tuple[int, int]] | None = None  # explicit (top,bottom),(left,right)
+    # every input's shape, in `spec.inputs` order (in_shape is the first)
+    in_shapes: tuple[tuple[int, ...], ...] = ()
+    # this layer's output is a flatten of an (H, W, C) map (the flatten, and element-wise layers after it):
+    # that (H, W, C); frameworks that flatten in (C, H, W) order hold these features permuted
+    flat_of: tuple[int, int, int] | None = None
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.spec.inputs
 
     @property
     def name(self) -> str:
@@ -118,15 +156,53 @@ class ModelSpec:
     def has(self, kind: str) -> bool:
         return any(layer.kind == kind for layer in self.layers)
 
+    def layer(self, name: str) -> LayerInfo:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"model '{self.name}' has no layer {name!r}")
+
+    @property
+    def is_graph(self) -> bool:
+        """Whether some layer reads anything but the previous layer's output."""
+        return any(l.spec.inputs_declared and l.spec.inputs != _default_inputs(self.layers, l.index)
+                   for l in self.layers)
+
+    def required_features(self) -> set[str]:
+        """What a backend must lower to run this model: its layer kinds, plus `conv2d:groups` and
+        `conv2d:dilation` where a convolution uses them (see wrappers.base.Entry.layer_kinds)."""
+        out = {l.kind for l in self.layers}
+        for l in self.layers:
+            if l.kind == "conv2d":
+                if l.spec["groups"] != 1:
+                    out.add("conv2d:groups")
+                if l.spec["dilation"] != 1:
+                    out.add("conv2d:dilation")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        """The declaration, normalised (defaults filled): what the spec hash covers."""
+        """The declaration, normalised (defaults filled): what the spec hash covers. `inputs` appears
+        only where it differs from the previous layer, and the later fields of OMITTED_AT_DEFAULT only
+        where they differ from their defaults: a straight-line model keeps the hash it had before graphs."""
+        layers = []
+        for l in self.layers:
+            omit = OMITTED_AT_DEFAULT.get(l.kind, {})
+            d = {"type": l.kind, "name": l.name,
+                 **{k: v for k, v in l.spec.options.items() if not (k in omit and v == omit[k])}}
+            if l.spec.inputs != _default_inputs(self.layers, l.index):
+                d["inputs"] = list(l.spec.inputs)
+            layers.append(d)
         return {"name": self.name, "input_shape": list(self.input_shape),
-                "num_classes": self.num_classes,
-                "layers": [{"type": l.kind, "name": l.name, **l.spec.options} for l in self.layers]}
+                "num_classes": self.num_classes, "layers": layers}
 
     def hash(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _default_inputs(layers: Any, index: int) -> tuple[str, ...]:
+    """What layer `index` reads when it names no inputs: the previous layer (the model input for the first)."""
+    return (INPUT,) if index == 0 else (layers[index - 1].name,)
 
 
 # --------------------------------------------------------------------------- shape helpers
@@ -141,14 +217,16 @@ def valid_size(size: int, kernel: int, stride: int) -> int:
     return (size - kernel) // stride + 1
 
 
-def _window(layer: str, h: int, w: int, k: int, s: int, padding: str, fail):
+def _window(layer: str, h: int, w: int, k: int, s: int, padding: str, fail, dilation: int = 1):
+    """(out_h, out_w, explicit padding) of a k x k window (dilated: it spans (k - 1) * dilation + 1)."""
+    k = (k - 1) * dilation + 1
     if padding == "same":
         oh, t, b = same_padding(h, k, s)
         ow, l_, r = same_padding(w, k, s)
         return oh, ow, ((t, b), (l_, r))
     if k > h or k > w:
         fail("kernel" if layer == "conv2d" else "pool",
-             f"window {k} is larger than the input {h}x{w} with padding 'valid'")
+             f"window {k}{' (dilated)' if dilation > 1 else ''} is larger than the input {h}x{w} with padding 'valid'")
     return valid_size(h, k, s), valid_size(w, k, s), ((0, 0), (0, 0))
 
 
@@ -171,16 +249,59 @@ def _check_field(kind: str, key: str, value: Any, typ: type, fail) -> Any:
     if typ is str:
         if not isinstance(value, str):
             fail(key, f"must be a string, got {value!r}")
-        allowed = {"padding": PADDINGS, "init": INITS}.get(key)
+        allowed = {"padding": PADDINGS, "init": INITS, "approximate": GELU_APPROXIMATIONS}.get(key)
         if allowed and value not in allowed:
             fail(key, f"must be one of {', '.join(allowed)}, got {value!r}")
         return value
     raise AssertionError(typ)
 
 
+def _layer_names(raw_layers: list[Any]) -> list[str]:
+    """Every layer's name (declared, or `<type>_<n>`), in order: a first pass, so that `inputs` can tell a
+    forward reference from an unknown name. Type and name errors are left to the full pass."""
+    names, counters = [], {}
+    for raw in raw_layers:
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        lname = raw.get("name") if isinstance(raw, dict) else None
+        if lname is None:
+            counters[kind] = counters.get(kind, 0) + 1
+            lname = f"{kind}_{counters[kind]}"
+        names.append(lname)
+    return names
+
+
+def _cycle_through(target: str, start: str, raw_inputs: dict[str, list[str]]) -> list[str] | None:
+    """A path start -> ... -> target along the declared inputs (readers to what they read), if any."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        if node == target:
+            return path
+        if node in seen:
+            continue
+        seen.add(node)
+        for src in raw_inputs.get(node, []):
+            stack.append((src, path + [src]))
+    return None
+
+
+def _merge_shape(kind: str, names: tuple[str, ...], shapes: list[tuple[int, ...]], fail) -> tuple[int, ...]:
+    if kind == "add":
+        for n, sh in zip(names[1:], shapes[1:]):
+            if sh != shapes[0]:
+                fail("inputs", f"add needs equal shapes; {names[0]!r} gives {shapes[0]} but {n!r} gives {sh}")
+        return shapes[0]
+    for n, sh in zip(names, shapes):          # concat: (H, W, C) maps of one size, channels stacked
+        if len(sh) != 3:
+            fail("inputs", f"concat needs (H, W, C) inputs; {n!r} gives {sh}")
+        if sh[:2] != shapes[0][:2]:
+            fail("inputs", f"concat needs equal height and width; {names[0]!r} gives {shapes[0]} but {n!r} gives {sh}")
+    return (*shapes[0][:2], sum(sh[2] for sh in shapes))
+
+
 def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     """Validate a declaration (the parsed TOML) and infer every shape. Raises SpecError."""
-    mname = decl.get("name", Path(source).stem if source != "<dict>" else "?")
+    mname = decl.get("name", Path(source).stem if source != "<dict>" else "?") if isinstance(decl, dict) else "?"
 
     def top_fail(msg: str):
         raise SpecError(f"model '{mname}' ({source}): {msg}")
@@ -203,26 +324,34 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
     if not isinstance(raw_layers, list) or not raw_layers:
         top_fail("field 'layers' must be a non-empty array of tables ([[layers]])")
 
-    cur: tuple[int, ...] = tuple(shape)
-    flat_src: tuple[int, int, int] | None = None
+    all_names = _layer_names(raw_layers)
+    position = {n: i for i, n in enumerate(all_names)}
+    # what each layer reads as written (declared, or the previous layer): the edges a cycle report follows
+    raw_inputs = {all_names[i]: (list(r["inputs"]) if isinstance(r, dict) and isinstance(r.get("inputs"), list)
+                                 and all(isinstance(v, str) for v in r["inputs"])
+                                 else [INPUT if i == 0 else all_names[i - 1]])
+                  for i, r in enumerate(raw_layers)}
+    shapes: dict[str, tuple[int, ...]] = {INPUT: tuple(shape)}
+    flat_of: dict[str, tuple[int, int, int] | None] = {INPUT: None}
+    readers: dict[str, list[str]] = {INPUT: []}
     infos: list[LayerInfo] = []
     names: set[str] = set()
-    counters: dict[str, int] = {}
     for i, raw in enumerate(raw_layers):
         if not isinstance(raw, dict):
             top_fail(f"layer {i}: must be a table, got {raw!r}")
         kind = raw.get("type")
         lname = raw.get("name")
 
-        def fail(fld: str, msg: str, i=i, kind=kind):
-            raise SpecError(f"model '{mname}' ({source}): layer {i} ({kind}): field '{fld}': {msg}")
+        def fail(fld: str, msg: str, i=i, kind=kind, lname=lname):
+            where = f"layer {i} ({kind})" if lname is None else f"layer {i} '{lname}' ({kind})"
+            raise SpecError(f"model '{mname}' ({source}): {where}: field '{fld}': {msg}")
 
         if kind not in LAYER_FIELDS:
             fail("type", f"unknown layer type {kind!r}; known: {', '.join(LAYER_FIELDS)}")
         fields = LAYER_FIELDS[kind]
         for key in raw:
-            if key not in fields and key not in ("type", "name"):
-                fail(key, f"not a field of {kind}; its fields: {', '.join(fields) or '(none)'}")
+            if key not in fields and key not in ("type", "name", "inputs"):
+                fail(key, f"not a field of {kind}; its fields: {', '.join(fields) or '(none)'}, inputs")
         opts: dict[str, Any] = {}
         for key, (typ, default) in fields.items():
             if key in raw:
@@ -240,15 +369,51 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
                 fail("momentum", f"must be in (0, 1) (PyTorch convention), got {opts['momentum']}")
             if opts["eps"] <= 0:
                 fail("eps", f"must be positive, got {opts['eps']}")
-        if lname is None:
-            counters[kind] = counters.get(kind, 0) + 1
-            lname = f"{kind}_{counters[kind]}"
+        if kind == "layernorm" and opts["eps"] <= 0:
+            fail("eps", f"must be positive, got {opts['eps']}")
+        if kind == "leaky_relu" and opts["alpha"] < 0:
+            fail("alpha", f"must be >= 0, got {opts['alpha']}")
+        lname = all_names[i]
         if not isinstance(lname, str) or not lname.replace("_", "").isalnum():
             fail("name", f"must be letters, digits and '_', got {lname!r}")
+        if lname == INPUT:
+            fail("name", f"{INPUT!r} is reserved for the model input")
         if lname in names:
             fail("name", f"duplicate layer name {lname!r}")
         names.add(lname)
-        spec = LayerSpec(kind, lname, opts)
+
+        # ---- inputs: names of earlier layers (or INPUT); merges read two or more, the rest one
+        declared = "inputs" in raw
+        if declared:
+            ins = raw["inputs"]
+            if not isinstance(ins, list) or not ins or not all(isinstance(v, str) for v in ins):
+                fail("inputs", f"must be a non-empty list of layer names (or {INPUT!r}), got {ins!r}")
+            for src in ins:
+                if src == lname:
+                    fail("inputs", f"cycle: {lname!r} reads its own output")
+                if src in position and position[src] > i:
+                    loop = _cycle_through(lname, src, raw_inputs)
+                    if loop:
+                        fail("inputs", "cycle: " + " -> ".join([lname, *loop]) + " (each reads the next)")
+                    fail("inputs", f"{src!r} is declared after this layer (layer {position[src]}); "
+                                   "layers are listed in topological order: move it before its readers")
+                if src not in shapes:
+                    known = [INPUT, *all_names[:i]]
+                    fail("inputs", f"unknown name {src!r}; earlier layers: {', '.join(known)}")
+            if len(set(ins)) != len(ins):
+                fail("inputs", f"names an input twice: {ins}")
+            inputs = tuple(ins)
+        else:
+            inputs = (INPUT,) if i == 0 else (all_names[i - 1],)
+        if kind in MERGE_KINDS and len(inputs) < 2:
+            fail("inputs", f"{kind} merges two or more inputs; name them, e.g. inputs = [\"a\", \"b\"]")
+        if kind not in MERGE_KINDS and len(inputs) != 1:
+            fail("inputs", f"{kind} reads one input, got {len(inputs)}: {list(inputs)}")
+        for src in inputs:
+            readers.setdefault(src, []).append(lname)
+        in_shapes = [shapes[src] for src in inputs]
+        cur = in_shapes[0]
+        spec = LayerSpec(kind, lname, opts, inputs, declared)
 
         if kind in SPATIAL_KINDS and len(cur) != 3:
             fail("type", f"needs an (H, W, C) input but gets shape {cur}")
@@ -257,24 +422,35 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         flattened_from = None
         if kind == "conv2d":
             h, w, c = cur
-            oh, ow, padding = _window(kind, h, w, opts["kernel"], opts["stride"], opts["padding"], fail)
-            k = opts["kernel"]
-            out = (oh, ow, opts["filters"])
-            params.append(ParamInfo(f"{lname}.kernel", lname, "kernel", (k, k, c, opts["filters"]), True,
-                                    opts["init"], k * k * c, k * k * opts["filters"]))
+            g, k, f = opts["groups"], opts["kernel"], opts["filters"]
+            if c % g:
+                fail("groups", f"{g} groups do not divide the {c} input channels")
+            if f % g:
+                fail("groups", f"{g} groups do not divide the {f} filters")
+            if opts["dilation"] > 1 and opts["stride"] > 1:
+                fail("dilation", "dilation > 1 with stride > 1: TensorFlow and Keras refuse the combination")
+            oh, ow, padding = _window(kind, h, w, k, opts["stride"], opts["padding"], fail, opts["dilation"])
+            out = (oh, ow, f)
+            # grouped kernel (kH, kW, C_in / groups, C_out); fans as torch and Keras compute them
+            params.append(ParamInfo(f"{lname}.kernel", lname, "kernel", (k, k, c // g, f), True,
+                                    opts["init"], k * k * (c // g), k * k * f))
             if opts["use_bias"]:
-                params.append(ParamInfo(f"{lname}.bias", lname, "bias", (opts["filters"],), True, "zeros"))
+                params.append(ParamInfo(f"{lname}.bias", lname, "bias", (f,), True, "zeros"))
         elif kind in ("maxpool2d", "avgpool2d"):
             h, w, c = cur
             oh, ow, padding = _window(kind, h, w, opts["pool"], opts["stride"], opts["padding"], fail)
             out = (oh, ow, c)
-        elif kind == "batchnorm2d":
-            c = cur[2]
+        elif kind in ("batchnorm2d", "layernorm"):
+            if flat_of[inputs[0]] is not None:
+                fail("inputs", f"{kind} of a flattened map: its per-feature gamma would depend on the framework's "
+                               "flatten order; normalise before the flatten")
+            c = cur[-1]
             out = cur
             params += [ParamInfo(f"{lname}.gamma", lname, "gamma", (c,), True, "ones"),
-                       ParamInfo(f"{lname}.beta", lname, "beta", (c,), True, "zeros"),
-                       ParamInfo(f"{lname}.running_mean", lname, "running_mean", (c,), False, "zeros"),
-                       ParamInfo(f"{lname}.running_var", lname, "running_var", (c,), False, "ones")]
+                       ParamInfo(f"{lname}.beta", lname, "beta", (c,), True, "zeros")]
+            if kind == "batchnorm2d":
+                params += [ParamInfo(f"{lname}.running_mean", lname, "running_mean", (c,), False, "zeros"),
+                           ParamInfo(f"{lname}.running_var", lname, "running_var", (c,), False, "ones")]
         elif kind == "global_avgpool2d":
             out = (cur[2],)
         elif kind == "flatten":
@@ -288,19 +464,36 @@ def build_model(decl: dict[str, Any], source: str = "<dict>") -> ModelSpec:
                                     opts["init"], n_in, opts["units"]))
             if opts["use_bias"]:
                 params.append(ParamInfo(f"{lname}.bias", lname, "bias", (opts["units"],), True, "zeros"))
-            flattened_from = flat_src
-        else:  # relu, tanh, dropout: element-wise
+            flattened_from = flat_of[inputs[0]]
+        elif kind in MERGE_KINDS:
+            out = _merge_shape(kind, inputs, in_shapes, fail)
+        else:  # element-wise
             out = cur
         if out and min(out) <= 0:
             fail("type", f"output shape {out} is empty")
-        # track "this flat vector is a flatten of (H, W, C)" through element-wise layers
+        # "this flat vector is a flatten of (H, W, C)", carried through element-wise layers and sums
         if kind == "flatten":
-            flat_src = cur if len(cur) == 3 else None  # type: ignore[assignment]
-        elif kind not in ("relu", "tanh", "dropout"):
-            flat_src = None
-        infos.append(LayerInfo(i, spec, cur, out, tuple(params), flattened_from, padding))
-        cur = out
+            flat_of[lname] = cur if len(cur) == 3 else None  # type: ignore[assignment]
+        elif kind in ELEMENTWISE_KINDS:
+            flat_of[lname] = flat_of[inputs[0]]
+        elif kind == "add":
+            orders = {flat_of[src] for src in inputs}
+            if len(orders) > 1:
+                fail("inputs", "adds flat vectors in different feature orders (a flatten of "
+                               f"{[flat_of[src] for src in inputs]}); frameworks flatten (H, W, C) differently")
+            flat_of[lname] = orders.pop()
+        else:
+            flat_of[lname] = None
+        shapes[lname] = out
+        infos.append(LayerInfo(i, spec, cur, out, tuple(params), flattened_from, padding,
+                               tuple(in_shapes), flat_of[lname]))
 
+    for info in infos[:-1]:
+        if not readers.get(info.name):
+            raise SpecError(f"model '{mname}' ({source}): layer {info.index} '{info.name}' ({info.kind}): "
+                            "field 'name': its output is read by no layer (only the last layer may be unread)")
+    if not readers[INPUT]:
+        top_fail(f"no layer reads {INPUT!r} (the model input)")
     last = infos[-1]
     if last.kind != "dense" or last.out_shape != (ncls,):
         top_fail(f"layer {len(infos) - 1} ({last.kind}): the last layer must be a dense layer with "
@@ -333,11 +526,12 @@ def summary(model: ModelSpec) -> str:
     lines = [f"{model.name}: input {model.input_shape} -> {model.num_classes} classes"]
     for l in model.layers:
         ps = ", ".join(f"{p.role}{list(p.shape)}" for p in l.params)
-        lines.append(f"  {l.index:2d} {l.name:<14} {l.kind:<16} {str(l.in_shape):<14} -> {str(l.out_shape):<14} {ps}")
+        src = f" <- {', '.join(l.inputs)}" if model.is_graph else ""
+        lines.append(f"  {l.index:2d} {l.name:<14} {l.kind:<16} {str(l.in_shape):<14} -> {str(l.out_shape):<14} {ps}{src}")
     n = sum(math.prod(p.shape) for p in model.trainable)
     lines.append(f"  trainable parameters: {n}")
     return "\n".join(lines)
 
 
-__all__ = ["SpecError", "ModelSpec", "LayerInfo", "LayerSpec", "ParamInfo", "load_model", "build_model",
+__all__ = ["SpecError", "ModelSpec", "INPUT", "BASE_LAYER_KINDS", "MERGE_KINDS", "LayerInfo", "LayerSpec", "ParamInfo", "load_model", "build_model",
            "model_names", "same_padding", "summary", "asdict", "field"]

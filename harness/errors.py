@@ -22,6 +22,14 @@ class BackendFailed(Exception):
         self.log, self.unsupported = log, unsupported
 
 
+class CannotLower(BadInput, BackendFailed):
+    """A backend that does not lower a layer kind of the model: refused before any process starts. A bad
+    input to `run` (exit 2), an unsupported cell to a matrix (as a data-parallel refusal is)."""
+
+    def __init__(self, msg: str):
+        BackendFailed.__init__(self, msg, None, unsupported=True)
+
+
 def error_line(msg: object) -> str:
     """The one line every command prints for a refused input or a failed backend (on stderr)."""
     return f"duipai: error: {msg}"

@@ -33,7 +33,7 @@ from algorithms.params import check_params, init_params, params_hash, perturb_ul
 from algorithms.spec import ModelSpec, load_model
 
 from .defaults import REFERENCE
-from .errors import BackendFailed, BadInput
+from .errors import BackendFailed, BadInput, CannotLower
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = 1
@@ -94,6 +94,19 @@ def check_backend(name: str) -> None:
     if info[name]["missing"]:
         raise BadInput(f"backend {name!r} is not installed: missing Python package(s) "
                        f"{', '.join(info[name]['missing'])} (pip install 'duipai[{name.split('-')[0]}]')")
+
+
+def check_lowers(backend: str, model: ModelSpec) -> None:
+    """Refuse, before a process starts, a model with a layer kind the backend's Entry does not declare."""
+    info = backend_info()
+    kinds = info[backend].get("layer_kinds")
+    if kinds is None:           # an Entry from before layer kinds were declared: the worker refuses instead
+        return
+    cannot = sorted(model.required_features() - set(kinds))
+    if cannot:
+        able = [n for n, i in info.items() if set(model.required_features()) <= set(i.get("layer_kinds", ()))]
+        raise CannotLower(f"{backend}: cannot lower layer kind {', '.join(map(repr, cannot))} (model {model.name}); "
+                          f"supported by: {', '.join(able) or 'no installed backend'}")
 
 
 def installed_backends() -> list[str]:
@@ -200,6 +213,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     if refusal and cfg.devices > 1:    # refused here, without starting a process (the wrapper refuses too)
         raise BackendFailed(f"{cfg.backend}: {refusal} (--devices {cfg.devices})", None, unsupported=True)
     prep = prepared or prepare(cfg, out_root)
+    check_lowers(cfg.backend, prep.model)
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
     tmp_root = out_root / ".tmp"

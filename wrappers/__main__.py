@@ -106,6 +106,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({name: {"missing": e.missing(), "requires": list(e.requires), "versions": e.versions(),
                                  "sources": e.sources(), "description": e.description,
                                  "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
+                                 "layer_kinds": sorted(e.layer_kinds),
                                  "faults": sorted(e.faults | WORKER_FAULTS), **ORIGINS[name]}
                           for name, e in REGISTRY.items()}))
         return 0

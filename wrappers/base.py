@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from algorithms.optim import HParams, lr_at
-from algorithms.spec import ModelSpec
+from algorithms.spec import BASE_LAYER_KINDS, ModelSpec
 
 REGISTRY: dict[str, type["Entry"]] = {}
 # the capabilities an Entry may declare, with the option each one makes possible
@@ -68,6 +68,10 @@ class Entry:
     capabilities: ClassVar[frozenset[str]] = frozenset()
     # the catalogued faults (algorithms/faults.py) its wrapper implements; WORKER_FAULTS come on top for every backend
     faults: ClassVar[frozenset[str]] = frozenset()
+    # the layer kinds (algorithms.spec.LAYER_FIELDS) its wrapper lowers, plus the features `conv2d:groups` and
+    # `conv2d:dilation`: the harness refuses a model needing anything else before starting a process
+    # (ModelSpec.required_features). The default is the first spec's straight-line kinds.
+    layer_kinds: ClassVar[frozenset[str]] = BASE_LAYER_KINDS
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -166,6 +170,7 @@ class Backend:
     """
     framework: ClassVar[str] = ""
     faults: ClassVar[frozenset[str]] = frozenset()   # fault names this backend can inject
+    layer_kinds: ClassVar[frozenset[str]] = BASE_LAYER_KINDS   # what it lowers (its Entry's layer_kinds)
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         self.model, self.hp, self.opts = model, effective_hparams(hp, opts.fault), opts
@@ -175,6 +180,10 @@ class Backend:
         self.sync_bn = bool(opts.extra.get("sync_bn", False))
         if opts.fault in DP_FAULTS and self.replicas < 2:
             raise UnsupportedError(f"fault {opts.fault} needs data parallelism (--devices N with N > 1)")
+        cannot = sorted(model.required_features() - self.layer_kinds)
+        if cannot:
+            raise UnsupportedError(f"{type(self).__name__} cannot lower layer kind(s) {', '.join(map(repr, cannot))} "
+                                   f"(model {model.name}); it lowers: {', '.join(sorted(self.layer_kinds))}")
         if opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS:
             raise UnsupportedError(f"fault {opts.fault!r} is not implemented in this backend's wrapper; "
                                    f"it implements: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")

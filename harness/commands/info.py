@@ -6,6 +6,7 @@ import json
 import click
 
 from algorithms.faults import FAULTS
+from algorithms.spec import BASE_LAYER_KINDS
 
 from ..runner import backend_info
 from .common import fail
@@ -39,6 +40,10 @@ def backends(as_json: bool) -> None:
         state = "installed" if not i["missing"] else f"MISSING {', '.join(i['missing'])}"
         click.echo(f"{n:<18} {state:<28} {i['description']}")
         click.echo(f"{'':<18} can: {', '.join(i['capabilities']) or '-'}; faults: {len(i['faults'])}")
+        kinds = set(i.get("layer_kinds", ()))
+        beyond = sorted(kinds - BASE_LAYER_KINDS)
+        click.echo(f"{'':<18} lowers: the straight-line kinds" + (f" + {', '.join(beyond)}" if beyond else
+                                                                 " only (no graph models)"))
 
 
 @click.command()

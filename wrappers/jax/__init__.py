@@ -8,6 +8,8 @@ with N/H local devices, joined by jax.distributed.initialize (coordinator on pro
 import sys
 from typing import Any
 
+from algorithms.spec import BASE_LAYER_KINDS
+
 from ..base import DP_FAULTS, LOWERING_FAULTS, Entry, jax_platform_env
 
 
@@ -23,6 +25,8 @@ class JaxEntry(Entry):
     description = "JAX jit, jax.lax in NHWC, optax"
     capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "threads"})
     faults = LOWERING_FAULTS | DP_FAULTS
+    layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
+                                      "silu", "sigmoid", "relu6", "layernorm"}
 
     @classmethod
     def job_env(cls, job):

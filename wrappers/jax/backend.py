@@ -267,6 +267,7 @@ def lowering(model: ModelSpec, opts: RunOptions, dtype: Any, mesh: Mesh | None =
 class JaxBackend(Backend):
     framework = "jax"
     faults = JaxEntry.faults
+    layer_kinds = JaxEntry.layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

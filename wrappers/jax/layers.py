@@ -1,7 +1,8 @@
 """The spec's layers lowered to jax.lax / jax.nn in NHWC / HWIO, as pure functions.
 
-JAX works in the canonical layout (NHWC activations, (kH, kW, I, O) conv kernels, (in, out) dense
-kernels, flatten in (H, W, C) order), so parameters load without conversion. The one exception
+JAX works in the canonical layout (NHWC activations, (kH, kW, I/groups, O) conv kernels = HWIO with
+`feature_group_count`, (in, out) dense kernels, flatten in (H, W, C) order, concat on the last axis),
+so parameters load without conversion. The model is a graph: every layer's output is kept by name. The one exception
 is the `flatten_no_permute` fault, which loads the first dense kernel after a flatten with its
 rows in (C, H, W) order while the activations are flattened (H, W, C): the classic port bug,
 the same computation the torch backend's fault performs.
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from algorithms.spec import LayerInfo, ModelSpec
+from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
 Params = dict[str, jax.Array]
 DN = ("NHWC", "HWIO", "NHWC")
@@ -103,14 +104,22 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
     group 0's (replica 0's, as DDP's buffer broadcast leaves them)."""
     new_buffers = dict(buffers)
     skipped_bias = False
+    outs: dict[str, jax.Array] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
-        if k == "conv2d":
+        x = outs[layer.inputs[0]]
+        if k == "add":
+            for src in layer.inputs[1:]:
+                x = x + outs[src]
+        elif k == "concat":
+            x = jnp.concatenate([outs[src] for src in layer.inputs], axis=-1)     # NHWC: channels last
+        elif k == "conv2d":
             pads = _pads(layer, symmetric=(fault == "symmetric_same_padding")) if o["padding"] == "same" \
                 else ((0, 0), (0, 0))
             x = lax.conv_general_dilated(x, p[f"{layer.name}.kernel"], (o["stride"], o["stride"]), pads,
-                                         dimension_numbers=DN)
+                                         rhs_dilation=(o["dilation"], o["dilation"]), dimension_numbers=DN,
+                                         feature_group_count=o["groups"])
             bias = p.get(f"{layer.name}.bias")
             if bias is not None and fault == "missing_bias" and not skipped_bias:
                 bias, skipped_bias = None, True
@@ -139,6 +148,20 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             x = jax.nn.relu(x)
         elif k == "tanh":
             x = jnp.tanh(x)
+        elif k == "leaky_relu":
+            x = jax.nn.leaky_relu(x, negative_slope=o["alpha"])
+        elif k == "gelu":            # jax.nn.gelu's own default is the tanh approximation: always pass it
+            x = jax.nn.gelu(x, approximate=o["approximate"] == "tanh")
+        elif k == "silu":
+            x = jax.nn.silu(x)
+        elif k == "sigmoid":
+            x = jax.nn.sigmoid(x)
+        elif k == "relu6":
+            x = jax.nn.relu6(x)
+        elif k == "layernorm":       # over the channel (last) axis, biased variance
+            mean = jnp.mean(x, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+            x = (x - mean) * lax.rsqrt(var + o["eps"]) * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"]
         elif k == "batchnorm2d":
             mom = o["momentum"]
             if fault == "bn_momentum_flipped":
@@ -186,6 +209,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
                 x = x + bias
         else:  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
+        outs[layer.name] = x
         if record is not None:
             record[layer.name] = x
     return x, new_buffers

@@ -10,6 +10,8 @@ Registered through the `duipai.backends` entry point like any third-party backen
 """
 from __future__ import annotations
 
+from algorithms.spec import BASE_LAYER_KINDS
+
 from ..base import DP_FAULTS, Entry
 
 
@@ -22,3 +24,5 @@ class NumpyEntry(Entry):
     capabilities = frozenset({"data_parallel", "sync_bn", "float64", "threads"})
     # no lowering fault yet: a clean arbiter; the data-parallel faults live in its explicit all-reduce
     faults = DP_FAULTS
+    layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
+                                      "silu", "sigmoid", "relu6", "layernorm"}

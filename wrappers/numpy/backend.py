@@ -33,6 +33,7 @@ def _limit_blas_threads(n: int) -> int | None:
 class NumpyBackend(Backend):
     framework = "numpy"
     faults = NumpyEntry.faults
+    layer_kinds = NumpyEntry.layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

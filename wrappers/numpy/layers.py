@@ -8,6 +8,11 @@ the biased batch variance to normalise and folds the unbiased one into running_v
 
 Every function works on one replica's shard; the model loop (`forward`/`backward`) runs all replicas
 layer by layer so that a synchronized BatchNorm can all-reduce its sums in the middle of the pass.
+The model is a graph in topological order: `forward` keeps every layer's output by name, `backward`
+walks the layers in reverse and sums the gradients of an output read by several layers (a residual).
+Grouped convolutions are batched matrix products per group (output channel o in group o // (C_out/groups));
+dilated windows take every dilation-th pixel of the dilated window. Subgradients as torch's autograd:
+relu/leaky_relu use the x > 0 branch, relu6 passes the gradient for 0 < x < 6 only.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from algorithms.spec import LayerInfo, ModelSpec
+from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
 Params = dict[str, np.ndarray]
 
@@ -34,13 +39,21 @@ def _windows(xp: np.ndarray, k: int, s: int, oh: int, ow: int) -> np.ndarray:
     return sliding_window_view(xp, (k, k), axis=(1, 2))[:, ::s, ::s][:, :oh, :ow]
 
 
-def _scatter(d: np.ndarray, k: int, s: int, padded_shape: tuple[int, ...]) -> np.ndarray:
-    """Adjoint of `_windows`: d (N, OH, OW, C, k, k) summed back into a zero padded map."""
+def _dilated_windows(xp: np.ndarray, k: int, s: int, d: int, oh: int, ow: int) -> np.ndarray:
+    """(N, OH, OW, C, k, k): the k x k taps, `d` pixels apart, of each window at stride s."""
+    if d == 1:
+        return _windows(xp, k, s, oh, ow)
+    return _windows(xp, (k - 1) * d + 1, s, oh, ow)[..., ::d, ::d]
+
+
+def _scatter(d: np.ndarray, k: int, s: int, padded_shape: tuple[int, ...], dilation: int = 1) -> np.ndarray:
+    """Adjoint of `_windows` (`_dilated_windows`): d (N, OH, OW, C, k, k) summed back into a zero padded map."""
     out = np.zeros(padded_shape, d.dtype)
     oh, ow = d.shape[1], d.shape[2]
     for i in range(k):
         for j in range(k):
-            out[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s, :] += d[..., i, j]
+            a, b = i * dilation, j * dilation
+            out[:, a:a + s * (oh - 1) + 1:s, b:b + s * (ow - 1) + 1:s, :] += d[..., i, j]
     return out
 
 
@@ -53,6 +66,8 @@ def _crop(dxp: np.ndarray, layer: LayerInfo) -> np.ndarray:
 # ----------------------------------------------------------------------------- conv2d
 def conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarray, Any]:
     o = layer.spec.options
+    if o["groups"] != 1 or o["dilation"] != 1:
+        return grouped_conv2d_forward(layer, p, x)
     k, s = o["kernel"], o["stride"]
     oh, ow, co = layer.out_shape
     xp = _pad(x, layer, 0.0)
@@ -66,8 +81,10 @@ def conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarr
 
 
 def conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Params]:
-    cols, padded = cache
     o = layer.spec.options
+    if o["groups"] != 1 or o["dilation"] != 1:
+        return grouped_conv2d_backward(layer, p, cache, dy)
+    cols, padded = cache
     k, s = o["kernel"], o["stride"]
     kern = p[f"{layer.name}.kernel"]
     c, co = kern.shape[2], kern.shape[3]
@@ -77,6 +94,139 @@ def conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> 
         grads[f"{layer.name}.bias"] = d2.sum(axis=0)
     dcols = (d2 @ kern.reshape(-1, co).T).reshape(*dy.shape[:3], k, k, c).transpose(0, 1, 2, 5, 3, 4)
     return _crop(_scatter(dcols, k, s, padded), layer), grads
+
+
+def _group_kernels(kern: np.ndarray, g: int) -> np.ndarray:
+    """(kH, kW, C_in/g, C_out) -> (g, kH*kW*C_in/g, C_out/g): group i's kernel, its output channels i*C_out/g + j."""
+    k1, k2, cg, co = kern.shape
+    return kern.reshape(k1 * k2 * cg, g, co // g).transpose(1, 0, 2)
+
+
+def grouped_conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    """Grouped and/or dilated convolution: per group, im2col of its input channels times its kernel slice."""
+    o = layer.spec.options
+    k, s, d, g = o["kernel"], o["stride"], o["dilation"], o["groups"]
+    n, _, _, c = x.shape
+    oh, ow, co = layer.out_shape
+    cg = c // g
+    xp = _pad(x, layer, 0.0)
+    win = _dilated_windows(xp, k, s, d, oh, ow).reshape(n, oh, ow, g, cg, k, k)
+    cols = win.transpose(3, 0, 1, 2, 5, 6, 4).reshape(g, n * oh * ow, k * k * cg)     # columns (i, j, c)
+    kg = _group_kernels(p[f"{layer.name}.kernel"], g)
+    y = np.matmul(cols, kg).transpose(1, 0, 2).reshape(n, oh, ow, co)
+    if f"{layer.name}.bias" in p:
+        y = y + p[f"{layer.name}.bias"]
+    return y, (cols, xp.shape)
+
+
+def grouped_conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Params]:
+    cols, padded = cache
+    o = layer.spec.options
+    k, s, d, g = o["kernel"], o["stride"], o["dilation"], o["groups"]
+    kern = p[f"{layer.name}.kernel"]
+    cg, co = kern.shape[2], kern.shape[3]
+    n, oh, ow, _ = dy.shape
+    d2 = dy.reshape(n * oh * ow, g, co // g).transpose(1, 0, 2)                  # (g, M, C_out/g)
+    dk = np.matmul(cols.transpose(0, 2, 1), d2)                                   # (g, k*k*cg, C_out/g)
+    grads = {f"{layer.name}.kernel": dk.transpose(1, 0, 2).reshape(kern.shape)}
+    if f"{layer.name}.bias" in p:
+        grads[f"{layer.name}.bias"] = dy.reshape(-1, co).sum(axis=0)
+    dcols = np.matmul(d2, _group_kernels(kern, g).transpose(0, 2, 1))             # (g, M, k*k*cg)
+    dwin = dcols.reshape(g, n, oh, ow, k, k, cg).transpose(1, 2, 3, 0, 6, 4, 5).reshape(n, oh, ow, g * cg, k, k)
+    return _crop(_scatter(dwin, k, s, padded, d), layer), grads
+
+
+# ----------------------------------------------------------------------------- element-wise and layernorm
+_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf element-wise: scipy's (scikit-learn, a base dependency, brings it), else math.erf per element."""
+    try:
+        from scipy.special import erf
+    except ImportError:                                          # pragma: no cover - scipy comes with sklearn
+        import math
+        return np.frompyfunc(math.erf, 1, 1)(x).astype(x.dtype)
+    return erf(x)
+
+
+def activation_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    """The parameter-free activations; the cache is what the derivative needs."""
+    k = layer.kind
+    if k == "leaky_relu":
+        return np.where(x > 0, x, layer.spec["alpha"] * x), x > 0
+    if k == "relu6":
+        return np.minimum(np.maximum(x, 0), 6), (x > 0) & (x < 6)
+    if k == "sigmoid":
+        y = np.exp(-np.logaddexp(0, -x))
+        return y, y
+    if k == "silu":
+        sig = np.exp(-np.logaddexp(0, -x))
+        return x * sig, (x, sig)
+    if k == "gelu" and layer.spec["approximate"] == "none":        # x * Phi(x)
+        cdf = 0.5 * (1.0 + _erf(x / np.sqrt(2.0)))
+        return x * cdf, (x, cdf)
+    if k == "gelu":                                                 # the tanh approximation
+        t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
+        return 0.5 * x * (1.0 + t), (x, t)
+    raise NotImplementedError(k)  # pragma: no cover
+
+
+def activation_backward(layer: LayerInfo, cache: Any, dy: np.ndarray) -> np.ndarray:
+    k = layer.kind
+    if k == "leaky_relu":
+        return np.where(cache, dy, dy * layer.spec["alpha"])
+    if k == "relu6":
+        return dy * cache
+    if k == "sigmoid":
+        return dy * cache * (1.0 - cache)
+    if k == "silu":
+        x, sig = cache
+        return dy * sig * (1.0 + x * (1.0 - sig))
+    if k == "gelu" and layer.spec["approximate"] == "none":
+        x, cdf = cache
+        return dy * (cdf + x * np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi))
+    if k == "gelu":
+        x, t = cache
+        du = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+    raise NotImplementedError(k)  # pragma: no cover
+
+
+def layernorm_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    """Over the last (channel) axis, per sample and position, with the biased variance."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    inv = 1.0 / np.sqrt(var + layer.spec["eps"])
+    xhat = (x - mean) * inv
+    return xhat * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"], (xhat, inv)
+
+
+def layernorm_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tuple[np.ndarray, Params]:
+    """dx = inv (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), the means over the channel axis."""
+    xhat, inv = cache
+    dxhat = dy * p[f"{layer.name}.gamma"]
+    dx = inv * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    axes = tuple(range(dy.ndim - 1))
+    return dx, {f"{layer.name}.gamma": (dy * xhat).sum(axis=axes), f"{layer.name}.beta": dy.sum(axis=axes)}
+
+
+# ----------------------------------------------------------------------------- merges
+def merge_forward(layer: LayerInfo, xs: list[np.ndarray]) -> np.ndarray:
+    if layer.kind == "add":
+        y = xs[0]
+        for x in xs[1:]:
+            y = y + x
+        return y
+    return np.concatenate(xs, axis=-1)                          # concat: the canonical channel axis
+
+
+def merge_backward(layer: LayerInfo, dy: np.ndarray) -> list[np.ndarray]:
+    """The gradient of each input: the whole dy for a sum, its channel slice for a concatenation."""
+    if layer.kind == "add":
+        return [dy] * len(layer.inputs)
+    bounds = np.cumsum([sh[-1] for sh in layer.in_shapes])[:-1]
+    return np.split(dy, bounds, axis=-1)
 
 
 # ----------------------------------------------------------------------------- pooling
@@ -178,24 +328,30 @@ def forward(model: ModelSpec, p: Params, xs: list[np.ndarray], *, train: bool, m
     sync_bn); with update_running, replica 0's statistics (sync: the global ones) are folded into p's
     running buffers, the buffers the run exports. Inference mode: running statistics, no dropout."""
     caches: list[list[Any]] = []
+    outs: dict[str, list[np.ndarray]] = {INPUT: xs}     # every layer's per-replica outputs, by name
     for layer in model.layers:
         k = layer.kind
-        if k == "batchnorm2d":
+        xs = outs[layer.inputs[0]]
+        if k in ("add", "concat"):
+            xs = [merge_forward(layer, list(ins)) for ins in zip(*(outs[src] for src in layer.inputs))]
+            caches.append([None] * len(xs))
+        elif k == "batchnorm2d":
             if train:
                 moments = bn_moments(xs, sync_bn)
-                outs = [bn_apply(layer, p, x, m, v) for x, (m, v, _) in zip(xs, moments)]
+                outs_bn = [bn_apply(layer, p, x, m, v) for x, (m, v, _) in zip(xs, moments)]
                 if update_running:
                     bn_running(layer, p, *moments[0])
-                caches.append([(c, n) for (_, c), (_, _, n) in zip(outs, moments)])
+                caches.append([(c, n) for (_, c), (_, _, n) in zip(outs_bn, moments)])
             else:
-                outs = [bn_apply(layer, p, x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"])
-                        for x in xs]
-                caches.append([c for _, c in outs])
-            xs = [y for y, _ in outs]
+                outs_bn = [bn_apply(layer, p, x, p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"])
+                           for x in xs]
+                caches.append([c for _, c in outs_bn])
+            xs = [y for y, _ in outs_bn]
         else:
             pairs = [_one_forward(layer, p, x, m if train else None) for x, m in zip(xs, masks)]
             xs = [y for y, _ in pairs]
             caches.append([c for _, c in pairs])
+        outs[layer.name] = xs
         if record is not None:
             for r, x in zip(record, xs):
                 r[layer.name] = x
@@ -215,6 +371,10 @@ def _one_forward(layer: LayerInfo, p: Params, x: np.ndarray, masks: dict[str, np
     if k == "tanh":
         y = np.tanh(x)
         return y, y
+    if k in ("leaky_relu", "relu6", "sigmoid", "silu", "gelu"):
+        return activation_forward(layer, x)
+    if k == "layernorm":
+        return layernorm_forward(layer, p, x)
     if k == "dropout":
         if masks is None:                                       # inference: identity
             return x, None
@@ -244,6 +404,10 @@ def _one_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> tu
         return dy * cache, {}
     if k == "tanh":
         return dy * (1.0 - cache * cache), {}
+    if k in ("leaky_relu", "relu6", "sigmoid", "silu", "gelu"):
+        return activation_backward(layer, cache, dy), {}
+    if k == "layernorm":
+        return layernorm_backward(layer, p, cache, dy)
     if k == "dropout":
         return dy * cache / (1.0 - layer.spec["rate"]), {}
     if k == "flatten":
@@ -263,15 +427,26 @@ def backward(model: ModelSpec, p: Params, caches: list[list[Any]], dlogits: list
              sync_bn: bool = False) -> list[Params]:
     """Per replica: d objective / d trainable parameter, from the training-mode caches of `forward`."""
     grads: list[Params] = [{} for _ in dlogits]
-    dys = dlogits
+    # per layer name: d objective / d its output, per replica; summed over the layers that read it
+    pending: dict[str, list[np.ndarray]] = {model.layers[-1].name: dlogits}
     for layer, cache in zip(reversed(model.layers), reversed(caches)):
-        if layer.kind == "batchnorm2d":
-            dys, gs = bn_backward(layer, p, [c for c, _ in cache], dys, [n for _, n in cache], sync_bn)
+        dys = pending.pop(layer.name)
+        if layer.kind in ("add", "concat"):
+            per_input = list(zip(*(merge_backward(layer, dy) for dy in dys)))   # [input][replica]
+            gs: list[Params] = [{} for _ in dys]
+        elif layer.kind == "batchnorm2d":
+            dxs, gs = bn_backward(layer, p, [c for c, _ in cache], dys, [n for _, n in cache], sync_bn)
+            per_input = [dxs]
         else:
             pairs = [_one_backward(layer, p, c, dy) for c, dy in zip(cache, dys)]
-            dys, gs = [d for d, _ in pairs], [g for _, g in pairs]
+            per_input, gs = [[d for d, _ in pairs]], [g for _, g in pairs]
         for acc, g in zip(grads, gs):
             acc.update(g)
+        for src, ds in zip(layer.inputs, per_input):
+            if src == INPUT:
+                continue
+            have = pending.get(src)
+            pending[src] = list(ds) if have is None else [a + b for a, b in zip(have, ds)]
     return grads
 
 

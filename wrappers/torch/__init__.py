@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from algorithms.spec import BASE_LAYER_KINDS
+
 from ..base import DP_FAULTS, LOWERING_FAULTS, Entry
 
 # torchrun's c10d rendezvous ranks the node agents by sorted (address, pid): each local "host" gets
@@ -37,6 +39,8 @@ class TorchEntry(Entry):
     # no sync_bn: torch.nn.SyncBatchNorm refuses CPU tensors (the wrapper refuses --sync-bn on CPU, saying so)
     capabilities = frozenset({"data_parallel", "hosts", "float64", "channels_last", "threads"})
     faults = LOWERING_FAULTS | DP_FAULTS
+    layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
+                                      "silu", "sigmoid", "relu6", "layernorm"}
 
     @classmethod
     def job_env(cls, job: dict[str, Any]) -> dict[str, str]:

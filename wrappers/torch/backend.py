@@ -105,6 +105,7 @@ class TorchBackend(Backend):
     # the catalogued faults it declares, and the emulations of declared differences the verdict engine asks of
     # the reference (not catalogued: the self-test does not inject them)
     faults = TorchEntry.faults | EMULATION_FAULTS
+    layer_kinds = TorchEntry.layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)

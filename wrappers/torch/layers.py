@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from algorithms.spec import LayerInfo, ModelSpec, ParamInfo
+from algorithms.spec import INPUT, LayerInfo, ModelSpec, ParamInfo
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -21,7 +21,7 @@ def to_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = 
     layer, role = _layer_of(model, name)
     if role != "kernel":
         return a
-    if layer.kind == "conv2d":               # (kH, kW, I, O) -> (O, I, kH, kW)
+    if layer.kind == "conv2d":               # (kH, kW, I/groups, O) -> (O, I/groups, kH, kW)
         return a.transpose(3, 2, 0, 1)
     if layer.flattened_from and permute:     # rows in HWC order -> CHW order, then (out, in)
         a = a[flatten_perm(*layer.flattened_from)]
@@ -43,17 +43,9 @@ def from_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool 
 
 
 def flat_sources(model: ModelSpec) -> dict[str, tuple[int, int, int]]:
-    """Layers whose output is a flattened (H, W, C) map (the flatten and element-wise layers after it):
-    torch holds these features in (C, H, W) order, the canonical layout in (H, W, C)."""
-    out, src = {}, None
-    for layer in model.layers:
-        if layer.kind == "flatten":
-            src = layer.in_shape if len(layer.in_shape) == 3 else None
-        elif layer.kind not in ("relu", "tanh", "dropout"):
-            src = None
-        if src is not None:
-            out[layer.name] = src
-    return out
+    """Layers whose output is a flattened (H, W, C) map (the flatten and element-wise layers and sums after it,
+    `LayerInfo.flat_of`): torch holds these features in (C, H, W) order, the canonical layout in (H, W, C)."""
+    return {layer.name: layer.flat_of for layer in model.layers if layer.flat_of is not None}
 
 
 def flat_to_canonical(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
@@ -131,10 +123,17 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     torch allows it on GPU only)."""
     skipped_bias = False
     emulate = fault_parts(fault)
+    outs: dict[str, torch.Tensor] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
-        if k == "conv2d":
+        x = outs[layer.inputs[0]]
+        if k == "add":
+            for src in layer.inputs[1:]:
+                x = x + outs[src]
+        elif k == "concat":
+            x = torch.cat([outs[src] for src in layer.inputs], dim=1)     # NCHW: channels are axis 1
+        elif k == "conv2d":
             pad: tuple[int, int] | int = 0
             if o["padding"] == "same":
                 (t, b), (l, r) = layer.padding
@@ -145,7 +144,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             bias = p.get(f"{layer.name}.bias")
             if bias is not None and fault == "missing_bias" and not skipped_bias:
                 bias, skipped_bias = None, True
-            x = F.conv2d(x, p[f"{layer.name}.kernel"], bias, stride=o["stride"], padding=pad)
+            x = F.conv2d(x, p[f"{layer.name}.kernel"], bias, stride=o["stride"], padding=pad,
+                         dilation=o["dilation"], groups=o["groups"])
         elif k == "maxpool2d":
             if o["padding"] == "same":
                 x = F.max_pool2d(_same_pad(layer, float("-inf"), x), o["pool"], o["stride"])
@@ -168,6 +168,19 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             x = F.relu(x)
         elif k == "tanh":
             x = torch.tanh(x)
+        elif k == "leaky_relu":
+            x = F.leaky_relu(x, negative_slope=o["alpha"])
+        elif k == "gelu":
+            x = F.gelu(x, approximate=o["approximate"])
+        elif k == "silu":
+            x = F.silu(x)
+        elif k == "sigmoid":
+            x = torch.sigmoid(x)
+        elif k == "relu6":
+            x = F.relu6(x)
+        elif k == "layernorm":            # over channels: NCHW -> NHWC -> F.layer_norm -> NCHW
+            args = ((x.shape[1],), p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], o["eps"])
+            x = F.layer_norm(x.permute(0, 2, 3, 1), *args).permute(0, 3, 1, 2) if x.ndim == 4 else F.layer_norm(x, *args)
         elif k == "batchnorm2d":
             mom = o["momentum"]
             if fault == "bn_momentum_flipped":
@@ -203,6 +216,7 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             x = F.linear(x, p[f"{layer.name}.kernel"], bias)
         else:  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
+        outs[layer.name] = x
         if record is not None:
             record[layer.name] = x
     return x
