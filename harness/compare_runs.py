@@ -212,7 +212,6 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
 def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = True, localize: bool = True,
                    timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
                    arbiter: str | None = None, log: Callable[[str], None] = stderr_line) -> int:
-                   log: Callable[[str], None] = stderr_line) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
     the exit status (0 no BUG, 1 BUG, 2 bad input, 3 a backend job failed)."""
