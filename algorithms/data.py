@@ -83,21 +83,27 @@ def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str,
     return ds
 
 
+def _cached(cache_dir: Path, pattern: str, build) -> Dataset:
+    """A built-in data set kept as prepared arrays per scikit-learn version (importing scikit-learn costs
+    seconds; a cached matrix rerun should not). `pattern` has one {} for that version."""
+    import importlib.metadata as md
+    cache = cache_dir / pattern.format(md.version("scikit-learn"))
+    if cache.exists():
+        z = load_npz(cache)
+        meta = json.loads(str(z.pop("meta")))
+        return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"], meta)
+    ds = build()
+    save_npz(cache, {**ds.arrays(), "meta": np.array(json.dumps(ds.meta))})
+    return ds
+
+
 def load_digits(cache_dir: str | Path | None = None) -> Dataset:
     """scikit-learn's 1797 real 8x8 handwritten digits (they ship in the wheel), pixels 0..16.
 
     With a cache folder the prepared arrays are kept per scikit-learn version (importing
     scikit-learn costs seconds; a cached matrix rerun should not)."""
     if cache_dir is not None:
-        import importlib.metadata as md
-        cache = Path(cache_dir) / f"digits-sklearn-{md.version('scikit-learn')}.npz"
-        if cache.exists():
-            z = load_npz(cache)
-            meta = json.loads(str(z.pop("meta")))
-            return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"], meta)
-        ds = load_digits()
-        save_npz(cache, {**ds.arrays(), "meta": np.array(json.dumps(ds.meta))})
-        return ds
+        return _cached(Path(cache_dir), "digits-sklearn-{}.npz", load_digits)
     from sklearn.datasets import load_digits as _ld
     d = _ld()
     x = d.images.astype(np.float64)[..., None]
@@ -128,15 +134,7 @@ def digits32(cache_dir: str | Path | None = None) -> Dataset:
     all from one fixed seed (DIGITS32_SEED), so every machine builds the same bytes (float64 NumPy maths).
     For the 32x32x3 models (resnet_tiny, mobilenet_tiny, convnext_tiny): real labels, a learnable task."""
     if cache_dir is not None:
-        import importlib.metadata as md
-        cache = Path(cache_dir) / f"digits32-sklearn-{md.version('scikit-learn')}-{DIGITS32_SEED}.npz"
-        if cache.exists():
-            z = load_npz(cache)
-            meta = json.loads(str(z.pop("meta")))
-            return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"], meta)
-        ds = digits32()
-        save_npz(cache, {**ds.arrays(), "meta": np.array(json.dumps(ds.meta))})
-        return ds
+        return _cached(Path(cache_dir), f"digits32-sklearn-{{}}-{DIGITS32_SEED}.npz", digits32)
     from sklearn.datasets import load_digits as _ld
     d = _ld()
     up = _upsample_matrix(8, 32)

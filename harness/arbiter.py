@@ -49,24 +49,24 @@ def _finite_pair(x: np.ndarray, exact: np.ndarray) -> bool:
     return x.shape == exact.shape and bool(np.isfinite(x).all())
 
 
-def rms_rel(x: Any, exact: Any) -> float:
-    """RMS of x - exact over max(max|exact|, ABS_FLOOR); inf for a shape mismatch or a non-finite x."""
+def _relative(x: Any, exact: Any, size: Any) -> float:
+    """size(x - exact) over max(max|exact|, ABS_FLOOR); inf for a shape mismatch or a non-finite x."""
     x, exact = np.asarray(x, np.float64), np.asarray(exact, np.float64)
     if not _finite_pair(x, exact):
         return float("inf")
     if not x.size:
         return 0.0
-    return float(np.sqrt(np.mean((x - exact) ** 2))) / max(float(np.max(np.abs(exact))), ABS_FLOOR)
+    return float(size(x - exact)) / max(float(np.max(np.abs(exact))), ABS_FLOOR)
+
+
+def rms_rel(x: Any, exact: Any) -> float:
+    """RMS of x - exact, relative to the exact tensor's scale (inf: shape mismatch or non-finite x)."""
+    return _relative(x, exact, lambda d: np.sqrt(np.mean(d ** 2)))
 
 
 def max_rel(x: Any, exact: Any) -> float:
-    """max|x - exact| over max(max|exact|, ABS_FLOOR); inf for a shape mismatch or a non-finite x."""
-    x, exact = np.asarray(x, np.float64), np.asarray(exact, np.float64)
-    if not _finite_pair(x, exact):
-        return float("inf")
-    if not x.size:
-        return 0.0
-    return float(np.max(np.abs(x - exact))) / max(float(np.max(np.abs(exact))), ABS_FLOOR)
+    """max|x - exact|, relative to the exact tensor's scale (inf: shape mismatch or non-finite x)."""
+    return _relative(x, exact, lambda d: np.max(np.abs(d)))
 
 
 # --------------------------------------------------------------------------- computation order
