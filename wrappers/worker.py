@@ -156,9 +156,8 @@ def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str,
 def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
     """Probe the training steps `replay.at` from a saved state instead of the canonical weights.
 
-    `replay.checkpoint` (a train checkpoint, 'param/<name>' and 'opt/<key>', taken after
-    `replay.checkpoint_step` steps; or `replay.checkpoints`, {step: file} of every checkpoint) is loaded
-    and the run is advanced deterministically, this backend's own steps on the job's batch order, up to
+    `replay.checkpoints` ({step: file} of the run's train checkpoints, 'param/<name>' and 'opt/<key>',
+    each taken after that many steps) are loaded as needed and the run is advanced deterministically, this backend's own steps on the job's batch order, up to
     each step of `at`; the state there is saved as state_<step>.npz (a step with a checkpoint of its own
     uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
@@ -190,12 +189,10 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     if r.get("states"):
         states = {int(t): str(p) for t, p in r["states"].items()}
     else:
-        # checkpoints to start from: `checkpoints` ({step: file}, every one the run saved), or the single
-        # `checkpoint` taken after `checkpoint_step` steps. A step of `at` that has a checkpoint is that file
-        # itself (nothing re-trained); any other is re-trained from the latest checkpoint at or before it, or
-        # from the previous step of `at` when that is later (one pass over the steps, however many points).
-        cks = ({int(t): str(p) for t, p in r["checkpoints"].items()} if r.get("checkpoints")
-               else {int(r["checkpoint_step"]): str(r["checkpoint"])})
+        # A step of `at` that has a checkpoint is that file itself (nothing re-trained); any other is re-trained
+        # from the latest checkpoint at or before it, or from the previous step of `at` when that is later
+        # (one pass over the steps, however many points).
+        cks = {int(t): str(p) for t, p in r["checkpoints"].items()}
         states = {}
         pos: int | None = None   # the step the backend's current state is at (None: nothing loaded)
         for t in at:
