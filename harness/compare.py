@@ -448,19 +448,20 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
             rule: Rule = DEFAULT_RULE, *, forced: list[str] | None = None,
             localize: Callable[[Pair], dict[str, Any] | None] | None = None,
             resync: Callable[[Pair, list[int]], dict[str, Any] | None] | None = None,
-            all_pairs: bool = True) -> Comparison:
+            all_pairs: bool = True, jobs: int = 1) -> Comparison:
     """Judge every candidate against the reference (localizing each excess when `localize` is given; the
     shared-state step comparison of every pair when `resync` is given, run first so that the localization
     reuses its replay; `resync(pair, extra)` gets the divergent steps of every pair as `extra`, so that the
     reference's resync jobs are the same for all), and, with >= 3 runs, every pair of candidates too (for
-    the odd one out)."""
+    the odd one out). The candidates' resync and localization jobs run `jobs` pairs at once (threads: the
+    jobs are processes; a job two pairs share runs once, see Localizer._job)."""
     from .localize import divergent_steps
     pairs: list[Pair] = []
     index: dict[tuple[str, str], Pair] = {}
     checked = [check_pair(envelope, reference, c, rule, True) for c in candidates]
     extra = sorted({t for p in checked for t in divergent_steps(p)})
-    for p in checked:
-        c = p.b
+
+    def judge(p: Pair) -> Pair:
         if resync is not None:
             p.resync = ({"skipped": "a different batch (data): the steps are not the same computation"}
                         if p.first is not None and p.first["series"] == "batch_checksum" else resync(p, extra))
@@ -468,8 +469,17 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
             p.localization = localize(p)
         resolve(p, localize is not None)
         apply_resync(p, resync is not None)
+        return p
+
+    if jobs > 1 and len(checked) > 1 and (resync is not None or localize is not None):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            judged = list(pool.map(judge, checked))
+    else:
+        judged = [judge(p) for p in checked]
+    for p in judged:
         pairs.append(p)
-        index[(reference.name, c.name)] = p
+        index[(reference.name, p.b.name)] = p
     runs = [reference] + candidates
     if all_pairs and len(runs) >= 3:
         for i, x in enumerate(candidates):

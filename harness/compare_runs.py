@@ -14,10 +14,8 @@ from .errors import EXIT_BAD_INPUT, EXIT_CRASH, BackendFailed, BadInput, error_l
 
 DEFAULT_METRICS = "eval_loss,eval_accuracy,loss"
 # resync cadence in steps: every reference checkpoint at least this far apart, re-trained in between when
-# finer than the checkpoints (docs/verdict.md: the cost measured)
-# off by default until calibrated beyond jax/tensorflow vs torch: on a fresh clone's `make all` (2026-12-01) a clean
-# keras-jax pair was BUG at the resynced loss of step 225 (1.06x its tolerance); opt in with --resync-every 25
-DEFAULT_RESYNC_EVERY = 0
+# finer than the checkpoints (docs/verdict.md: the cost and the calibration measured)
+DEFAULT_RESYNC_EVERY = 25
 
 
 def stderr_line(msg: str) -> None:
@@ -115,12 +113,14 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                  envelope_paths: tuple[Path, ...] | list[Path] = (), fp64: bool = True, margin: float | None = None,
                  force: bool = False, localize: bool = True, out: Path | None = None, steps_csv: bool | None = None,
                  timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
-                 arbiter: str | None = None, log: Callable[[str], None] = stderr_line) -> CompareOutcome:
+                 arbiter: str | None = None, jobs: int = 1,
+                 log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Compare runs of one configuration (run folders), or every comparable group of one results folder,
     against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False. Every
     candidate is also compared one step at a time from the reference's states (resync, harness/resync.py)
     every `resync_every` steps (0: not at all; also off with localize=False); each BUG is arbitrated by the
-    backend `arbiter` in float64 when given (harness/arbiter.py).
+    backend `arbiter` in float64 when given (harness/arbiter.py). `jobs`: backend processes at once (the
+    envelope runs; the candidates' resync and localization jobs).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -164,13 +164,13 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             else:
                 avoid = {r.perturb_ulp for r in group if r.perturb_ulp is not None}
                 members, env_notes = envelope_runs(ref, envelope_seeds(k, avoid), precision=fp64,
-                                                   timeout=timeout, log=say)
+                                                   timeout=timeout, log=say, jobs=jobs)
                 group_notes += env_notes
             env = compute(ref, members, rule)
             loc = Localizer(ref.path.parent, timeout=timeout, log=say) if localize else None
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
                   if loc is not None and resync_every > 0 else None)
-            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs)
+            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs, jobs=jobs)
             if arbiter:   # which side of each BUG the exact computation supports
                 from .arbiter import arbitrate_comparison
                 c = arbitrate_comparison(c, arbiter, timeout=timeout, log=say)
@@ -213,7 +213,7 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
 
 def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = True, localize: bool = True,
                    timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
-                   arbiter: str | None = None, log: Callable[[str], None] = stderr_line) -> int:
+                   arbiter: str | None = None, jobs: int = 1, log: Callable[[str], None] = stderr_line) -> int:
     """The verdict for `duipai all`: every comparable group of runs in folder/runs (or folder), the
     table on stdout, the files in folder (one subfolder per group when there are several). Returns
     the exit status (0 no BUG, 1 BUG, 2 bad input, 3 a backend job failed)."""
@@ -222,7 +222,7 @@ def compare_folder(folder: Path, *, reference: str, k: int = 3, fp64: bool = Tru
     try:
         outcome = compare_runs(paths=(runs_dir,), reference=reference, k=k, fp64=fp64, localize=localize, out=folder,
                                timeout=timeout, verbose=verbose, resync_every=resync_every, arbiter=arbiter,
-                               log=log)
+                               jobs=jobs, log=log)
     except BadInput as e:
         log(error_line(e))
         return EXIT_BAD_INPUT

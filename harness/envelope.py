@@ -291,25 +291,38 @@ def envelope_seeds(k: int, avoid: set[int]) -> list[int]:
 
 
 def envelope_runs(ref: Run, seeds: list[int], root: Path | None = None, *, precision: bool = True,
-                  timeout: float | None = None, log: Callable[[str], None] | None = None) -> tuple[list[Run], list[str]]:
+                  timeout: float | None = None, log: Callable[[str], None] | None = None,
+                  jobs: int = 1) -> tuple[list[Run], list[str]]:
     """The reference configuration re-trained with --perturb-ulp k for each seed and, with `precision`,
-    once more in float64 (--dtype float64 --perturb-ulp seeds[0]), through runner.execute; an existing
-    complete folder of the same name and configuration is reused. Returns (runs, notes)."""
+    once more in float64 (--dtype float64 --perturb-ulp seeds[0]), through runner.execute (`jobs` at once);
+    an existing complete folder of the same name and configuration is reused. Returns (runs, notes)."""
     root = Path(root or ref.path.parent)
     log = log or (lambda m: print(m, file=sys.stderr))
     wanted = [{"perturb_ulp": k} for k in seeds]
     notes: list[str] = []
     if precision and ref.options.get("dtype", "float32") != "float64":
         wanted.append({"perturb_ulp": seeds[0], "dtype": "float64"})
-    out = []
-    for change in wanted:
+    def one(change: dict) -> Run | BackendFailed:
         try:
-            out.append(_cached_run(ref, change, root, timeout, log))
+            return _cached_run(ref, change, root, timeout, log)
         except BackendFailed as e:
+            return e
+
+    if jobs > 1 and len(wanted) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            got = list(pool.map(one, wanted))
+    else:
+        got = [one(c) for c in wanted]
+    out = []
+    for change, r in zip(wanted, got):
+        if isinstance(r, BackendFailed):
             if "dtype" not in change:
-                raise
-            notes.append(f"no float64 envelope run ({str(e).splitlines()[0]}): the envelope is the "
+                raise r
+            notes.append(f"no float64 envelope run ({str(r).splitlines()[0]}): the envelope is the "
                          f"{len(seeds)} 1-ULP runs alone")
+        else:
+            out.append(r)
     return out, notes
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,7 +90,8 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
     probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
     of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
-    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin)}
+    logits = f"forward/{layers[-1]}" if layers else None
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin, logits_key=logits)}
     missing = probes.missing_keys(a, b)
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
@@ -252,8 +254,18 @@ class Localizer:
         self.timeout = timeout
         self.log = log or (lambda m: print(m, file=sys.stderr))
         self._replays: dict[tuple[str, str, str], dict[str, Any]] = {}   # the resync's, by (ref, cand, change)
+        # pairs are localized in parallel threads (compare's `jobs`); a job two pairs share (the reference's
+        # probe, its replay) runs once: the second waits on the first's lock and finds its folder
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     def _job(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+        with self._locks_guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            return self._job_once(run, name, mode, job_extra, **change)
+
+    def _job_once(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
         folder = self.jobs / name
         if (folder / "manifest.json").is_file() and (folder / "worker.json").is_file():
             return folder

@@ -16,6 +16,8 @@ import numpy as np
 # every lowering bug in the catalogue is >= 1e-2.
 REL_TOL = 1e-4
 ABS_FLOOR = 1e-6   # scale floor for tensors that are (nearly) all zero
+EPS32 = float(np.finfo(np.float32).eps)
+LOSS_ULPS = 8.0    # the loss's rounding floor, in float32 ULPs of the largest logit (compare's docstring)
 
 KIND_ORDER = {"forward": 0, "loss": 1, "grad": 2, "update": 3, "buffer": 4, "opt": 5, "eval": 6}
 
@@ -65,15 +67,23 @@ def _rms_rel(x: np.ndarray, y: np.ndarray) -> float:
 
 def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float = REL_TOL,
             keys: list[str] | None = None, ref64: dict[str, np.ndarray] | None = None,
-            margin: float = 3.0) -> list[ProbeDiff]:
+            margin: float = 3.0, logits_key: str | None = None) -> list[ProbeDiff]:
     """Candidate `a` against reference `b`, per tensor.
 
     Without `ref64`: relative error max|a - b| / max(max|b|, ABS_FLOOR) <= rel_tol.
     With `ref64` (the reference run in float64), the PyTorch-Inductor rule on RMS errors: the
     candidate's RMS error against float64 may be `margin` times the float32 reference's own RMS
-    error against float64 (never less than rel_tol; errors over the tensor's scale max|ref64|). This is what keeps ill-conditioned probes honest: Adam's first update
-    lr * g / (|g| + eps) amplifies float32 rounding of near-zero gradients ~1e3-fold, so a fixed
-    tolerance either fails every framework there or is too loose everywhere else.
+    error against float64 (never less than rel_tol; errors over the tensor's scale max|ref64|). This is
+    what keeps ill-conditioned probes honest: Adam's first update lr * g / (|g| + eps) amplifies float32
+    rounding of near-zero gradients ~1e3-fold, so a fixed tolerance either fails every framework there or
+    is too loose everywhere else.
+
+    The loss, with `logits_key` (the output layer's forward probe): a scalar's own float32 error is one
+    draw of rounding, not an estimate of it, and a cross-entropy's rounding is absolute in the logits
+    (log-softmax subtracts logits), not relative to the loss, which approaches 0 as training fits. Mean
+    cross-entropy is 2-Lipschitz in the max-norm of the logits, so the loss may also differ by twice
+    what the logits may: twice margin x the reference's own largest logit error (never under 8 ULPs of the
+    largest logit).
     """
     out = []
     common = keys if keys is not None else [k for k in b if k in a]
@@ -88,9 +98,28 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
         else:
             d, scale, rel = _rel(x, y)
             tol = rel_tol
+        if kind == "loss" and logits_key is not None:
+            tol = max(tol, _loss_tol_from_logits(b, ref64, logits_key, rel_tol, margin) / scale)
         out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= tol, tol))
     out.sort(key=lambda p: (KIND_ORDER.get(p.kind, 9), p.step))
     return out
+
+
+def _loss_tol_from_logits(b: dict[str, np.ndarray], ref64: dict[str, np.ndarray] | None, logits_key: str,
+                          rel_tol: float, margin: float) -> float:
+    """The absolute loss error the logits allow (compare's docstring): twice `margin` x the reference's own
+    largest float32 logit error, never less than 8 float32 ULPs of the largest logit (log-softmax rounds
+    there); without float64 probes, twice the plain tolerance of the logits. 0 without a logits probe."""
+    if logits_key not in b:
+        return 0.0
+    y = np.asarray(b[logits_key], np.float64)
+    if not y.size or not np.isfinite(y).all():
+        return 0.0
+    z = np.asarray(ref64[logits_key], np.float64) if ref64 is not None and logits_key in ref64 else None
+    if z is None or z.shape != y.shape or not np.isfinite(z).all():
+        return 2.0 * rel_tol * max(float(np.max(np.abs(y))), ABS_FLOOR)
+    own = float(np.max(np.abs(y - z)))
+    return 2.0 * max(margin * own, LOSS_ULPS * EPS32 * float(np.max(np.abs(z))))
 
 
 def first_failure(diffs: list[ProbeDiff]) -> ProbeDiff | None:

@@ -195,3 +195,58 @@ def test_late_schedule_bug_is_localized_by_replay(results_root):
     loc = p["localization"]
     assert loc["method"] == "replay of step 19 from the reference's state" and loc["stage"] == "optimizer"
     assert loc["step0"]["stage"] is None and loc["replay"]["reproduced"]["bitwise"]
+
+
+def test_a_small_loss_is_held_to_what_its_logits_allow():
+    """Cross-entropy rounds in the logits, not relative to the loss: at a loss of 0.01 with logits of size
+    20, a candidate's loss 3e-6 away (rounding of the logits) agrees even when the reference's own float32
+    loss happened to equal its float64 one; a loss bug of 10% there is still the loss stage."""
+    ref = probes()
+    ref["forward/fc2"] = ref["forward/fc2"] * 8.0          # logits up to ~20
+    ref["loss"] = np.asarray(0.01)
+    ref64 = {k: np.asarray(v, np.float64) for k, v in ref.items()}
+    got = dict(ref, loss=np.asarray(0.01 + 3e-6))
+    res = analyse(got, ref, LAYERS, rel_tol=3e-5, ref64=ref64)
+    assert res["stage"] is None and "loss" not in res["disagreeing_keys"]
+    bad = analyse(dict(ref, loss=np.asarray(0.011)), ref, LAYERS, rel_tol=3e-5, ref64=ref64)
+    assert bad["stage"] == "loss"
+    # the bound is the logits' tolerance: without an output layer probe the loss keeps its own
+    no_logits = {k: v for k, v in got.items() if k != "forward/fc2"}
+    assert "loss" in analyse(no_logits, {k: v for k, v in ref.items() if k != "forward/fc2"}, LAYERS,
+                             rel_tol=3e-5, ref64=ref64)["disagreeing_keys"]
+
+
+def test_a_job_two_threads_ask_for_runs_once(tmp_path, monkeypatch):
+    """Pairs are localized in parallel (compare -j): a job they share (the reference's replay) runs once,
+    different jobs run at the same time."""
+    import threading
+    import time
+    from harness.localize import Localizer
+    loc = Localizer(tmp_path)
+    calls, running, peak = [], [0], [0]
+    guard = threading.Lock()
+
+    def fake(self, run, name, mode, job_extra=None, **change):
+        folder = self.jobs / name
+        if (folder / "worker.json").is_file():
+            return folder
+        with guard:
+            calls.append(name)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
+        (folder / "worker.json").write_text("{}")
+        with guard:
+            running[0] -= 1
+        return folder
+
+    monkeypatch.setattr(Localizer, "_job_once", fake)
+    names = ["shared"] * 4 + ["a", "b"]
+    threads = [threading.Thread(target=loc._job, args=(None, n, "replay")) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == ["a", "b", "shared"] and peak[0] >= 2

@@ -49,6 +49,8 @@ Examples:
 @click.option("-v", "--verbose", is_flag=True,
               help="List every pair without the reference, not one line when they agree.")
 @click.option("--timeout", type=float, default=None, help="Kill a backend job (envelope, probe, replay) after this many s.")
+@click.option("-j", "--jobs", type=int, default=1, show_default=True,
+              help="Backend processes at once (envelope runs; resync and localization jobs of the candidates).")
 @click.option("--arbiter", default=None, metavar="BACKEND",
               help="Probe this backend in float64 on every BUG: which side the exact computation supports.")
 @click.option("--stat", is_flag=True, help="Statistical mode: groups of seeds, Welch t-test per metric and step.")
@@ -59,11 +61,14 @@ Examples:
 def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths: tuple[Path, ...], no_fp64: bool,
                 margin: float | None, force: bool, no_localize: bool, out: Path | None, steps_csv: bool | None,
                 as_json: bool, timeout: float | None, stat: bool, seeds: str | None, at: str | None,
-                metrics: str, alpha: float, verbose: bool, resync_every: int, arbiter: str | None) -> None:
+                metrics: str, alpha: float, verbose: bool, resync_every: int, arbiter: str | None,
+                jobs: int) -> None:
     """Compare runs of one configuration: IDENTICAL / DRIFT / BUG / DECLARED / INCONCLUSIVE per
     candidate against the reference's calibrated 1-ULP envelope; a BUG is localized to a stage,
     layer and parameter. PATHS: run folders, or one results folder."""
     try:
+        if jobs < 1:
+            raise BadInput(f"--jobs must be >= 1, got {jobs}")
         if stat:
             if arbiter:
                 raise BadInput("--arbiter judges the lock-step comparison's BUGs, not --stat")
@@ -76,7 +81,7 @@ def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths:
             outcome = compare_runs(paths=paths, reference=reference, k=k, envelope_paths=envelope_paths,
                                    fp64=not no_fp64, margin=margin, force=force, localize=not no_localize, out=out,
                                    steps_csv=steps_csv, timeout=timeout, verbose=verbose,
-                                   resync_every=resync_every, arbiter=arbiter, log=say)
+                                   resync_every=resync_every, arbiter=arbiter, jobs=jobs, log=say)
     except BadInput as e:
         fail(str(e))
     except BackendFailed as e:

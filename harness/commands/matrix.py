@@ -83,7 +83,7 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool, verbose: bool) 
         if why_not:
             say(f"WARNING: {why_not}")
         code = max(code, compare_folder(folder, reference=m.reference, k=m.envelope_k, fp64=m.envelope_fp64,
-                                         verbose=verbose, arbiter=arbiter, log=say))
+                                         verbose=verbose, arbiter=arbiter, jobs=jobs, log=say))
         index = build(folder, verbose=verbose)
     click.echo(f"report:  {index.resolve()}")
     click.echo(f"results: {folder.resolve()}")
