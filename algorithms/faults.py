@@ -4,6 +4,7 @@ records the fault. `stage` and `where` are what a correct localization must repo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -60,6 +61,27 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("grad_double", "backward", "",
           "gradient counted twice (e.g. a parameter shared by two hooks; pytorch#160285); Adam hides it in the loss"),
     Fault("lr_scale_1.001", "optimizer", "", "learning rate off by 0.1 % (a mistyped hyper-parameter)"),
+    # subtle faults: one step moves by at most ~1e-4 relative, below any per-step tolerance; only a bias over
+    # many steps shows them (harness/resync.py's sequential test). Perturbations (below), applied identically
+    # by every wrapper; the logged `lr` stays the nominal one (the bug is in what is applied, not in the log).
+    Fault("lr_rel_1e-05", "optimizer", "",
+          "a learning rate off in the 5th digit (0.05 written back from float32 text as 0.0500005)"),
+    Fault("lr_rel_1e-04_from_100", "optimizer", "",
+          "the learning rate after the first schedule boundary (step 100) off by 1e-4 relative (a decay "
+          "factor computed in another precision): the first 100 steps are exact"),
+    Fault("momentum_abs_1e-05", "optimizer", "",
+          "momentum 0.9 stored as 0.90001 (a config round-trip)", "optimizer momentum/nesterov"),
+    Fault("weight_decay_abs_1e-05", "optimizer", "",
+          "a weight decay of 1e-5 left on where the reference has none (a training script's default)"),
+    Fault("eps_abs_9e-08", "optimizer", "",
+          "Adam epsilon 1e-7 (Keras' default) where the reference uses 1e-8 (torch's)", "optimizer adam/adamw"),
+    Fault("bn_eps_abs_1e-05", "forward", "batchnorm2d",
+          "BatchNorm epsilon 2e-5 where the reference uses 1e-5", "a batchnorm2d layer"),
+    Fault("bn_momentum_abs_1e-04", "forward", "batchnorm2d running statistics",
+          "BatchNorm running-statistics momentum 0.1001 for 0.1 (1 - 0.8999 from a Keras conversion): only the "
+          "buffers and evaluation move", "a batchnorm2d layer"),
+    Fault("eval_input_rel_1e-04", "eval", "",
+          "the evaluation pipeline normalizes with a rounded constant (inputs x (1 + 1e-4)); training is exact"),
 ]}
 
 # The reference backend's emulations of declared differences (algorithms/differences.py `emulated_by`) that
@@ -74,6 +96,57 @@ EMULATIONS: dict[str, Fault] = {f.name: f for f in [
           "running statistics of per-replica BatchNorm averaged over the replicas (tf.distribute's MEAN "
           "aggregation) where DDP keeps rank 0's", "a batchnorm2d layer and devices > 1"),
 ]}
+
+# Perturbations: a hyper-parameter off by a little, parametric, `<target>_<rel|abs>_<e>[_from_<step>]`:
+# rel: value x (1 + e), abs: value + e; _from_ (lr only): from that step on. Every wrapper applies them
+# the same way (wrappers/base.py), so any backend implements any of them; the subtle faults above are named
+# ones, bench/mde.py sweeps e. Targets: optimizer hyper-parameters, BatchNorm's eps and momentum (every
+# batchnorm2d layer), and the evaluation inputs.
+PERTURB_STAGE = {"lr": "optimizer", "momentum": "optimizer", "beta1": "optimizer", "beta2": "optimizer",
+                 "eps": "optimizer", "weight_decay": "optimizer", "bn_eps": "forward", "bn_momentum": "forward",
+                 "eval_input": "eval"}
+_PERTURB = re.compile(r"(" + "|".join(sorted(PERTURB_STAGE, key=len, reverse=True)) +
+                      r")_(rel|abs)_(\d+(?:\.\d+)?e[+-]?\d+)(?:_from_(\d+))?")
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    target: str
+    mode: str          # rel | abs
+    e: float
+    start: int = 0     # lr: the first step it applies to
+
+    def apply(self, value: float) -> float:
+        return value * (1.0 + self.e) if self.mode == "rel" else value + self.e
+
+
+def perturbation(name: str | None) -> Perturbation | None:
+    """The perturbation a fault name is, or None (a catalogued lowering fault, or no fault)."""
+    m = _PERTURB.fullmatch(name or "")
+    if m is None or (m.group(4) and m.group(1) != "lr"):
+        return None
+    return Perturbation(m.group(1), m.group(2), float(m.group(3)), int(m.group(4) or 0))
+
+
+def perturbation_name(target: str, mode: str, e: float, start: int = 0) -> str:
+    """The fault name of a perturbation (`lr`, "rel", 1e-5 -> "lr_rel_1e-05")."""
+    name = f"{target}_{mode}_{e:.0e}" + (f"_from_{start}" if start else "")
+    if perturbation(name) is None:
+        raise ValueError(f"not a perturbation: {name!r} (targets: {', '.join(PERTURB_STAGE)}; _from_ for lr only)")
+    return name
+
+
+def fault_info(name: str) -> Fault:
+    """The catalogue entry of a fault, or one made for a perturbation that is not catalogued."""
+    if name in FAULTS:
+        return FAULTS[name]
+    p = perturbation(name)
+    if p is None:
+        raise KeyError(name)
+    return Fault(name, PERTURB_STAGE[p.target], "batchnorm2d" if p.target.startswith("bn_") else "",
+                 f"{p.target} {'x (1 + ' if p.mode == 'rel' else '+ '}{p.e:g}{')' if p.mode == 'rel' else ''}"
+                 + (f" from step {p.start}" if p.start else ""))
+
 
 JOIN = "+"   # emulations applied together: "adam_eps_hat+bn_running_var_biased" (the reference backend only)
 
@@ -91,5 +164,5 @@ def parts(name: str | None) -> set[str]:
 
 def check_fault(name: str | None) -> None:
     for part in sorted(parts(name)):
-        if part not in FAULTS and part not in EMULATIONS:
+        if part not in FAULTS and part not in EMULATIONS and perturbation(part) is None:
             raise ValueError(f"unknown fault {part!r}; known: {', '.join(FAULTS)}")

@@ -27,7 +27,7 @@ from .runner import backend_info
 
 def parse_faults(specs: tuple[str, ...], m: M.Matrix) -> dict[str, str]:
     """--fault BACKEND:FAULT arguments as {backend: fault}; BadInput naming the bad one."""
-    from algorithms.faults import FAULTS
+    from algorithms.faults import FAULTS, perturbation
     out: dict[str, str] = {}
     for s in specs:
         b, sep, f = s.partition(":")
@@ -35,7 +35,7 @@ def parse_faults(specs: tuple[str, ...], m: M.Matrix) -> dict[str, str]:
             raise BadInput(f"--fault {s!r}: expected BACKEND:FAULT (e.g. torch:flatten_no_permute)")
         if b not in m.backends:
             raise BadInput(f"--fault {s!r}: backend {b!r} is not in matrix {m.name} ({', '.join(m.backends)})")
-        if f not in FAULTS:
+        if f not in FAULTS and perturbation(f) is None:
             raise BadInput(f"--fault {s!r}: unknown fault {f!r}; see `duipai faults`")
         if b in out:
             raise BadInput(f"--fault: two faults for backend {b!r}")

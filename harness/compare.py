@@ -318,6 +318,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
         p.verdict = BUG
+        _superseded(p)
         if p.first is None:
             p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
                        "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
@@ -333,6 +334,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         st = seq["kinds"][kd]
         from .resync import STAGE_OF_KIND
         p.verdict = BUG
+        _superseded(p)
         line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
                 f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
                 f"{st['positive']} of {st['positive'] + st['negative']} positive)")

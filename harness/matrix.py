@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from algorithms.faults import FAULTS
+from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import OPTIMIZERS, HParamError, HParams
 
 from . import runner
@@ -166,7 +166,7 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
         if o not in OPTIMIZERS:
             raise bad(f"optimizers: unknown optimizer {o!r}; known: {', '.join(OPTIMIZERS)}")
     for f in m.faults:
-        if f not in FAULTS:
+        if f not in FAULTS and perturbation(f) is None:
             raise bad(f"faults: unknown fault {f!r}; see `duipai faults`")
     for n in m.devices:
         if n < 1 or n > m.batch_size or m.batch_size % n:

@@ -14,8 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from algorithms.faults import FAULTS
+from algorithms.faults import FAULTS, fault_info
 from algorithms.optim import HParams
+from algorithms.spec import ModelSpec, load_model
 
 from . import matrix as M
 from . import runner
@@ -28,31 +29,29 @@ from .runner import RunConfig
 
 @dataclass(frozen=True)
 class Scenario:
-    """The configuration in which a fault bites (or a variant runs), and what localization must say."""
+    """The hyper-parameters with which a fault bites (or a variant runs): every fault runs at the default
+    evaluation cadence, on its scenario's model in the reduced self-test and on every built-in model whose
+    layers it touches in the full one (the layer a correct localization names comes from the model:
+    `expected_layer`)."""
     model: str = "cnn2d_2conv_2fc"
     optimizer: str = "momentum"
     schedule: str = "constant"
     weight_decay: float = 0.0
     devices: int = 1
-    layer: str | None = None          # the layer a correct localization names (None: no layer)
-    # faults that act only at evaluation (running statistics, dropout left on) are visible only in the
-    # eval series: they need an evaluation before the 1-ULP envelope saturates (cnn2d_hard saturates
-    # within ~50 steps), so those scenarios evaluate early and often
-    eval_every: int | None = None
+    min_steps: int = 1                # a fault that starts late needs the run to get there
 
     def hparams(self, steps: int) -> HParams:
         lr = 0.05 if self.optimizer in ("sgd", "momentum", "nesterov") else 1e-3
         return HParams(optimizer=self.optimizer, lr=lr, schedule=self.schedule, weight_decay=self.weight_decay,
-                       step_size=max(steps // 3, 1), steps=steps,
-                       eval_every=self.eval_every or min(50, max(steps // 2, 1)),
+                       step_size=max(steps // 3, 1), steps=steps, eval_every=min(50, max(steps // 2, 1)),
                        checkpoint_every=min(50, steps // 2))
 
 
 FAULT_SCENARIOS: dict[str, Scenario] = {
-    "flatten_no_permute": Scenario(layer="fc1"),
-    "symmetric_same_padding": Scenario(model="cnn2d_hard", layer="conv2"),
-    "bn_momentum_flipped": Scenario(model="cnn2d_hard", layer="bn1", eval_every=5),
-    "bn_eps_keras": Scenario(model="cnn2d_hard", layer="bn1"),
+    "flatten_no_permute": Scenario(),
+    "symmetric_same_padding": Scenario(model="cnn2d_hard"),
+    "bn_momentum_flipped": Scenario(model="cnn2d_hard"),
+    "bn_eps_keras": Scenario(model="cnn2d_hard"),
     "adam_eps_hat": Scenario(optimizer="adam"),
     "keras_momentum_schedule": Scenario(schedule="step"),
     "l2_not_decoupled": Scenario(optimizer="adamw", weight_decay=0.01),
@@ -61,13 +60,53 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
     "data_shift_one_batch": Scenario(),
     "label_smoothing": Scenario(),
     "lr_schedule_off_by_one": Scenario(schedule="step"),
-    "dropout_in_eval": Scenario(model="cnn2d_hard", layer="drop1", eval_every=5),
-    "missing_bias": Scenario(layer="conv1"),
-    "maxpool_ceil": Scenario(model="cnn2d_hard", layer="pool3"),
+    "dropout_in_eval": Scenario(model="cnn2d_hard"),
+    "missing_bias": Scenario(),
+    "maxpool_ceil": Scenario(model="cnn2d_hard"),
     "grad_double": Scenario(optimizer="adam"),
     "lr_scale_1.001": Scenario(),
+    # the subtle faults: one step moves by <= ~1e-4 relative (algorithms/faults.py)
+    "lr_rel_1e-05": Scenario(),
+    "lr_rel_1e-04_from_100": Scenario(min_steps=150),
+    "momentum_abs_1e-05": Scenario(),
+    "weight_decay_abs_1e-05": Scenario(),
+    "eps_abs_9e-08": Scenario(optimizer="adam"),
+    "bn_eps_abs_1e-05": Scenario(model="cnn2d_hard"),
+    "bn_momentum_abs_1e-04": Scenario(model="cnn2d_hard"),
+    "eval_input_rel_1e-04": Scenario(),
 }
+# the built-in models the full self-test injects every fault into (where the fault touches their layers)
+SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard")
 
+
+def expected_layer(fault: str, model: ModelSpec) -> tuple[bool, str | None]:
+    """(whether the fault touches this model, the layer a correct localization names or None): the
+    catalogue's `where` read on the model's inferred shapes."""
+    layers = model.layers
+
+    def first(pred) -> tuple[bool, str | None]:
+        hit = next((l for l in layers if pred(l)), None)
+        return (hit is not None, hit.name if hit is not None else None)
+
+    if fault == "flatten_no_permute":
+        return first(lambda l: l.kind == "dense" and l.flattened_from is not None
+                     and l.flattened_from[0] * l.flattened_from[1] > 1)
+    if fault == "symmetric_same_padding":
+        return first(lambda l: l.kind == "conv2d" and l.padding is not None
+                     and any((a + b) % 2 for a, b in l.padding))
+    if fault in ("bn_momentum_flipped", "bn_eps_keras"):
+        return first(lambda l: l.kind == "batchnorm2d")
+    if fault in ("bn_eps_abs_1e-05", "bn_momentum_abs_1e-04"):
+        return (model.has("batchnorm2d"), None)
+    if fault == "dropout_in_eval":
+        return first(lambda l: l.kind == "dropout")
+    if fault == "missing_bias":
+        return first(lambda l: l.kind in ("conv2d", "dense") and l.spec.options.get("use_bias", True))
+    if fault == "maxpool_ceil":   # a floor/ceil difference that a global pooling absorbs (a flatten would not fit)
+        after_gap = {l.name for i, l in enumerate(layers) if any(m.kind == "global_avgpool2d" for m in layers[i:])}
+        return first(lambda l: l.kind == "maxpool2d" and l.name in after_gap and l.spec.options.get("padding") == "valid"
+                     and (l.in_shape[0] - l.spec.options["pool"]) % l.spec.options["stride"] != 0)
+    return (True, None)
 # drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);
 # which backends have it is theirs to say (wrappers' Entry.capabilities, read through runner.backend_info)
 DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
@@ -98,7 +137,7 @@ def implements(backend: str, fault: str) -> bool:
 REDUCED = {"backends": (REFERENCE,), "steps": 40,
            "faults": ("flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "adam_eps_hat",
                       "grad_sum_replicas", "data_shift_one_batch", "label_smoothing", "grad_double", "lr_scale_1.001",
-                      ),
+                      "lr_rel_1e-05", "eval_input_rel_1e-04"),
            "variants": ("dp2", "threads2", "float64")}
 
 
@@ -109,16 +148,14 @@ class Plan:
 
 
 def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str, ...], steps: int,
-         reference: str = REFERENCE, k: int = 3) -> Plan:
+         reference: str = REFERENCE, k: int = 3, models: tuple[str, ...] | None = None) -> Plan:
+    """Every fault in every backend on `models` (None: each fault's scenario model only) where it touches
+    the model's layers, at the default evaluation cadence; the clean runs and drift-only variants."""
     p = Plan()
     seen: set[str] = set()
-    default_eval_every = Scenario().hparams(steps).eval_every
 
     def add(cfg: RunConfig, role: str, expect: dict[str, Any] | None = None, run: bool = True) -> None:
-        from algorithms.spec import load_model
         name = cfg.default_name(load_model(cfg.model).name)
-        if cfg.hparams.eval_every != default_eval_every:   # the run name does not carry eval_every
-            name += f"__eval{cfg.hparams.eval_every}"
         if name in seen:
             return
         seen.add(name)
@@ -127,23 +164,29 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
         if expect:
             p.expect[name] = expect
 
-    def group(sc: Scenario) -> HParams:
+    def group(model: str, sc: Scenario) -> HParams:
         hp = sc.hparams(steps)
-        add(RunConfig(model=sc.model, backend=reference, hparams=hp), "run")
+        add(RunConfig(model=model, backend=reference, hparams=hp), "run")
         for s in range(1, k + 1):
-            add(RunConfig(model=sc.model, backend=reference, hparams=hp, perturb_ulp=s), "envelope")
-        add(RunConfig(model=sc.model, backend=reference, hparams=hp, perturb_ulp=1, dtype="float64"), "envelope")
+            add(RunConfig(model=model, backend=reference, hparams=hp, perturb_ulp=s), "envelope")
+        add(RunConfig(model=model, backend=reference, hparams=hp, perturb_ulp=1, dtype="float64"), "envelope")
         return hp
 
     for f in faults:
         sc = FAULT_SCENARIOS[f]
-        hp = group(sc)
-        for b in backends:     # a fault the wrapper does not implement is n/a, said without starting it
-            add(RunConfig(model=sc.model, backend=b, hparams=hp, devices=sc.devices, fault=f), "fault",
-                {"kind": "fault", "fault": f, "backend": b, "stage": FAULTS[f].stage, "layer": sc.layer},
-                run=implements(b, f))
+        if steps < sc.min_steps:
+            continue
+        for model in (models or (sc.model,)):
+            touches, layer = expected_layer(f, load_model(model))
+            if not touches:
+                continue
+            hp = group(model, sc)
+            for b in backends:     # a fault the wrapper does not implement is n/a, said without starting it
+                add(RunConfig(model=model, backend=b, hparams=hp, devices=sc.devices, fault=f), "fault",
+                    {"kind": "fault", "fault": f, "backend": b, "model": model, "stage": fault_info(f).stage,
+                     "layer": layer}, run=implements(b, f))
     base = Scenario()
-    hp = group(base)
+    hp = group(base.model, base)
     for b in backends:
         if b != reference:
             add(RunConfig(model=base.model, backend=b, hparams=hp), "run",
@@ -176,7 +219,8 @@ def judge(p: Plan, entries: list[M.Entry], folder: Path) -> list[dict[str, Any]]
     rows = []
     for name, exp in p.expect.items():
         e = status.get(name)
-        row = {"kind": exp["kind"], "what": exp.get("fault") or exp.get("variant"), "backend": exp["backend"],
+        row = {"kind": exp["kind"], "what": exp.get("fault") or exp.get("variant"), "model": exp.get("model"),
+               "backend": exp["backend"],
                "run": name, "verdict": None, "stage": None, "layer": None, "step": None, "factor": None,
                "expected": "", "correct": None, "note": ""}
         if e is None:
@@ -230,12 +274,12 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if not sub:
             continue
         lines += [f"| {title} | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
-        for what in dict.fromkeys(r["what"] for r in sub):
+        for what, model in dict.fromkeys((r["what"], r.get("model")) for r in sub):
             cells = []
             for b in backends:
-                r = next((x for x in sub if x["what"] == what and x["backend"] == b), None)
+                r = next((x for x in sub if x["what"] == what and x.get("model") == model and x["backend"] == b), None)
                 cells.append(cell(r) if r else "-")
-            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+            lines.append(f"| {what}{f' ({model})' if model else ''} | " + " | ".join(cells) + " |")
         lines.append("")
     faults = [r for r in rows if r["kind"] == "fault" and r["verdict"] != "n/a"]
     with_layer = [r for r in faults if r.get("layer_correct") is not None]
@@ -247,12 +291,15 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | None = None, steps: int | None = None,
                  faults: tuple[str, ...] | None = None, variants: tuple[str, ...] | None = None,
-                 jobs: int = 1, timeout: float = 900, argv: list[str] | None = None) -> int:
-    """Run the self-test; None for backends/faults/variants/steps means the full (or reduced) default."""
+                 jobs: int = 1, timeout: float = 900, argv: list[str] | None = None,
+                 models: tuple[str, ...] | None = None) -> int:
+    """Run the self-test; None for backends/faults/variants/steps/models means the full (or reduced) default
+    (models: every built-in straight-line model in the full self-test, each fault's scenario model when reduced)."""
     t0 = time.time()
     import platform
     cfg = REDUCED if reduced else {"backends": registered_backends(), "steps": 300, "faults": tuple(FAULTS),
-                                   "variants": tuple(DRIFT_VARIANTS)}
+                                   "variants": tuple(DRIFT_VARIANTS), "models": SELFTEST_MODELS}
+    models = models or cfg.get("models")
     backends = backends or cfg["backends"]
     steps = steps or cfg["steps"]
     faults = cfg["faults"] if faults is None else faults
@@ -264,7 +311,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     backends = tuple(b for b in backends if b in installed)
     name = "selftest-reduced" if reduced else "selftest"
     folder = Path(out_root) / name
-    pl = plan(backends, faults, variants, steps)
+    pl = plan(backends, faults, variants, steps, models=models)
     entries = M.run_entries(pl.entries, folder, Path(out_root), jobs, timeout=timeout)
     M.write_status(folder, type("S", (), {"name": name, "source": "duipai selftest"})(), entries)
     compare_folder(folder, reference=REFERENCE, k=3, jobs=jobs)

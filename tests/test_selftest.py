@@ -15,9 +15,13 @@ from harness.cli import main
 
 def test_every_fault_has_a_scenario_and_the_reduced_set_is_a_subset():
     assert set(S.FAULT_SCENARIOS) == set(FAULTS)
+    from algorithms.faults import perturbation
+    from algorithms.spec import load_model
     for f, sc in S.FAULT_SCENARIOS.items():
-        if FAULTS[f].where:
-            assert sc.layer is not None, f"{f}: the catalogue names a place, the scenario no layer to check"
+        touches, layer = S.expected_layer(f, load_model(sc.model))
+        assert touches, f"{f}: its scenario's model {sc.model} has no layer it touches"
+        if FAULTS[f].where and perturbation(f) is None:
+            assert layer is not None, f"{f}: the catalogue names a place, the model no layer to check"
     assert set(S.REDUCED["faults"]) <= set(FAULTS) and set(S.REDUCED["variants"]) <= set(S.DRIFT_VARIANTS)
     assert set(S.REDUCED["backends"]) <= set(S.registered_backends())
 
@@ -28,9 +32,8 @@ def test_plan_runs_each_fault_once_per_backend_with_its_reference_and_envelope()
     assert len(names) == len(set(names))
     faults = {(x["fault"], x["backend"]) for x in p.expect.values() if x["kind"] == "fault"}
     assert faults == {(f, b) for f in ("flatten_no_permute", "dropout_in_eval") for b in ("torch", "jax")}
-    # the eval-only fault evaluates every 5 steps, in runs of its own name (reference and envelope too)
-    ev = [e for e in p.entries if e.cfg.model == "cnn2d_hard"]
-    assert ev and all(e.cfg.hparams.eval_every == 5 and e.name.endswith("__eval5") for e in ev)
+    # every fault at the default evaluation cadence (no per-fault cadence: the resync probes evaluation)
+    assert {e.cfg.hparams.eval_every for e in p.entries} == {S.Scenario().hparams(40).eval_every}
     roles = {(e.cfg.model, e.role) for e in p.entries if e.cfg.backend == "torch" and e.cfg.fault is None}
     assert ("cnn2d_hard", "envelope") in roles and ("cnn2d_2conv_2fc", "envelope") in roles
     # a variant only where it applies (xla: tensorflow), the clean candidate for every non-reference backend
@@ -116,3 +119,17 @@ def test_cli_refuses_unknown_names_before_running_anything(args, needle, tmp_pat
     res = CliRunner().invoke(main, ["selftest", "--out", str(tmp_path), *args])
     assert res.exit_code == 2 and needle in res.output
     assert not any(tmp_path.iterdir())
+
+
+def test_the_full_plan_injects_each_fault_into_every_model_whose_layers_it_touches():
+    p = S.plan(("torch",), ("flatten_no_permute", "maxpool_ceil", "lr_rel_1e-05", "lr_rel_1e-04_from_100"), (),
+               steps=300, models=S.SELFTEST_MODELS)
+    got = {(x["fault"], x["model"], x["layer"]) for x in p.expect.values() if x["kind"] == "fault"}
+    assert got == {("flatten_no_permute", "cnn2d_2conv_2fc", "fc1"), ("flatten_no_permute", "cnn2d_3conv_3fc", "fc1"),
+                   ("maxpool_ceil", "cnn2d_hard", "pool3")} | {
+        (f, m, None) for f in ("lr_rel_1e-05", "lr_rel_1e-04_from_100") for m in S.SELFTEST_MODELS}
+    # every model has its reference and envelope; a fault that starts at step 100 needs the steps to get there
+    refs = {e.cfg.model for e in p.entries if e.role == "envelope"}
+    assert refs == set(S.SELFTEST_MODELS)
+    short = S.plan(("torch",), ("lr_rel_1e-04_from_100",), (), steps=40)
+    assert not [x for x in short.expect.values() if x["kind"] == "fault"]

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import HParams, lr_at
 from algorithms.spec import BASE_LAYER_KINDS, ModelSpec
 
@@ -184,7 +185,8 @@ class Backend:
         if cannot:
             raise UnsupportedError(f"{type(self).__name__} cannot lower layer kind(s) {', '.join(map(repr, cannot))} "
                                    f"(model {model.name}); it lowers: {', '.join(sorted(self.layer_kinds))}")
-        if opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS:
+        if (opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS
+                and perturbation(opts.fault) is None):
             raise UnsupportedError(f"fault {opts.fault!r} is not implemented in this backend's wrapper; "
                                    f"it implements: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")
 
@@ -192,6 +194,13 @@ class Backend:
 
     def lr_for(self, step: int) -> float:
         """The learning rate of the update at `step` (the schedule, with any lr fault applied)."""
+        lr = self.logged_lr(step)
+        p = perturbation(self.opts.fault)
+        return p.apply(lr) if p is not None and p.target == "lr" and step >= p.start else lr
+
+    def logged_lr(self, step: int) -> float:
+        """The learning rate the run reports at `step`: lr_for without a perturbation (a perturbed lr is a bug
+        in what is applied, not in what is logged)."""
         return lr_at(self.hp, effective_step_for_lr(step, self.opts.fault))
 
     # ---- environment
@@ -264,7 +273,7 @@ class Backend:
         fwd = self.forward_layers(x, masks_per_step[0])
         for layer in self.model.layers:          # spec order, whatever order the framework returned
             out[f"forward/{layer.name}"] = np.asarray(fwd[layer.name])
-        ev = self.eval_layers(x)
+        ev = self.eval_layers(eval_inputs(x, self.opts.fault))
         for layer in self.model.layers:
             out[f"eval/{layer.name}"] = np.asarray(ev[layer.name])
         loss, grads = self.gradients(x, y, masks_per_step[0])
@@ -294,14 +303,42 @@ LOWERING_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn
 DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
 
 # faults the generic worker loop injects for every backend (they change data handling, not lowering)
-WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"})
+# (and the catalogued perturbations: every wrapper applies them through effective_hparams, lr_for,
+# effective_model_decl and eval_inputs)
+WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"}
+                          | {n for n in FAULTS if perturbation(n) is not None})
 
 
 def effective_hparams(hp: HParams, fault: str | None) -> HParams:
-    """Hyper-parameter-level faults, applied identically in every wrapper."""
+    """Hyper-parameter-level faults, applied identically in every wrapper (a perturbed lr: Backend.lr_for)."""
     if fault == "lr_scale_1.001":
         return hp.with_(lr=hp.lr * 1.001)
+    p = perturbation(fault)
+    if p is not None and p.target in ("momentum", "beta1", "beta2", "eps", "weight_decay"):
+        return hp.with_(**{p.target: p.apply(getattr(hp, p.target))})
     return hp
+
+
+def effective_model_decl(decl: dict, fault: str | None) -> dict:
+    """The model declaration with a BatchNorm perturbation applied to every batchnorm2d layer (bn_eps,
+    bn_momentum): every wrapper builds its layers from it, so they all apply it the same way."""
+    from algorithms.spec import LAYER_FIELDS
+    p = perturbation(fault)
+    if p is None or p.target not in ("bn_eps", "bn_momentum") or not isinstance(decl, dict):
+        return decl
+    key = p.target[3:]
+    default = LAYER_FIELDS["batchnorm2d"][key][1]
+    layers = [dict(l, **{key: p.apply(float(l.get(key, default)))}) if isinstance(l, dict) and l.get("type") == "batchnorm2d"
+              else l for l in decl.get("layers", [])]
+    return dict(decl, layers=layers)
+
+
+def eval_inputs(x: np.ndarray, fault: str | None) -> np.ndarray:
+    """The inputs of the evaluation path (`evaluate`, the `eval/` probes), with an eval_input perturbation."""
+    p = perturbation(fault)
+    if p is None or p.target != "eval_input":
+        return x
+    return (x.astype(np.float64) * (1.0 + p.e) if p.mode == "rel" else x.astype(np.float64) + p.e).astype(x.dtype)
 
 
 def effective_step_for_lr(step: int, fault: str | None) -> int:

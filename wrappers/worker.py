@@ -22,7 +22,7 @@ from algorithms.optim import HParams
 from algorithms.params import load_npz, save_npz
 from algorithms.spec import ModelSpec, build_model
 
-from .base import Backend, Masks, RunOptions
+from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
 
 STEP_COLUMNS = ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr",
                 "batch_checksum", "step_time_s"]
@@ -49,9 +49,9 @@ def progress(out: TextIO, **kw: Any) -> None:
 
 
 def build_backend(job: dict[str, Any], cls: type[Backend]) -> Backend:
-    model = build_model(job["model"], job.get("model_source", "<job>"))
-    hp = HParams.from_dict(job["hparams"])
     opts = RunOptions(**job.get("options", {}))
+    model = build_model(effective_model_decl(job["model"], opts.fault), job.get("model_source", "<job>"))
+    hp = HParams.from_dict(job["hparams"])
     return cls(model, hp, opts)
 
 
@@ -74,7 +74,7 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
         save_npz(ckpt_dir / f"step_{step:07d}.npz", state)
 
     def evaluate(step: int, f: TextIO) -> None:
-        loss, acc = backend.evaluate(x_te, y_te)
+        loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
         f.write(",".join(fmt(v) for v in (step, float(loss), float(acc))) + "\n")
         f.flush()
 
@@ -100,7 +100,7 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
                 st = backend.train_step(step, x, y, masks)
                 dt = time.perf_counter() - t0
                 row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
-                       st.update_norm, st.param_norm, backend.lr_for(step), checksums[step], dt)
+                       st.update_norm, st.param_norm, backend.logged_lr(step), checksums[step], dt)
                 if replicas > 1:
                     if not st.replica_losses or len(st.replica_losses) != replicas:
                         raise RuntimeError(f"backend {backend.name} ran {replicas} replicas but returned "

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from algorithms.faults import FAULTS
+from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import OPTIMIZERS, SCHEDULES, HParamError, HParams
 
 from .. import runner
@@ -18,6 +18,13 @@ from ..runner import RunConfig
 from .common import Progress, fail
 
 DEFAULT_OUT = Path("results")
+
+
+def _check_fault(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None or value in FAULTS or perturbation(value) is not None:
+        return value
+    raise click.BadParameter(f"unknown fault {value!r}: not catalogued (`duipai faults`) nor a perturbation "
+                             "<target>_<rel|abs>_<e>[_from_<step>] such as lr_rel_1e-06")
 
 
 def config_options(f):
@@ -41,8 +48,9 @@ def config_options(f):
                      help="digits | synthetic[:N] | train.csv[,test.csv] | file.npz"),
         click.option("--devices", type=int, default=1, show_default=True, help="Data-parallel replicas."),
         click.option("--threads", type=int, default=1, show_default=True, help="Intra-op threads (pinned)."),
-        click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
-                     help="Inject a catalogued bug into this backend (see `duipai faults`)."),
+        click.option("--fault", default=None, callback=_check_fault, metavar="FAULT",
+                     help="Inject a catalogued bug into this backend (see `duipai faults`), or a perturbation "
+                          "<target>_<rel|abs>_<e>[_from_<step>] (e.g. lr_rel_1e-06, bn_eps_abs_1e-05)."),
         click.option("--dropout", type=click.Choice(["harness", "native"]), default="harness", show_default=True,
                      help="harness: identical NumPy masks in every backend; native: the framework's RNG."),
         click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True),

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from algorithms.faults import FAULTS
+from algorithms.spec import model_names
 
 from ..selftest import DRIFT_VARIANTS, registered_backends, run_selftest
 
@@ -21,10 +22,13 @@ from ..selftest import DRIFT_VARIANTS, registered_backends, run_selftest
               help="Comma-separated drift-only variants (dp2, dp4, threads2, eager, xla, float64, channels_last, "
                    "onednn_off; default: all, or the reduced set); 'none' for no variant.")
 @click.option("--steps", type=int, default=None, help="Steps per run (default 300, or 40 when reduced).")
+@click.option("--models", default=None,
+              help="Comma-separated built-in models to inject every fault into where it touches their layers "
+                   "(default: the three straight-line models, or each fault's own model when reduced).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
 @click.option("-j", "--jobs", type=int, default=1, show_default=True)
 def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, variants: str | None, steps: int | None,
-                 out: Path, jobs: int) -> None:
+                 out: Path, jobs: int, models: str | None) -> None:
     """Inject every catalogued fault and run every drift-only variant; print and write the detection
     matrix (<out>/selftest*/selftest.md). Exit 1 if a fault is missed or a variant is called a BUG.
 
@@ -44,4 +48,5 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
         return got
     sys.exit(run_selftest(out, reduced=reduced, backends=names(backends, registered_backends(), "backend"),
                           faults=names(faults, tuple(FAULTS), "fault"),
-                          variants=names(variants, tuple(DRIFT_VARIANTS), "variant"), steps=steps, jobs=jobs))
+                          variants=names(variants, tuple(DRIFT_VARIANTS), "variant"), steps=steps, jobs=jobs,
+                          models=names(models, tuple(model_names()), "model")))
