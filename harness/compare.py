@@ -49,6 +49,7 @@ class Pair:
     localization: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     resync: dict[str, Any] | None = None   # the shared-state step comparison (harness/resync.py)
+    stat: dict[str, Any] | None = None     # the automatic statistical decision (harness/autostat.py)
 
     @property
     def diverged(self) -> bool:
@@ -60,7 +61,8 @@ class Pair:
                 "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
                 "declared_differences": self.declared, "checksum_first_difference_step": self.checksum_step,
                 "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
-                "localization": self.localization, "resync": _resync_doc(self.resync), "notes": self.notes}
+                "localization": self.localization, "resync": _resync_doc(self.resync), "stat": self.stat,
+                "notes": self.notes}
 
 
 def _align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):

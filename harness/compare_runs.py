@@ -113,14 +113,15 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                  envelope_paths: tuple[Path, ...] | list[Path] = (), fp64: bool = True, margin: float | None = None,
                  force: bool = False, localize: bool = True, out: Path | None = None, steps_csv: bool | None = None,
                  timeout: float | None = None, verbose: bool = False, resync_every: int = DEFAULT_RESYNC_EVERY,
-                 arbiter: str | None = None, jobs: int = 1,
+                 arbiter: str | None = None, jobs: int = 1, auto_stat: bool = True,
                  log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Compare runs of one configuration (run folders), or every comparable group of one results folder,
     against the reference's calibrated 1-ULP envelope; a BUG is localized unless localize=False. Every
     candidate is also compared one step at a time from the reference's states (resync, harness/resync.py)
     every `resync_every` steps (0: not at all; also off with localize=False); each BUG is arbitrated by the
     backend `arbiter` in float64 when given (harness/arbiter.py). `jobs`: backend processes at once (the
-    envelope runs; the candidates' resync and localization jobs).
+    envelope runs; the candidates' resync and localization jobs). `auto_stat`: a pair left INCONCLUSIVE by
+    framework-RNG dropout is decided over data-order seeds (harness/autostat.py; needs localize).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
     from .compare import check_comparable, compare, render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
@@ -171,6 +172,11 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
                   if loc is not None and resync_every > 0 else None)
             c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs, jobs=jobs)
+            if auto_stat and localize:   # framework-RNG dropout: no deterministic comparison; decided over seeds instead
+                from .autostat import decide, needs_stat
+                for p in c.pairs:
+                    if needs_stat(p):
+                        decide(p, timeout=timeout, log=say)
             if arbiter:   # which side of each BUG the exact computation supports
                 from .arbiter import arbitrate_comparison
                 c = arbitrate_comparison(c, arbiter, timeout=timeout, log=say)

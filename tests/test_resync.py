@@ -197,3 +197,37 @@ def test_dropout_native_resync_is_skipped_and_stays_inconclusive(tmp_path):
     assert p.verdict == INCONCLUSIVE and "skipped" in p.resync
     assert any("framework-RNG dropout" in n for n in p.notes)
     assert DECLARED != p.verdict
+
+
+@pytest.mark.parametrize("shift,want", [(0.0, DRIFT), (3.0, BUG)])
+def test_a_dropout_pair_is_decided_over_seeds_automatically(tmp_path, monkeypatch, shift, want):
+    """framework-RNG dropout: INCONCLUSIVE in lock-step, then decided by Welch's t-test over five data-order
+    seeds per side (harness/autostat.py; the seeds' training replaced by synthetic runs whose last
+    evaluation scatters by seed, the candidate's shifted by `shift`)."""
+    from harness import autostat, stats
+    from harness.envelope import compute
+    ref, members, s, e = _saturating_family(tmp_path)
+    native = {"threads": 1, "dtype": "float32", "fault": None, "devices": 1, "dropout": "native"}
+    cand = _chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}], options=native)
+    p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
+                resync=lambda pair, extra: {"skipped": "framework-RNG dropout"}).pairs[0]
+    assert p.verdict == INCONCLUSIVE and autostat.needs_stat(p)
+    rng = np.random.default_rng(3)
+    asked = {}
+
+    def seeds(runs, wanted, root, timeout, log):
+        asked["seeds"] = wanted
+        out = list(runs)
+        for seed in wanted[1:]:
+            for r, extra in ((ref, 0.0), (cand, shift)):
+                ev = {k: v * (1 + 0.05 * rng.standard_normal()) + extra for k, v in e.items()}
+                man = {"declared": [{"id": "native_dropout_masks"}], "options": native} if r is cand else {}
+                tr = {k: v * (1 + 0.01 * rng.standard_normal()) for k, v in s.items()}
+                out.append(load_run(write_run(tmp_path, f"{r.name}__s{seed}", tr, ev, seed=seed, **man)))
+        return out
+
+    monkeypatch.setattr(stats, "ensure_seeds", seeds)
+    autostat.decide(p)
+    assert asked["seeds"] == [0, 1, 2, 3, 4]
+    assert p.verdict == want and p.stat["verdict"] == want, p.notes
+    assert "decided statistically over 5 data-order seeds" in p.notes[-1]

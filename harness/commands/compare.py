@@ -53,6 +53,8 @@ Examples:
               help="Backend processes at once (envelope runs; resync and localization jobs of the candidates).")
 @click.option("--arbiter", default=None, metavar="BACKEND",
               help="Probe this backend in float64 on every BUG: which side the exact computation supports.")
+@click.option("--no-auto-stat", "no_auto_stat", is_flag=True,
+              help="Leave framework-RNG dropout pairs INCONCLUSIVE instead of training seeds to decide them.")
 @click.option("--stat", is_flag=True, help="Statistical mode: groups of seeds, Welch t-test per metric and step.")
 @click.option("--seeds", default=None, help="--stat: train these data-order seeds for every group (e.g. 0,1,2,3,4).")
 @click.option("--at", "at", default=None, help="--stat: steps to compare (default: the last evaluation).")
@@ -62,7 +64,7 @@ def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths:
                 margin: float | None, force: bool, no_localize: bool, out: Path | None, steps_csv: bool | None,
                 as_json: bool, timeout: float | None, stat: bool, seeds: str | None, at: str | None,
                 metrics: str, alpha: float, verbose: bool, resync_every: int, arbiter: str | None,
-                jobs: int) -> None:
+                jobs: int, no_auto_stat: bool) -> None:
     """Compare runs of one configuration: IDENTICAL / DRIFT / BUG / DECLARED / INCONCLUSIVE per
     candidate against the reference's calibrated 1-ULP envelope; a BUG is localized to a stage,
     layer and parameter. PATHS: run folders, or one results folder."""
@@ -81,7 +83,8 @@ def compare_cmd(paths: tuple[Path, ...], reference: str, k: int, envelope_paths:
             outcome = compare_runs(paths=paths, reference=reference, k=k, envelope_paths=envelope_paths,
                                    fp64=not no_fp64, margin=margin, force=force, localize=not no_localize, out=out,
                                    steps_csv=steps_csv, timeout=timeout, verbose=verbose,
-                                   resync_every=resync_every, arbiter=arbiter, jobs=jobs, log=say)
+                                   resync_every=resync_every, arbiter=arbiter, jobs=jobs,
+                                   auto_stat=not no_auto_stat, log=say)
     except BadInput as e:
         fail(str(e))
     except BackendFailed as e:
