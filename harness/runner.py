@@ -71,6 +71,8 @@ class RunConfig:
             parts.append(f"t{self.threads}")
         if not self.jit:
             parts.append("eager")
+        if self.dropout != "harness":     # framework-RNG masks: another run than the harness-masked one
+            parts.append(f"dropout-{self.dropout}")
         for k, v in sorted(self.extra.items()):
             if k != "port":          # where to meet, not what is computed
                 parts.append(k if v is True else f"{k}-{v}")

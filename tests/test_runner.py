@@ -157,3 +157,10 @@ def test_rerun_replaces_result_atomically(torch_run, tmp_path):
     assert r.returncode == 0
     assert len(pd.read_csv(tmp_path / "x" / "steps.csv")) == 30
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
+
+
+def test_a_framework_rng_dropout_run_is_named_apart_from_the_harness_masked_one():
+    """Both go into one results folder (compare's automatic --stat trains seeds of each next to the other)."""
+    from harness.runner import RunConfig
+    assert RunConfig(backend="jax").default_name("m") == "m__jax__momentum-constant__s0"
+    assert RunConfig(backend="jax", dropout="native").default_name("m") == "m__jax__momentum-constant__s0__dropout-native"
