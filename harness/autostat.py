@@ -46,8 +46,10 @@ def decide(pair: Any, *, timeout: float | None = None, log: Callable[[str], None
     if mine is None:
         pair.notes.append("the automatic statistical comparison found no group of the candidate: INCONCLUSIVE stands")
         return
+    from .compare import drop_stat_advice
     was = pair.verdict
     pair.verdict = mine["verdict"]
+    drop_stat_advice(pair)
     pair.stat = {"seeds": seeds, "metrics": list(AUTO_METRICS), "alpha": AUTO_ALPHA, "verdict": mine["verdict"],
                  "reason": mine["reason"], "tests": [t for t in sc.tests if cand.name in
                                                      sc.verdicts.get(t["group"], {}).get("runs", [])]}

@@ -320,7 +320,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
         p.verdict = BUG
-        _superseded(p)
+        drop_stat_advice(p)
         if p.first is None:
             p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
                        "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
@@ -336,7 +336,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         st = seq["kinds"][kd]
         from .resync import STAGE_OF_KIND
         p.verdict = BUG
-        _superseded(p)
+        drop_stat_advice(p)
         line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
                 f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
                 f"{st['positive']} of {st['positive'] + st['negative']} positive)")
@@ -355,13 +355,13 @@ def apply_resync(p: Pair, requested: bool) -> None:
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not _not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])
-        _superseded(p)
+        drop_stat_advice(p)
         p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
                        f"the declared formula agrees with the candidate at every resynced step, the plain reference "
                        f"does not ({len(rs['evidence'])} probes); {_resync_what(rs)}")
     elif was == INCONCLUSIVE:
         p.verdict = DRIFT
-        _superseded(p)
+        drop_stat_advice(p)
         p.notes.append(f"{RESYNC_DRIFT} ({rs['n']} resynced steps): {_resync_what(rs)}")
     elif was in (DRIFT, IDENTICAL, DECLARED):
         p.notes.append(f"every resynced step agrees: {_resync_what(rs)}")
@@ -369,7 +369,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         p.notes.append(f"the resynced steps agree ({_resync_what(rs)}), but the verdict above stands")
 
 
-def _superseded(p: Pair) -> None:
+def drop_stat_advice(p: Pair) -> None:
     """The free-running verdict's INCONCLUSIVE reasons, kept as what the curves alone say, without their advice
     to use --stat (the shared-state comparison decided)."""
     for i, n in enumerate(p.notes):

@@ -25,6 +25,9 @@ def test_resync_points_every_k_steps_plus_the_divergent_steps():
     assert R.resync_points(300, 100) == [0, 100, 200]
     assert R.resync_points(300, 100, extra=[63, 64]) == [0, 63, 64, 100, 200]
     assert R.resync_points(300, 0, extra=[5, 6]) == [5, 6]
+    # a short run still gets MIN_POINTS points (the sequential test needs several)
+    assert R.resync_points(40, 25) == list(range(0, 40, 5)) and len(R.resync_points(40, 25)) == R.MIN_POINTS
+    assert R.resync_points(5, 25) == [0, 1, 2, 3, 4]
 
 
 def test_projection_is_the_relative_scale_of_the_deviation_whatever_the_sign():
