@@ -40,7 +40,7 @@ FLOOR = 3e-5
 # points a kind needs to be tested at all.
 SEQ_ALPHA = 0.01
 SEQ_MIN_POINTS = 3
-# the fewest resync points a run gets when it is long enough (resync_points)
+# the resync points of a run too short for SEQ_MIN_POINTS at the asked cadence (resync_points)
 MIN_POINTS = 8
 # a bias rounding can produce: two float32 implementations of one step differ systematically by a fraction
 # of a ULP to a few ULPs (a learning rate rounded to float32, bias corrections computed in another
@@ -53,12 +53,12 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
-    """The steps probed from the reference's state: every `every`-th step from 0 (0 = none), closer in a
-    short run so that it has at least MIN_POINTS (the sequential test needs several: a 40-step run at every
-    25 would have 2), and `extra` (the first divergent step and the one before it), only steps that have a
+    """The steps probed from the reference's state: every `every`-th step from 0 (0 = none); in a run too
+    short for the sequential test's SEQ_MIN_POINTS at that cadence (40 steps at every 25: 2), MIN_POINTS
+    points instead; and `extra` (the first divergent step and the one before it), only steps that have a
     batch (< steps). The replay job takes a step that has a checkpoint from it and re-trains to any other
     from the checkpoint before it (one pass: at most one run's steps, however many points)."""
-    if every > 0:
+    if every > 0 and len(range(0, steps, every)) < SEQ_MIN_POINTS:
         every = min(every, max(1, steps // MIN_POINTS))
     pts = list(range(0, steps, every)) if every > 0 else []
     return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
