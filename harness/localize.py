@@ -356,7 +356,8 @@ class Localizer:
     # ----------------------------------------------------------------------- the shared-state comparison
     def resync(self, pair, every: int, extra: list[int] | None = None) -> dict[str, Any]:
         """One step of the candidate from the reference's state at every resync point (every `every`-th
-        step, and the first divergent step of the training series and the one before it),
+        step, every evaluation step of the reference, and the first divergent step of the training series
+        and the one before it),
         against the reference there (computing the candidate's declared formulas when it declares emulated
         differences); `extra` replaces the divergent steps (compare passes every pair's, so that one reference
         job serves all candidates): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
@@ -374,7 +375,8 @@ class Localizer:
             return {"skipped": f"declared difference(s) {', '.join(chk['skipped_differences'])} not emulated "
                                f"({chk['skipped']}): no reference step to compare with"}
         steps = int(ref.manifest.get("hparams", {}).get("steps") or (int(ref.step[-1]) + 1))
-        at = R.resync_points(steps, every, divergent_steps(pair) if extra is None else extra)
+        evals = [int(t) for t in np.asarray(ref.eval_step)] if every > 0 else []   # the evaluation points too
+        at = R.resync_points(steps, every, list(divergent_steps(pair) if extra is None else extra) + evals)
         if not at:
             return {"skipped": f"no resync point (no checkpoint of {ref.name} with a step after it)"}
         try:
