@@ -23,7 +23,8 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness.compare import compare, render, write_outputs  # noqa: E402
+from harness.compare import compare  # noqa: E402
+from harness.compare_output import render, write_outputs  # noqa: E402
 from harness.envelope import compute  # noqa: E402
 from harness.runs import load_run  # noqa: E402
 

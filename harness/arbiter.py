@@ -28,7 +28,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .compare import BUG, Comparison, Pair, labels
+from .compare import Comparison
+from .compare_output import labels
+from .pair import BUG, Pair
 from .errors import BackendFailed, BadInput
 
 MARGIN = 3.0          # x the arbiter's own float32 RMS error at the key (Inductor: 2 for fp32; the probes use 3)

@@ -46,7 +46,7 @@ def decide(pair: Any, *, timeout: float | None = None, log: Callable[[str], None
     if mine is None:
         pair.notes.append("the automatic statistical comparison found no group of the candidate: INCONCLUSIVE stands")
         return
-    from .compare import drop_stat_advice
+    from .pair import drop_stat_advice
     was = pair.verdict
     pair.verdict = mine["verdict"]
     drop_stat_advice(pair)

@@ -96,7 +96,7 @@ def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
 def _write_groups(results, out_dir: Path, notes: list[str], steps_csv: bool | None, verbose: bool = False):
     """Several comparable groups in one results folder: each group's files in a folder of its own,
     out_dir/<reference run>/ (every comparison.json is one comparison, as the report reads them)."""
-    from .compare import render, write_outputs
+    from .compare_output import render, write_outputs
     paths, docs, texts = {}, [], []
     for c in results:
         c.notes += notes
@@ -123,7 +123,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     envelope runs; the candidates' resync and localization jobs). `auto_stat`: a pair left INCONCLUSIVE by
     framework-RNG dropout is decided over data-order seeds (harness/autostat.py; needs localize).
     Raises BadInput (nothing compared) or BackendFailed (an envelope or localization job failed)."""
-    from .compare import check_comparable, compare, render, write_outputs
+    from .compare import check_comparable, compare
+    from .compare_output import render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
     from .localize import Localizer
     from .progress import Activity
@@ -203,7 +204,7 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
                   log: Callable[[str], None] = stderr_line) -> CompareOutcome:
     """Statistical mode (`compare --stat`): groups of seeds, a Welch t-test per metric and step; the
     seeds not yet trained are trained first. Raises BadInput or BackendFailed."""
-    from .compare import write_outputs
+    from .compare_output import write_outputs
     from .runs import load_run
     from .stats import check_stat_comparable, ensure_seeds, render_stat, stat_compare
     folders, scanned, _ = _resolve(tuple(paths))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from .compare import odd_one_out_line, other_pairs_lines
+from .compare_output import odd_one_out_line, other_pairs_lines
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")

@@ -112,7 +112,7 @@ class StatComparison:
                 "exit_code": self.exit_code}
 
     def csv(self) -> str:
-        from .compare import to_csv
+        from .compare_output import to_csv
         fields = ["group", "reference_group", "metric", "step", "n_ref", "n", "mean_ref", "mean", "sd_ref", "sd",
                   "t", "df", "p", "d", "significant", "verdict", "forced"]
         rows = [dict(t, verdict=self.verdicts[t["group"]]["verdict"], forced=" | ".join(self.forced)) for t in self.tests]

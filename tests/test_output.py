@@ -125,7 +125,7 @@ def test_pairs_without_the_reference_are_one_line_when_they_agree_and_listed_wit
 
 
 def test_disagreeing_pairs_without_the_reference_are_each_listed():
-    from harness.compare import other_pairs_lines
+    from harness.compare_output import other_pairs_lines
     rows = [("a", "b", "DRIFT", None, 1.5), ("a", "c", "IDENTICAL", None, 0.0),
             ("b", "c", "DIFFER", {"step": 7, "series": "loss", "factor": 9.0}, 9.0)]
     lines = other_pairs_lines(rows, 6.0)

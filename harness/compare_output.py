@@ -1,0 +1,280 @@
+"""What a comparison writes and prints: comparison.json, comparison.csv, comparison-steps.csv (atomically,
+next to the runs or in --out) and the terminal table with its notes. Reads harness/compare.py's records."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .compare import Comparison, align
+from .files import atomic_write_text
+from .pair import BUG, DECLARED, DRIFT, IDENTICAL, Pair, fmt_factor
+from .runs import SERIES, Run
+
+# --------------------------------------------------------------------------- output
+def atomic_write(path: Path, text: str) -> None:
+    atomic_write_text(path, text)
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    if isinstance(x, (np.floating,)):
+        return _num(float(x))
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def jsonable(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {str(k): jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [jsonable(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return [jsonable(v) for v in o.tolist()]
+    return _num(o)
+
+
+CSV_FIELDS = ["reference", "candidate", "reference_backend", "candidate_backend", "with_reference", "verdict",
+              "first_step", "first_series", "factor", "deviation", "envelope", "reference_value", "candidate_value",
+              "reason", "also_diverging", "stage", "layer", "parameter", "probe", "localization_method",
+              "declared_differences", "saturated", "max_factor_inside", "notes", "forced",
+              "resync_points", "resync_agree", "resync_worst_key", "resync_worst_factor", "resync_sequential_p",
+              "resync_sequential_bias"]
+
+
+def pair_row(p: Pair, forced: list[str]) -> dict[str, Any]:
+    f = p.first or {}
+    loc = p.localization or {}
+    inside = max((c.max_ratio for c in p.checks.values() if math.isfinite(c.max_ratio)), default=0.0)
+    return {"reference": p.a.name, "candidate": p.b.name, "reference_backend": p.a.backend,
+            "candidate_backend": p.b.backend, "with_reference": p.with_reference, "verdict": p.verdict,
+            "first_step": f.get("step"), "first_series": f.get("series"), "factor": f.get("factor"),
+            "deviation": f.get("deviation"), "envelope": f.get("envelope"), "reference_value": f.get("a_value"),
+            "candidate_value": f.get("b_value"), "reason": f.get("reason"),
+            "also_diverging": " ".join(f.get("also", [])), "stage": loc.get("stage"), "layer": loc.get("layer"),
+            "parameter": loc.get("parameter"), "probe": loc.get("probe"), "localization_method": loc.get("method"),
+            "declared_differences": " ".join(p.declared),
+            "saturated": " ".join(f"{s}@{t}" for s, t in p.saturated.items()),
+            "max_factor_inside": inside, "notes": " | ".join(p.notes), "forced": " | ".join(forced),
+            **_resync_row(p.resync)}
+
+
+def _resync_row(rs: dict[str, Any] | None) -> dict[str, Any]:
+    """comparison.csv's resync columns (empty when it was not made)."""
+    if not rs or "points" not in rs or "per_point" not in rs:
+        return {}
+    w, seq = rs.get("worst") or {}, rs.get("sequential") or {}
+    return {"resync_points": rs["n"], "resync_agree": rs["agree"], "resync_worst_key": w.get("worst_key"),
+            "resync_worst_factor": w.get("worst_factor"), "resync_sequential_p": seq.get("min_p"),
+            "resync_sequential_bias": seq.get("bias")}
+
+
+def to_csv(rows: list[dict[str, Any]], fields: list[str]) -> str:
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k])) for k in fields})
+    return buf.getvalue()
+
+
+def steps_csv(c: Comparison) -> str:
+    """Every per-step number: reference value, raw spread, envelope, and each candidate's value and factor."""
+    import pandas as pd
+    frames = []
+    cand_pairs = [p for p in c.pairs if p.with_reference]
+    for s in SERIES:
+        e = c.envelope[s]
+        df = pd.DataFrame({"series": s, "step": e.grid, "reference": e.ref, "spread": e.raw, "envelope": e.env})
+        for p in cand_pairs:
+            g = p.b.grid(s)
+            idx = np.searchsorted(g, e.grid).clip(0, max(len(g) - 1, 0))
+            ok = (g[idx] == e.grid) if len(g) else np.zeros(len(e.grid), bool)
+            df[f"{p.b.name}:value"] = np.where(ok, p.b.values[s][idx] if len(g) else np.nan, np.nan)
+            r = p.checks[s].ratios
+            ie, _, _ = align(e.grid, p.a.grid(s), g)
+            col = np.full(len(e.grid), np.nan)
+            if r is not None:
+                col[ie] = r
+            df[f"{p.b.name}:factor"] = col
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True).to_csv(index=False, float_format=None)
+
+
+STEPS_CSV_AUTO_LIMIT = 100_000   # per-step rows written by default up to this many steps
+
+
+def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool | None = None) -> dict[str, Path]:
+    """comparison.json, comparison.csv and (by default for runs up to STEPS_CSV_AUTO_LIMIT steps)
+    comparison-steps.csv, each written atomically."""
+    out_dir = Path(out_dir)
+    paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
+    if isinstance(c, Comparison):
+        if per_step is None:
+            per_step = len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT
+            if not per_step:
+                c.notes.append(f"comparison-steps.csv not written ({len(c.reference.step)} steps; --steps-csv writes it)")
+        rows = [pair_row(p, c.forced) for p in c.pairs]
+        atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
+        if per_step:
+            paths["steps"] = out_dir / "comparison-steps.csv"
+            atomic_write(paths["steps"], steps_csv(c))
+    else:
+        atomic_write(paths["csv"], c.csv())
+    doc = jsonable(c.to_dict())
+    doc["files"] = {k: str(v) for k, v in paths.items()}
+    atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
+    return paths
+
+
+# --------------------------------------------------------------------------- the terminal table
+def labels(runs: list[Run]) -> dict[str, str]:
+    """Short names for the table: the parts of each folder name (split at '__') that not every run
+    shares, the backend first; the full name where that would be ambiguous."""
+    parts = {r.name: r.name.split("__") for r in runs}
+    common = set.intersection(*(set(p) for p in parts.values())) if runs else set()
+    out = {}
+    for r in runs:
+        rest = [x for x in parts[r.name] if x not in common and x != r.backend]
+        out[r.name] = " ".join([r.backend] + rest)
+    if len(set(out.values())) < len(out):
+        return {r.name: r.name for r in runs}
+    return out
+
+
+AGREE = (IDENTICAL, DRIFT)
+
+
+def odd_one_out_line(odd: dict[str, Any] | None, reference: str,
+                     label: Callable[[str], str]) -> tuple[bool, str] | None:
+    """The odd one out in words: (whether it is the reference, the sentence). A reference that every
+    other run disagrees with while they all agree points at the reference, not at the candidates its
+    pairs call BUG: that sentence must lead every output."""
+    if not odd:
+        return None
+    who = label(odd["run"])
+    if odd["run"] == reference:
+        return True, (f"The reference {who} is the odd one out: it disagrees with every other run, and they all "
+                      "agree with each other; the bug is most likely in the reference.")
+    return False, (f"odd one out: {who}: disagrees with every other run, and they all agree with each other; "
+                   f"the bug is most likely in {who}.")
+
+
+def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> str:
+    return f"{a} ~ {b}: {verdict}" + (f" from step {first['step']} ({first['series']}, {fmt_factor(first['factor'])})"
+                                      if first else "")
+
+
+def other_pairs_lines(rows: list[tuple[str, str, str, dict[str, Any] | None, float]], margin: float,
+                      verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
+    """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
+    inside): one line when they all agree (the answer is the table above), each disagreeing pair
+    listed, every pair with verbose."""
+    if not rows:
+        return []
+    head = f"pairs without the reference (margin x{margin:g})"
+    if verbose:
+        return [head + ":"] + ["  " + _pair_words(*r[:4]) for r in rows]
+    agree = [r for r in rows if r[2] in AGREE]
+    by = {v: sum(r[2] == v for r in agree) for v in AGREE}
+    counts = ", ".join(f"{n} {v}" for v, n in by.items() if n)
+    said = counts if sum(n > 0 for n in by.values()) == 1 else f"{len(agree)} agree: {counts}"
+    if len(agree) == len(rows):
+        inside = f"max {max(r[4] for r in agree):.2g}x of the envelope, " if by[DRIFT] else ""
+        return [f"pairs without the reference: all {said} ({inside}margin x{margin:g}{hint})"]
+    rest = [r for r in rows if r[2] not in AGREE]
+    return [f"{head}: " + (f"{said}; " if agree else "") + f"{len(rest)} do not:"] + [
+        "  " + _pair_words(*r[:4]) for r in rest]
+
+
+def _max_inside(p: Pair) -> float:
+    return max((x.max_ratio for x in p.checks.values() if math.isfinite(x.max_ratio)), default=0.0)
+
+
+def render(c: Comparison, verbose: bool = False) -> str:
+    """The terminal table. The odd one out leads when it is the reference; the pairs without the
+    reference follow the table as one line when they all agree (every pair with verbose)."""
+    lines = []
+    lab = labels(c.runs)
+    odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
+    if odd and odd[0]:
+        lines += [odd[1], ""]
+    for f in c.forced:
+        lines.append(f"FORCED: {f}")
+    r = c.rule
+    lines.append(f"reference: {c.reference.name} ({c.reference.backend})")
+    kinds = ", ".join(f"--perturb-ulp {m.perturb_ulp}" + (" --dtype float64" if m.options.get("dtype") == "float64" else "")
+                      for m in c.envelope_runs)
+    lines.append(f"envelope:  {len(c.envelope_runs)} {c.reference.backend} runs ({kinds})")
+    lines.append(f"rule:      exceed = |diff| > {r.margin:g} x max(spread, max over +-{r.window} steps; {r.ulps:g} float32 "
+                 f"ULP; {r.abs_floor:g}); divergence = 2 consecutive exceedances or > {r.max_isolated} isolated")
+    sat = {s: e.summary()["saturated_at_step"] for s, e in c.envelope.items() if e.saturated_at is not None}
+    if sat:
+        lines.append("saturated: " + ", ".join(f"{s} from step {t}" for s, t in sat.items()))
+    rows = []
+    for p in c.pairs:
+        if not p.with_reference:
+            continue
+        f = p.first or {}
+        loc = p.localization or {}
+        where = ""
+        if p.verdict in (BUG, DECLARED) and loc:
+            where = loc.get("summary", "")
+        elif p.verdict == DECLARED:
+            where = ", ".join(p.declared)
+        if p.verdict == DECLARED:
+            where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
+        rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
+                     f.get("series", "-"), fmt_factor(f.get("factor")) if p.first else f"max {_max_inside(p):.2g}x",
+                     where))
+    head = ("candidate", "verdict", "step", "series", "factor", "where")
+    widths = [max(len(h), *(len(rw[i]) for rw in rows)) if rows else len(h) for i, h in enumerate(head)]
+    widths[-1] = len(head[-1])
+    lines.append("")
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    for rw in rows:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(rw, widths)).rstrip())
+    for p in c.pairs:
+        if not p.with_reference:
+            continue
+        if p.first or p.notes:
+            lines.append("")
+            lines.append(f"{lab[p.b.name]}: {p.verdict}  ({p.b.name})")
+        if p.first:
+            f = p.first
+            if f["series"] == "batch_checksum":
+                lines.append(f"  step {f['step']}: batch checksum {f['b_value']} vs reference {f['a_value']}")
+            elif f["series"] in ("resync", "resync-sequential"):
+                lines.append("  the free-running curves stay inside the envelope; the shared-state step comparison "
+                             "disagrees" + (f" at step {f['step']}" if f.get("step") is not None else " (a bias)"))
+            else:
+                lines.append(f"  step {f['step']} {f['series']}: {f['b_value']!r} vs reference {f['a_value']!r}, "
+                             f"|diff| {f['deviation']:.3g} = {fmt_factor(f['factor'])} the envelope {f['envelope']:.3g} "
+                             f"({f['reason']})" + (f"; also diverging: {', '.join(f['also'])}" if f.get("also") else ""))
+        for line in (p.localization or {}).get("lines", []):
+            lines.append("  " + line)
+        for n in p.notes:
+            lines.append(f"  note: {n}")
+    others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first, _max_inside(p))
+              for p in c.pairs if not p.with_reference]
+    if others:
+        lines.append("")
+        lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose)
+    if odd and not odd[0]:
+        lines.append(odd[1])
+    for n in c.notes:
+        lines.append(f"note: {n}")
+    for f in c.forced:
+        lines.append(f"FORCED: {f}")
+    return "\n".join(lines)
+
+
+__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "to_csv", "jsonable",
+           "pair_row", "steps_csv"]

@@ -1,0 +1,102 @@
+"""The pair record the verdict rules fill in (harness/compare.py: the envelope and the localization;
+harness/resync_verdict.py: the shared-state step comparison; harness/autostat.py: seeds), the verdict
+names, and the small readings of a pair that several rules share."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .envelope import SeriesCheck
+from .runs import SERIES, Run, declared_records
+
+IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
+DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
+SERIES_ORDER = {s: i for i, s in enumerate(("batch_checksum",) + SERIES)}
+
+
+@dataclass
+class Pair:
+    a: Run                          # the reference (or, for pairs without it, the first run)
+    b: Run
+    with_reference: bool
+    checks: dict[str, SeriesCheck]
+    checksum_step: int | None       # first step whose batch checksums differ
+    steps: dict[str, Any]           # compared range and what was left out
+    verdict: str = DRIFT
+    first: dict[str, Any] | None = None
+    saturated: dict[str, int] = field(default_factory=dict)
+    declared: list[str] = field(default_factory=list)
+    localization: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    resync: dict[str, Any] | None = None   # the shared-state step comparison (harness/resync.py)
+    stat: dict[str, Any] | None = None     # the automatic statistical decision (harness/autostat.py)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reference": self.a.name, "candidate": self.b.name, "reference_backend": self.a.backend,
+                "candidate_backend": self.b.backend, "with_reference": self.with_reference,
+                "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
+                "declared_differences": self.declared, "checksum_first_difference_step": self.checksum_step,
+                "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
+                "localization": self.localization, "resync": resync_doc(self.resync), "stat": self.stat,
+                "notes": self.notes}
+
+
+
+def fmt_factor(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str) or (isinstance(x, float) and not math.isfinite(x)):   # comparison.json writes "inf"
+        return str(x) if isinstance(x, str) else "inf"
+    return f"{x:.3g}x"
+
+
+def resync_doc(rs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """comparison.json's resync section: the first disagreement's analysis reduced to its place."""
+    if rs is None:
+        return None
+    out = {k: v for k, v in rs.items() if k != "first_disagreement"}
+    fb = rs.get("first_disagreement")
+    if fb:
+        out["first_disagreement"] = {k: fb.get(k) for k in ("step", "stage", "layer", "parameter", "probe", "rel",
+                                                            "disagreeing_keys")}
+    return out
+
+
+def diverging_series(p: Pair) -> list[str]:
+    return [p.first["series"]] + list(p.first.get("also") or [])
+
+
+def not_moved(p: Pair, ids: list[str]) -> list[str]:
+    """The diverging series that none of the declared differences `ids` can move (their `series`)."""
+    recs = declared_records(p.a, p.b)
+    can = {s for i in ids for s in (recs.get(i) or {}).get("series", ())}
+    return [s for s in diverging_series(p) if s not in can]
+
+
+def not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
+    if p.first is None:
+        return []
+    return not_moved(p, ids)
+
+
+def drop_stat_advice(p: Pair) -> None:
+    """The free-running verdict's INCONCLUSIVE reasons, kept as what the curves alone say, without their advice
+    to use --stat (the shared-state comparison decided)."""
+    for i, n in enumerate(p.notes):
+        for tail in ("; compare seeds statistically (--stat)", "; decide with --stat", ", compare seeds with --stat"):
+            if n.endswith(tail):
+                p.notes[i] = "free-running curves alone: " + n[: -len(tail)]
+
+
+def change_of(chk: dict[str, Any]) -> str:
+    from .localize import change_text
+    return change_text(chk.get("change"))
+
+
+__all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
+           "resync_doc", "diverging_series", "not_moved", "not_moved_ids", "drop_stat_advice", "change_of"]

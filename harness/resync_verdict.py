@@ -1,0 +1,113 @@
+"""The shared-state step comparison's part of the verdict (harness/resync.py computes the comparison): a
+resynced step that disagrees, or a bias the sequential test finds, is BUG; free-running curves that
+leave the envelope while every resynced step agrees are DRIFT (or DECLARED, when the candidate's declared
+formula is what agrees). Rule and numbers: docs/verdict.md."""
+from __future__ import annotations
+
+from typing import Any
+
+from .pair import (BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice, fmt_factor,
+                   not_moved_ids)
+
+RESYNC_DRIFT = "trajectories diverged by accumulated rounding; every step agrees from a shared state"
+
+
+def resync_what(rs: dict[str, Any]) -> str:
+    w = rs.get("worst") or {}
+    seq = rs.get("sequential") or {}
+    return (f"{rs['n']} resynced steps {rs['points'][0]}..{rs['points'][-1]}; worst {w.get('worst_key')} at step "
+            f"{w.get('step')}, {fmt_factor(w.get('worst_factor'))} its calibrated tolerance; sequential test "
+            + (f"min p {seq['min_p']:.3g} >= {seq['threshold']:.3g}" if seq.get("min_p") is not None
+               else "not run (fewer than 3 points)"))
+
+
+def apply_resync(p: Pair, requested: bool) -> None:
+    """The shared-state step comparison's part of the verdict, after the free-running one (`resolve`).
+
+    BUG when a resynced step disagrees (localized from that step's probes) or the sequential test finds a
+    bias, whatever the free-running curves say (a late or subtle bug inside the envelope). When every
+    resynced step agrees: an INCONCLUSIVE pair (saturated envelope, an excess no probe reproduces) is DRIFT
+    ("trajectories diverged by accumulated rounding"), or DECLARED when the candidate declares emulated
+    differences and the plain reference disagrees with it at some resynced step while the emulating one
+    agrees everywhere. Without the comparison (not requested, skipped, a failed job) nothing is upgraded:
+    the note says what was not compared."""
+    rs = p.resync
+    if not p.with_reference:
+        return
+    if not requested or rs is None:
+        if p.verdict in (DRIFT, INCONCLUSIVE):   # first: the last note stays the verdict's own reason
+            p.notes.insert(0, "no shared-state step comparison (--no-localize or --resync-every 0): only the "
+                              "free-running curves were compared")
+        return
+    if "skipped" in rs or "error" in rs:
+        why = rs.get("skipped") or f"a resync job failed ({rs['error']})"
+        p.notes.append(f"shared-state step comparison not made: {why}"
+                       + ("; the free-running verdict stands" if p.verdict in (DRIFT, INCONCLUSIVE, DECLARED) else ""))
+        return
+    seq = rs["sequential"]
+    was = p.verdict
+    if not rs["agree"]:
+        from .localize import describe
+        fb = rs["first_disagreement"]
+        t = fb["step"]
+        worst = next(x for x in rs["per_point"] if x["step"] == t)
+        against = rs.get("against")
+        method = f"resync of step {t} from the reference's state" + (
+            f", against the reference computing the declared formula ({change_of({'change': against['change']})})"
+            if against else "")
+        if was != BUG or (p.localization or {}).get("stage") is None:
+            summary, lines = describe(fb, method)
+            keep = {k: (p.localization or {}).get(k) for k in ("declared_check", "replay") if (p.localization or {}).get(k)}
+            p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
+                                  lines=lines, **keep)
+        p.verdict = BUG
+        drop_stat_advice(p)
+        if p.first is None:
+            p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
+                       "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
+                       "probe": worst["worst_key"]}
+        p.notes.append(f"resynced step {t} disagrees: one step from the reference's state computes something else "
+                       f"({fb.get('probe') or worst['worst_key']}; worst {worst['worst_key']}, "
+                       f"{fmt_factor(worst['worst_factor'])} its calibrated tolerance; {rs['n']} resynced steps)"
+                       + (f"; the free-running verdict was {was}" if was != BUG else "")
+                       + (f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else ""))
+        return
+    if seq.get("bias") is not None:
+        kd = seq["bias"]
+        st = seq["kinds"][kd]
+        from .resync import STAGE_OF_KIND
+        p.verdict = BUG
+        drop_stat_advice(p)
+        line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
+                f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
+                f"{st['positive']} of {st['positive'] + st['negative']} positive)")
+        if was != BUG or (p.localization or {}).get("stage") is None:
+            p.localization = {"stage": STAGE_OF_KIND.get(kd, kd), "method": "sequential test over resynced steps",
+                              "layer": None, "parameter": None, "probe": kd, "summary": f"{STAGE_OF_KIND.get(kd, kd)}: "
+                              f"bias in {kd} (p {st['p']:.2g})", "lines": [line], "disagreeing_keys": []}
+        if p.first is None:
+            p.first = {"series": "resync-sequential", "factor": None, "reason": "bias", "a_value": None,
+                       "b_value": None, "deviation": None, "envelope": None, "also": [], "probe": kd}
+        p.notes.append(f"every resynced step is inside its tolerance, but the signed differences of the {kd} probes "
+                       f"keep one sign: p {st['p']:.3g} < {seq['threshold']:.3g} (Bonferroni over "
+                       f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
+                       + (f"; the free-running verdict was {was}" if was != BUG else ""))
+        return
+    against = rs.get("against")
+    if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):
+        p.verdict, p.declared = DECLARED, list(against["emulated"])
+        drop_stat_advice(p)
+        p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
+                       f"the declared formula agrees with the candidate at every resynced step, the plain reference "
+                       f"does not ({len(rs['evidence'])} probes); {resync_what(rs)}")
+    elif was == INCONCLUSIVE:
+        p.verdict = DRIFT
+        drop_stat_advice(p)
+        p.notes.append(f"{RESYNC_DRIFT} ({rs['n']} resynced steps): {resync_what(rs)}")
+    elif was in (DRIFT, IDENTICAL, DECLARED):
+        p.notes.append(f"every resynced step agrees: {resync_what(rs)}")
+    elif was == BUG:
+        p.notes.append(f"the resynced steps agree ({resync_what(rs)}), but the verdict above stands")
+
+
+__all__ = ["apply_resync", "resync_what", "RESYNC_DRIFT"]
