@@ -94,7 +94,7 @@ def drop_stat_advice(p: Pair) -> None:
 
 
 def change_of(chk: dict[str, Any]) -> str:
-    from .localize import change_text
+    from .probe_analysis import change_text
     return change_text(chk.get("change"))
 
 

@@ -153,7 +153,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     agree or not, the worst key and its factor over the tolerance, and the analysis of the first point that
     disagrees (stage, layer: Muffin's rule); the sequential test over every point; with `emulated`, the
     evidence (keys where the plain reference disagrees with the candidate). `analyse` is
-    harness.localize.analyse (passed in: localize imports this module)."""
+    harness.probe_analysis.analyse (passed in: localize imports this module)."""
     points, devs, evidence = [], [], []
     first_bad = None
     for t, pa, pb, p64, plain in rep["probes"]:

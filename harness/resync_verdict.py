@@ -47,7 +47,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
     seq = rs["sequential"]
     was = p.verdict
     if not rs["agree"]:
-        from .localize import describe
+        from .probe_analysis import describe
         fb = rs["first_disagreement"]
         t = fb["step"]
         worst = next(x for x in rs["per_point"] if x["step"] == t)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.localize import analyse, describe
+from harness.probe_analysis import analyse, describe
 
 LAYERS = ["conv1", "relu_1", "pool1", "conv2", "relu_2", "flatten_1", "fc1", "relu_3", "fc2"]
 PARAMS = ["conv1.kernel", "conv1.bias", "conv2.kernel", "conv2.bias", "fc1.kernel", "fc1.bias", "fc2.kernel", "fc2.bias"]
@@ -154,7 +154,8 @@ def test_unverified_declared_difference_is_set_aside_and_the_rest_localized():
 @pytest.mark.slow
 def test_replay_probes_later_steps_from_the_reference_state(results_root):
     """Two backend processes beyond the runs of test_compare (about 10 s): in the slow set."""
-    from harness.localize import Localizer, _layers
+    from harness.localize import Localizer
+    from harness.probe_analysis import spec_layers as _layers
     from harness.runs import load_run
 
     from .torch_runs import compare_root, run

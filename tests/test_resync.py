@@ -8,7 +8,7 @@ import pytest
 
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
-from harness.localize import analyse
+from harness.probe_analysis import analyse
 from harness.runs import load_run
 
 from .synthetic import SPEC, base_eval, base_series, write_run

@@ -1,0 +1,169 @@
+"""One probe comparison analysed: the stage (forward, loss, backward, optimizer, buffers, eval), the layer or
+parameter, per-layer errors with CRADLE's change rate, and the words that describe it. Pure: probes in,
+a dict out (harness/localize.py runs the jobs that make the probes)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import probes
+
+R_EPS = 1e-7   # CRADLE's denominator guard
+
+
+def spec_layers(man: dict[str, Any]) -> list[str]:
+    return [l["name"] for l in (man.get("spec") or {}).get("layers", [])]
+
+
+def param_layer(param: str) -> str:
+    return param.rsplit(".", 1)[0]
+
+
+def param_order(keys: list[str], prefix: str, layers: list[str], backward: bool) -> list[str]:
+    """Probe keys `prefix<param>` in layer order (reversed for backward), then anything else."""
+    rank = {l: i for i, l in enumerate(reversed(layers) if backward else layers)}
+    ks = [k for k in keys if k.startswith(prefix)]
+    return sorted(ks, key=lambda k: (rank.get(param_layer(k[len(prefix):]), len(rank)), ks.index(k)))
+
+
+def layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[str]) -> list[dict[str, Any]]:
+    """Per layer in the spec's order: the error of `prefix<layer>`, whether it and its input agree, and
+    CRADLE's change rate R."""
+    table, prev = [], 0.0
+    for name in layers:
+        d = diffs.get(f"{prefix}{name}")
+        if d is None:
+            continue
+        rel = d.rel
+        r = (rel - prev) / (prev + R_EPS)
+        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r,
+                      "input_ok": not table or table[-1]["ok"]})
+        prev = rel
+    return table
+
+
+def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
+            rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None,
+            margin: float = 3.0) -> dict[str, Any]:
+    """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
+    probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
+    of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
+    logits = f"forward/{layers[-1]}" if layers else None
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin, logits_key=logits)}
+    missing = probes.missing_keys(a, b)
+    out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
+                           "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
+    # forward, layer by layer, in the spec's order
+    table = layer_table(diffs, "forward/", layers)
+    out["layers"] = table
+    if table and not all(t["ok"] for t in table):   # CRADLE's suspect, when there is something to suspect
+        top = max(table, key=lambda t: t["R"] if np.isfinite(t["R"]) else np.inf)
+        out["max_R_layer"] = top["layer"]
+    grads = []
+    for k in param_order(list(diffs), "grad/", layers, backward=True):
+        d = diffs[k]
+        x, y = np.asarray(a[k], np.float64).ravel(), np.asarray(b[k], np.float64).ravel()
+        yy = float(y @ y)
+        scale = float(x @ y) / yy if yy > 0 and np.isfinite(yy) else float("nan")
+        resid = float(np.linalg.norm(x - scale * y) / max(np.linalg.norm(x), 1e-300)) if np.isfinite(scale) else float("nan")
+        grads.append({"parameter": k[5:], "rel": d.rel, "ok": d.ok, "scale": scale, "residual": resid})
+    out["gradients"] = grads
+    muffin = next((t for t in table if not t["ok"] and t["input_ok"]), None)
+    loss = diffs.get("loss")
+    bad_grads = [g for g in grads if not g["ok"]]
+    if muffin is not None:
+        out.update(stage="forward", layer=muffin["layer"], probe=f"forward/{muffin['layer']}", rel=muffin["rel"])
+    elif loss is not None and not loss.ok:
+        out.update(stage="loss", probe="loss", rel=loss.rel)
+    elif bad_grads:
+        g = bad_grads[0]
+        out.update(stage="backward", parameter=g["parameter"], layer=param_layer(g["parameter"]),
+                   probe=f"grad/{g['parameter']}", rel=g["rel"])
+        scales = [x["scale"] for x in grads if np.isfinite(x["scale"])]
+        if scales and all(x["residual"] < 1e-3 for x in grads) and max(scales) - min(scales) < 1e-3 * max(abs(s) for s in scales):
+            out["gradient_scale"] = float(np.mean(scales))
+    else:
+        steps = sorted({d.step for d in diffs.values() if d.kind in ("update", "buffer", "opt")})
+        for i in steps:
+            ups = [k for k in param_order(list(diffs), f"update{i}/", layers, False) if not diffs[k].ok]
+            bufs = [k for k in param_order(list(diffs), f"buffer{i}/", layers, False) if not diffs[k].ok]
+            opts = [k for k in diffs if k.startswith(f"opt{i}/") and not diffs[k].ok]
+            if bufs and not ups:   # running statistics: the forward pass of a normalisation layer
+                k = bufs[0]
+                out.update(stage="forward", layer=param_layer(k.split("/", 1)[1]), parameter=k.split("/", 1)[1],
+                           probe=k, rel=diffs[k].rel, note="running statistics")
+                break
+            if ups or opts:
+                k = (ups or opts)[0]
+                par = k.split("/", 1)[1]
+                out.update(stage="optimizer", probe=k, rel=diffs[k].rel, optimizer_step=i,
+                           parameter=par.split("/", 1)[-1] if k.startswith("opt") else par)
+                out["layer"] = param_layer(out["parameter"]) if "." in out["parameter"] else None
+                if not ups:
+                    out["note"] = "optimizer state only"
+                break
+    evals = layer_table(diffs, "eval/", layers)
+    if evals:
+        out["eval_layers"] = evals
+    bad_eval = next((t for t in evals if not t["ok"] and t["input_ok"]), None)
+    if out["stage"] is None and bad_eval is not None:   # training agrees; inference from the same state does not
+        out.update(stage="eval", layer=bad_eval["layer"], probe=f"eval/{bad_eval['layer']}", rel=bad_eval["rel"])
+    if out["stage"] is None and missing:
+        out.update(stage="probe-keys", probe=missing[0], note="a probe exists in one backend only")
+    out["diffs"] = [d.to_dict() for d in diffs.values()]
+    return out
+
+
+def agrees(res: dict[str, Any]) -> bool:
+    return res["stage"] is None and not res["disagreeing_keys"]
+
+
+def change_text(change: dict[str, Any] | None) -> str:
+    """How the reference was changed to compute declared formulas, for notes: 'fault a+b, devices 2'."""
+    return ", ".join(f"{k} {v}" for k, v in sorted((change or {}).items())) or "no change"
+
+
+def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
+    """A one-line summary and detail lines for the terminal."""
+    st = res.get("stage")
+    lines = []
+    if st is None:
+        return "", lines
+    if st == "forward" and res.get("note") != "running statistics":
+        s = f"forward, layer {res['layer']} (first layer whose input agrees and output does not, rel {res['rel']:.3g})"
+    elif st == "forward":
+        s = f"forward, layer {res['layer']} running statistics ({res['probe']}, rel {res['rel']:.3g})"
+    elif st == "loss":
+        s = f"loss (forward agrees, loss rel {res['rel']:.3g})"
+    elif st == "backward":
+        s = f"backward, parameter {res['parameter']} (first gradient to disagree in backward order, rel {res['rel']:.3g})"
+        if res.get("gradient_scale") is not None:
+            s += f"; every gradient is the reference's x {res['gradient_scale']:.6g}"
+    elif st == "eval":
+        s = (f"evaluation path, layer {res['layer']} (training agrees; the first layer whose inference-mode "
+             f"output disagrees from the same state, rel {res['rel']:.3g})")
+    elif st == "optimizer":
+        s = (f"optimizer update, parameter {res['parameter']} ({res['probe']}, rel {res['rel']:.3g}; "
+             f"gradients agree)")
+    else:
+        s = f"{st} ({res.get('probe')}" + (f"; {res['note']})" if res.get("note") else ")")
+    where = res.get("layer") if st in ("forward", "eval") else (res.get("parameter") or res.get("layer"))
+    summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
+    lines.append(f"localized by {method}: {s}")
+    table = res.get("eval_layers") if st == "eval" else res.get("layers")
+    if table:
+        lines.append("  layer            rel. error   R (change rate)  agrees" + ("   (inference mode)" if st == "eval" else ""))
+        for t in table:
+            lines.append(f"  {t['layer']:<16} {t['rel']:10.3g}   {t['R']:14.4g}  {'yes' if t['ok'] else 'NO'}")
+        if res.get("max_R_layer"):
+            lines.append(f"  largest R: {res['max_R_layer']}")
+    bad = [g for g in res.get("gradients", []) if not g["ok"]]
+    if bad:
+        lines.append("  gradients that disagree (backward order): "
+                     + ", ".join(f"{g['parameter']} rel {g['rel']:.3g}" for g in bad[:6])
+                     + (" ..." if len(bad) > 6 else ""))
+    return summary, lines
+
+
+__all__ = ["analyse", "describe", "change_text", "agrees", "spec_layers", "param_layer", "param_order", "layer_table"]
