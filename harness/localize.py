@@ -89,6 +89,10 @@ def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
+# seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity
+SENSITIVITY_SEEDS = (1, 2)
+
+
 class Localizer:
     """Runs and caches the probe and replay jobs of one comparison (under RESULTS/.localize)."""
 
@@ -166,6 +170,17 @@ class Localizer:
                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
             except BackendFailed as e:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
+        # the reference's own sensitivity at each state (params moved by one ULP, SENSITIVITY_SEEDS seeds): at a
+        # ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's rounding flips it
+        sens: dict[int, list[dict[str, np.ndarray]]] = {t: [] for t in at}
+        for seed in SENSITIVITY_SEEDS:
+            try:
+                sf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{tag}", "replay",
+                               {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
+                for i, t in enumerate(at):
+                    sens[t].append(load_npz(sf / f"probe-{i}.npz"))
+            except BackendFailed as e:
+                self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
         emu, emu64 = None, {}
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{_change_tag(change)}__{tag}", "replay",
@@ -192,7 +207,7 @@ class Localizer:
                 "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
-                "emulated64": emu64,
+                "emulated64": emu64, "sensitivity": sens,
                 "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz((emu or rf) / f"probe-{i}.npz"),
                             load_npz(r64 / f"probe-{i}.npz") if r64 else None,
                             load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
@@ -309,7 +324,8 @@ class Localizer:
                         if plain_b is not None:   # what the plain reference's step disagrees in: the evidence
                             chk["evidence"] += [f"step {t}: {k}" for k in
                                                 analyse(pa, plain_b, layers, ref64=p64)["disagreeing_keys"]]
-                        r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t))
+                        r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t),
+                                    nudged=(rep.get("sensitivity") or {}).get(t))
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state" + (
                                 f", against the reference computing the declared formula ({change_text(change)})"
@@ -318,7 +334,7 @@ class Localizer:
                             if chk.get("verified"):
                                 chk["agree"] = False
                             break
-                    res["replay"] = {k: v for k, v in rep.items() if k not in ("probes", "emulated64")}
+                    res["replay"] = {k: v for k, v in rep.items() if k not in ("probes", "emulated64", "sensitivity")}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
         if chk:
             res["declared_check"] = chk

@@ -45,12 +45,13 @@ def layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[st
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
             rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None,
-            margin: float = 3.0) -> dict[str, Any]:
+            margin: float = 3.0, nudged: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
     probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
     of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
     logits = f"forward/{layers[-1]}" if layers else None
-    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin, logits_key=logits)}
+    diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin, logits_key=logits,
+                                                          nudged=nudged)}
     missing = probes.missing_keys(a, b)
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}

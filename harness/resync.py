@@ -158,7 +158,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     first_bad = None
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
-        res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin)
+        res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
+                      nudged=(rep.get("sensitivity") or {}).get(t))
         worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
         agree = res["stage"] is None and not res["disagreeing_keys"]
         points.append({"step": int(t), "agree": agree, "disagreeing": len(res["disagreeing_keys"]),

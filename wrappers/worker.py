@@ -19,7 +19,7 @@ import numpy as np
 
 from algorithms import data as D
 from algorithms.optim import HParams
-from algorithms.params import load_npz, save_npz
+from algorithms.params import load_npz, perturb_ulp, save_npz
 from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
@@ -214,8 +214,14 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
             st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
             states[t] = f"state_{t:07d}.npz"
             save_npz(out_dir / states[t], st)
+    nudge = r.get("perturb_state_ulp")   # the reference's own sensitivity at each state: params moved 1 ULP
     for i, t in enumerate(at):
-        load(load_npz(out_dir / states[t]), t)   # an absolute path stays itself
+        state = load_npz(out_dir / states[t])   # an absolute path stays itself
+        if nudge is not None:
+            params, opt = split(state)
+            state = {**{f"param/{n}": v for n, v in perturb_ulp(params, int(nudge) * 1_000_003 + t).items()},
+                     **{f"opt/{n}": v for n, v in opt.items()}}
+        load(state, t)
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
         save_npz(out_dir / f"probe-{i}.npz", backend.probe(x, y, masks, start_step=t))
