@@ -124,10 +124,15 @@ class Seams:
         from .layout import same_pads
         return same_pads(layer, self.symmetric_padding)
 
-    def bn_params(self, options: dict) -> tuple[float, float]:
-        """(momentum in torch's convention, eps) of a batchnorm2d layer."""
+    def bn_params(self, options: dict, convention: str = "torch") -> tuple[float, float]:
+        """(momentum, eps) of a batchnorm2d layer, the momentum in the framework's convention: "torch"
+        (running = (1 - m) running + m stat, the spec's) or "keras" (running = M running + (1 - M) stat).
+        bn_momentum_flipped: one framework's momentum value copied into the other's convention."""
         mom = options["momentum"]
-        if self.fault == "bn_momentum_flipped":     # Keras' momentum copied into torch's convention
+        flipped = self.fault == "bn_momentum_flipped"
+        if convention == "keras":
+            mom = mom if flipped else 1.0 - mom
+        elif flipped:
             mom = 1.0 - mom
         return mom, KERAS_BN_EPS if self.fault == "bn_eps_keras" else options["eps"]
 

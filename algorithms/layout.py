@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .spec import LayerInfo, ModelSpec
 
@@ -158,3 +159,42 @@ def window_counts(h: int, w: int, k: int, s: int, pads: Pads) -> np.ndarray:
         return (np.minimum(start + k, size) - np.maximum(start, 0)).astype(np.float64)
     (t, b), (l, r) = pads
     return np.outer(axis(h, t, b), axis(w, l, r))
+
+
+# ----------------------------------------------------------------------------- NumPy windows (the arbiter's im2col)
+def pad_hw(x: np.ndarray, layer: LayerInfo, value: float) -> np.ndarray:
+    """An NHWC map padded by the layer's explicit padding with `value`."""
+    (t, b), (l, r) = layer.padding
+    if t == b == l == r == 0:
+        return x
+    return np.pad(x, ((0, 0), (t, b), (l, r), (0, 0)), constant_values=value)
+
+
+def windows(xp: np.ndarray, k: int, s: int, oh: int, ow: int) -> np.ndarray:
+    """(N, OH, OW, C, k, k) view of the k x k windows at stride s of a padded NHWC map."""
+    return sliding_window_view(xp, (k, k), axis=(1, 2))[:, ::s, ::s][:, :oh, :ow]
+
+
+def dilated_windows(xp: np.ndarray, k: int, s: int, d: int, oh: int, ow: int) -> np.ndarray:
+    """(N, OH, OW, C, k, k): the k x k taps, `d` pixels apart, of each window at stride s."""
+    if d == 1:
+        return windows(xp, k, s, oh, ow)
+    return windows(xp, (k - 1) * d + 1, s, oh, ow)[..., ::d, ::d]
+
+
+def scatter_windows(d: np.ndarray, k: int, s: int, padded_shape: tuple[int, ...], dilation: int = 1) -> np.ndarray:
+    """Adjoint of `windows` (`dilated_windows`): d (N, OH, OW, C, k, k) summed back into a zero padded map."""
+    out = np.zeros(padded_shape, d.dtype)
+    oh, ow = d.shape[1], d.shape[2]
+    for i in range(k):
+        for j in range(k):
+            a, b = i * dilation, j * dilation
+            out[:, a:a + s * (oh - 1) + 1:s, b:b + s * (ow - 1) + 1:s, :] += d[..., i, j]
+    return out
+
+
+def crop_padding(dxp: np.ndarray, layer: LayerInfo) -> np.ndarray:
+    """The adjoint of `pad_hw`: the layer's padding cropped off."""
+    (t, b), (l, r) = layer.padding
+    h, w = dxp.shape[1] - t - b, dxp.shape[2] - l - r
+    return dxp[:, t:t + h, l:l + w, :]
