@@ -32,9 +32,9 @@ from algorithms.spec import ModelSpec
 from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
 from . import JaxEntry
 from .layers import cross_entropy, forward, from_native, per_example_cross_entropy, to_native
-from .optim import (ADAM_STATE, _in, adam_hyperparams, export_state, keras_velocity, load_state, make_optimizer,
+from .optim import (ADAM_STATE, in_tuple, adam_hyperparams, export_state, keras_velocity, load_state, make_optimizer,
                     step_eps)
-from .parallel import DataParallel, _host
+from .parallel import DataParallel, host_value
 
 
 STEP_STATS = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")   # the step's vector, in order
@@ -111,7 +111,7 @@ class Lowering:
             hyper["eps"] = eps.astype(self.dtype)
             if "weight_decay" in hyper:
                 hyper["weight_decay"] = jnp.asarray(wd, self.dtype)
-            hyper = adam_hyperparams(hyper, otu.tree_get(opt_state, "count", filtering=_in(ADAM_STATE)), b1, b2)
+            hyper = adam_hyperparams(hyper, otu.tree_get(opt_state, "count", filtering=in_tuple(ADAM_STATE)), b1, b2)
         opt_state = opt_state._replace(hyperparams=hyper)
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -225,7 +225,7 @@ class JaxBackend(DataParallel, Backend):
                                     dtype=self.np_dtype, copy=True))
 
     def _canon(self, name: str, a: jax.Array) -> np.ndarray:
-        return from_native(self.model, name, np.array(_host(a), copy=True), self.permute)   # never a view of live state
+        return from_native(self.model, name, np.array(host_value(a), copy=True), self.permute)   # never a view of live state
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.params = self._place({n: self._to_jax(n, params[n]) for n in self.trainable})
@@ -239,7 +239,7 @@ class JaxBackend(DataParallel, Backend):
         return {q.name: out[q.name] for q in self.model.params}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
-        return export_state(self.opt_state, self.trainable, self._canon, self.has_momentum, self.is_adam, _host)
+        return export_state(self.opt_state, self.trainable, self._canon, self.has_momentum, self.is_adam, host_value)
 
     def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
         """The optimizer state exactly as given (absent entries start from zero), ready for `step`."""
@@ -268,7 +268,7 @@ class JaxBackend(DataParallel, Backend):
         self.params, self.buffers, self.opt_state, stats = self._step(
             self.params, self.buffers, self.opt_state, xb, yb, mb,
             self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))
-        s = np.asarray(jax.device_get(_host(stats)))
+        s = np.asarray(jax.device_get(host_value(stats)))
         reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None
         return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)
 
@@ -277,7 +277,7 @@ class JaxBackend(DataParallel, Backend):
         self.eval_calls += 1
         xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))
         loss, acc = self.lowering.eval(self.params, self.buffers, xe, ye, key)
-        return float(_host(loss)), float(_host(acc))
+        return float(host_value(loss)), float(host_value(acc))
 
     def _probe_key(self) -> jax.Array:
         return jax.random.fold_in(self.base_key, 0)
@@ -296,7 +296,7 @@ class JaxBackend(DataParallel, Backend):
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         xb, yb, mb = self._batch(x, y, masks)
         loss, grads = self.lowering.grads(self.params, self.buffers, xb, yb, mb, self._probe_key())
-        return float(_host(loss)), {n: self._canon(n, grads[n]) for n in self.trainable}
+        return float(host_value(loss)), {n: self._canon(n, grads[n]) for n in self.trainable}
 
 
 BACKEND = JaxBackend

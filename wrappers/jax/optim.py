@@ -48,7 +48,7 @@ def make_optimizer(hp: HParams, fault: str | None) -> optax.GradientTransformati
     )(learning_rate=hp.lr, eps=hp.eps, weight_decay=wd)
 
 
-def _in(tuple_name: str) -> Callable[[Any, Any], bool]:
+def in_tuple(tuple_name: str) -> Callable[[Any, Any], bool]:
     """optax.tree_utils filter: the field belongs to a NamedTuple called `tuple_name`."""
     return lambda path, _v: bool(path) and getattr(path[-1], "tuple_name", None) == tuple_name
 
@@ -124,7 +124,7 @@ def export_state(opt_state: Any, trainable: list[str], canon: Callable[[str, Any
         nu = otu.tree_get(opt_state, "nu")
         out.update({f"exp_avg/{n}": canon(n, mu[n]) for n in trainable})
         out.update({f"exp_avg_sq/{n}": canon(n, nu[n]) for n in trainable})
-        out["step"] = np.asarray(float(host(otu.tree_get(opt_state, "count", filtering=_in(ADAM_STATE)))))
+        out["step"] = np.asarray(float(host(otu.tree_get(opt_state, "count", filtering=in_tuple(ADAM_STATE)))))
     return out
 
 

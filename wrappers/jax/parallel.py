@@ -30,14 +30,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..base import Masks, UnsupportedError, shard_bounds
 
 
-def _host(a: Any) -> Any:
+def host_value(a: Any) -> Any:
     """A replicated array's value on this host (another host's devices are not addressable here)."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         return np.asarray(a.addressable_data(0))
     return a
 
 
-def _global(tree: Any, sharding: NamedSharding) -> Any:
+def global_array(tree: Any, sharding: NamedSharding) -> Any:
     """Multi-host: every process holds the whole value; each places the pieces its own devices hold."""
     def one(a):
         h = np.asarray(a)
@@ -104,7 +104,7 @@ class DataParallel:
         """Data parallel: replicated over the mesh (params, buffers, optimizer state)."""
         if self.mesh is None:
             return tree
-        return _global(tree, self.replicated) if self.multi else jax.device_put(tree, self.replicated)
+        return global_array(tree, self.replicated) if self.multi else jax.device_put(tree, self.replicated)
 
     def _batch(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[Any, Any, Any]:
         """The step's inputs: as they are on one device; data parallel, the replicas' shards
@@ -119,6 +119,6 @@ class DataParallel:
             idx = np.concatenate([np.arange(a, b) for a, b in shard_bounds(len(x), self.replicas, self.opts.fault)])
             x, y, m = x[idx], y[idx], {k: v[idx] for k, v in m.items()}
         if self.multi:
-            return _global((x, y, m), self.data_sharded)
+            return global_array((x, y, m), self.data_sharded)
         return jax.device_put((x, y, m), self.data_sharded)
 
