@@ -166,3 +166,76 @@ def check_fault(name: str | None) -> None:
     for part in sorted(parts(name)):
         if part not in FAULTS and part not in EMULATIONS and perturbation(part) is None:
             raise ValueError(f"unknown fault {part!r}; known: {', '.join(FAULTS)}")
+
+
+# --------------------------------------------------------------------------- the seams a wrapper applies faults at
+LABEL_SMOOTHING = 0.1      # the `label_smoothing` fault's smoothing
+KERAS_BN_EPS = 1e-3        # the `bn_eps_keras` fault's epsilon (Keras BatchNormalization's default)
+
+
+@dataclass(frozen=True)
+class Seams:
+    """The catalogued lowering faults read once from a run's fault value, as the named seams where a wrapper
+    applies them: the weight layout on load (`permute`), padding (`same_pads`), normalisation parameters
+    (`bn_params`), which bias a port dropped (`dropped_bias`), pooling size (`maxpool_ceil`), the loss
+    (`label_smoothing`), gradients (`grad_scale`) and evaluation mode (`eval_dropout`). A wrapper's `forward`
+    asks these and stays the clean lowering; the fault itself is one small transformation here."""
+    fault: str | None = None
+
+    @property
+    def permute(self) -> bool:
+        """False under flatten_no_permute: the first dense kernel after a flatten loaded in the other order."""
+        return self.fault != "flatten_no_permute"
+
+    @property
+    def symmetric_padding(self) -> bool:
+        return self.fault == "symmetric_same_padding"
+
+    def same_pads(self, layer):
+        """A 'same' layer's ((top, bottom), (left, right)) padding; under symmetric_same_padding k//2 on
+        every side where TF 'SAME' pads asymmetrically."""
+        from .layout import same_pads
+        return same_pads(layer, self.symmetric_padding)
+
+    def bn_params(self, options: dict, convention: str = "torch") -> tuple[float, float]:
+        """(momentum, eps) of a batchnorm2d layer, the momentum in the framework's convention: "torch"
+        (running = (1 - m) running + m stat, the spec's) or "keras" (running = M running + (1 - M) stat).
+        bn_momentum_flipped: one framework's momentum value copied into the other's convention."""
+        mom = options["momentum"]
+        flipped = self.fault == "bn_momentum_flipped"
+        if convention == "keras":
+            mom = mom if flipped else 1.0 - mom
+        elif flipped:
+            mom = 1.0 - mom
+        return mom, KERAS_BN_EPS if self.fault == "bn_eps_keras" else options["eps"]
+
+    def dropped_bias(self, model) -> str | None:
+        """missing_bias: the name of the first conv2d/dense layer with a bias, whose port dropped use_bias."""
+        if self.fault != "missing_bias":
+            return None
+        return next((l.name for l in model.layers if l.kind in ("conv2d", "dense") and l.spec.options.get("use_bias")),
+                    None)
+
+    @property
+    def maxpool_ceil(self) -> bool:
+        """A 'valid' max pool sized as torch's ceil_mode=True does."""
+        return self.fault == "maxpool_ceil"
+
+    @property
+    def label_smoothing(self) -> float:
+        return LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0
+
+    @property
+    def grad_scale(self) -> float:
+        """grad_double: every gradient counted twice (training and probes alike)."""
+        return 2.0 if self.fault == "grad_double" else 1.0
+
+    @property
+    def eval_dropout(self) -> bool:
+        """dropout_in_eval: the framework's random dropout left on in inference mode."""
+        return self.fault == "dropout_in_eval"
+
+    @property
+    def coupled_adamw(self) -> bool:
+        """l2_not_decoupled: adamw's weight decay coupled into the gradient (torch Adam(weight_decay=...))."""
+        return self.fault == "l2_not_decoupled"

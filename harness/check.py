@@ -32,7 +32,7 @@ def parse_faults(specs: tuple[str, ...], m: M.Matrix) -> dict[str, str]:
     for s in specs:
         b, sep, f = s.partition(":")
         if not sep or not b or not f:
-            raise BadInput(f"--fault {s!r}: expected BACKEND:FAULT (e.g. torch:flatten_no_permute)")
+            raise BadInput(f"--fault {s!r}: expected BACKEND:FAULT (e.g. BACKEND:flatten_no_permute, a name of `duipai backends`)")
         if b not in m.backends:
             raise BadInput(f"--fault {s!r}: backend {b!r} is not in matrix {m.name} ({', '.join(m.backends)})")
         if f not in FAULTS and perturbation(f) is None:

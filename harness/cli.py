@@ -24,8 +24,8 @@ def main() -> None:
     \b
     Typical use:
       duipai all                         every installed backend on the default model and data
-      duipai run -m cnn2d_hard -b jax    one run; results/<name>/{steps.csv,eval.csv,run.log,manifest.json}
-      duipai probe -b jax                step-0 forward/gradient/update probe vs torch
+      duipai run -m cnn2d_hard -b B      one run of backend B; results/<name>/{steps.csv,eval.csv,run.log,manifest.json}
+      duipai probe -b B                  step-0 forward/gradient/update probe vs the reference
       duipai models --show cnn2d_hard    the layers and inferred shapes of a model
     """
 

@@ -49,7 +49,7 @@ def run_fingerprint(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Readable differences: 'tensorflow 2.21.0 -> 2.22.0', 'cpu_flags +avx512f', ..."""
+    """Readable differences: '<framework> 2.21.0 -> 2.22.0', 'cpu_flags +avx512f', ..."""
     out = []
     for k in sorted(set(old) | set(new), key=str):
         a, b = old.get(k), new.get(k)

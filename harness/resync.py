@@ -19,7 +19,7 @@ key kind (forward, loss, gradients, updates, buffers, eval) the signed projectio
 deviation on the reference's tensor, in float32 ULPs, its median over the kind's keys at each point, is
 tested over the points for a mean beyond SEQ_DELTA ULPs (one-sample t-test; the sign test is reported
 next to it). BUG when p < SEQ_ALPHA / (kinds tested) (Bonferroni). A plain test of mean 0 is not enough:
-measured, a clean jax candidate's Adam updates differ from torch's by -0.6 ULP on average, consistently
+measured, a clean candidate's Adam updates differ from the reference's by -0.6 ULP on average, consistently
 (p 0.0004 over 30 points with a mean-0 test on deviations normalized by the projected rounding noise).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ SEQ_MIN_POINTS = 3
 MIN_POINTS = 8
 # a bias rounding can produce: two float32 implementations of one step differ systematically by a fraction
 # of a ULP to a few ULPs (a learning rate rounded to float32, bias corrections computed in another
-# precision); measured on clean pairs (jax, tensorflow vs torch, 30 points each), the mean over the points
+# precision); measured on two clean candidate backends against the reference (30 points each), the mean over the points
 # of a kind's per-point median reached 4.1 ULP (cnn2d_hard adamw gradients; docs/verdict.md). The test asks
 # whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
 SEQ_DELTA = 8.0

@@ -3,15 +3,15 @@
     from harness.testing import assert_matches_baseline, train
 
     def test_my_port_still_trains_the_same(tmp_path):
-        run = train(backend="jax", steps=20, out=tmp_path)          # or any duipai run folder
-        assert_matches_baseline(run, "tests/baselines/jax_20.json")
+        run = train(backend=NAME, steps=20, out=tmp_path)        # or any duipai run folder
+        assert_matches_baseline(run, "tests/baselines/my_port_20.json")
 
 or, with the pytest plugin (`pytest_plugins = ["harness.testing"]` in your root conftest.py), the
 `duipai_baseline` fixture keeps one baseline per test under `tests/baselines/` (ini option
 `duipai_baselines`) and `pytest --duipai-update-baselines` writes or rewrites them:
 
-    def test_torch_20_steps(tmp_path, duipai_baseline):
-        duipai_baseline(train(backend="torch", steps=20, out=tmp_path))
+    def test_reference_20_steps(tmp_path, duipai_baseline):
+        duipai_baseline(train(backend=REFERENCE, steps=20, out=tmp_path))
 
 The comparison is `duipai check`'s (harness/baseline_file.py, harness/exact_series.py): bitwise when the platform fingerprint and
 the run's framework versions, determinism switches and devices equal the baseline's, else the

@@ -22,7 +22,8 @@ from algorithms.params import init_params
 from algorithms.spec import INPUT, ModelSpec, build_model, load_model, model_names
 from wrappers.base import RunOptions
 from wrappers.numpy.backend import NumpyBackend
-from wrappers.numpy.layers import _pad, _windows, softmax_xent
+from algorithms.layout import pad_hw, windows
+from wrappers.numpy.layers import softmax_xent
 
 from .conftest import probes_for
 
@@ -66,7 +67,7 @@ def _smooth(b: NumpyBackend, x: np.ndarray, masks: dict[str, np.ndarray]) -> boo
         if layer.kind == "maxpool2d":
             k, s = layer.spec["pool"], layer.spec["stride"]
             oh, ow, _ = layer.out_shape
-            win = np.sort(_windows(_pad(prev, layer, -np.inf), k, s, oh, ow).reshape(*rec[layer.name].shape, k * k), -1)
+            win = np.sort(windows(pad_hw(prev, layer, -np.inf), k, s, oh, ow).reshape(*rec[layer.name].shape, k * k), -1)
             gap = win[..., -1] - win[..., -2]
             if np.any((gap < MARGIN) & (gap > 0)):
                 return False
@@ -96,7 +97,7 @@ def _kink_pattern(b: NumpyBackend, x: np.ndarray, masks: dict[str, np.ndarray]) 
         if layer.kind == "maxpool2d":
             k, s = layer.spec["pool"], layer.spec["stride"]
             oh, ow, _ = layer.out_shape
-            win = _windows(_pad(prev, layer, -np.inf), k, s, oh, ow).reshape(*rec[layer.name].shape, k * k)
+            win = windows(pad_hw(prev, layer, -np.inf), k, s, oh, ow).reshape(*rec[layer.name].shape, k * k)
             parts.append(win.argmax(-1).tobytes())
     return b"".join(parts)
 

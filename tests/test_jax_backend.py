@@ -343,7 +343,7 @@ def test_adam_bias_correction_is_exact_in_float32():
     import jax.numpy as jnp
     import optax
 
-    from wrappers.jax.backend import adam_hyperparams
+    from wrappers.jax.optim import adam_hyperparams
     b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 1e-2
     counts = np.array([0, 1, 9, 99, 999, 2999])
     c1 = 1 - b1 ** (counts + 1.0)

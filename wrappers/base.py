@@ -100,7 +100,7 @@ class Entry:
         """The files whose content determines this backend's numbers (for run cache keys)."""
         here = Path(__file__).resolve().parent
         pkg = here / cls.module.split(".")[1]
-        files = [here / "base.py", here / "worker.py", here / "__main__.py", *sorted(pkg.glob("*.py"))]
+        files = [here / "base.py", here / "worker.py", here / "__main__.py", *sorted(pkg.rglob("*.py"))]
         files += sorted((here.parent / "algorithms").glob("*.py"))
         return [str(f) for f in files]
 

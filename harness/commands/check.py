@@ -66,7 +66,7 @@ def check_cmd(matrix_file: str, baselines: Path, out: Path, jobs: int, reuse: bo
     Examples:
       duipai check -j 2                          the CI matrix against results/baselines/ci/
       duipai check --junit report.xml            and JUnit XML for the CI server
-      duipai check --fault jax:flatten_no_permute   a demonstration: exit 1, the BUG localized
+      duipai check --fault B:flatten_no_permute     a demonstration (backend B): exit 1, the BUG localized
       duipai check --update                      rerun, rewrite the baselines, print what changed
     """
     if update:

@@ -20,7 +20,7 @@ failed. The rule is in docs/verdict.md.
 \b
 Examples:
   duipai compare results/                       every comparable group of runs in a results folder
-  duipai compare results/A results/B results/C  these runs, reference torch
+  duipai compare results/A results/B results/C  these runs, against the reference backend
   duipai compare --stat --seeds 0,1,2,3,4 results/A results/B   Welch t-test over 5 seeds each
 """
 

@@ -13,8 +13,8 @@ from ..selftest import DRIFT_VARIANTS, registered_backends, run_selftest
 
 
 @click.command("selftest")
-@click.option("--reduced", is_flag=True, help="The CI version: torch only, 40 steps, 9 faults and 3 variants.")
-@click.option("--backends", default=None, help="Comma-separated backends (default: all six, or torch when reduced).")
+@click.option("--reduced", is_flag=True, help="The CI version: the reference backend only, 40 steps, 9 faults and 3 variants.")
+@click.option("--backends", default=None, help="Comma-separated backends (default: every registered one, or the reference when reduced).")
 @click.option("--faults", default=None,
               help="Comma-separated faults of `duipai faults` to inject (default: all, or the reduced set); "
                    "'none' for no fault.")
@@ -34,7 +34,7 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
 
     \b
     Would it catch my bug on my machine?
-      duipai selftest --backends jax --faults flatten_no_permute,maxpool_ceil --variants none -j 2"""
+      duipai selftest --backends B --faults flatten_no_permute,maxpool_ceil --variants none -j 2"""
     def names(text: str | None, known, what: str) -> tuple[str, ...] | None:
         if text is None:
             return None

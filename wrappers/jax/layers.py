@@ -14,63 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from algorithms.spec import INPUT, LayerInfo, ModelSpec
+from algorithms.faults import Seams
+from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, window_counts
+from algorithms.spec import INPUT, ModelSpec
 
 Params = dict[str, jax.Array]
 DN = ("NHWC", "HWIO", "NHWC")
 
 
-# ----------------------------------------------------------------------------- layouts
-def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
-    """perm[j] = the canonical (H, W, C) position of (C, H, W) flatten position j."""
-    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
-
-
-def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
-    lname, role = pname.rsplit(".", 1)
-    return next(l for l in model.layers if l.name == lname), role
-
-
-def to_internal(model: ModelSpec, name: str, a: np.ndarray, no_permute: bool = False) -> np.ndarray:
-    """Canonical -> the array the JAX forward uses. Identity unless `no_permute` (the fault) and
-    `name` is a dense kernel fed by a flatten: then row perm[j] of the internal kernel holds
-    canonical row j, i.e. the rows are consumed in (C, H, W) order, like an unpermuted port."""
-    if not no_permute:
-        return a
-    layer, role = _layer_of(model, name)
-    if role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
-        return a
-    out = np.empty_like(a)
-    out[flatten_perm(*layer.flattened_from)] = a
-    return out
-
-
-def from_internal(model: ModelSpec, name: str, a: np.ndarray, no_permute: bool = False) -> np.ndarray:
-    if not no_permute:
-        return a
-    layer, role = _layer_of(model, name)
-    if role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
-        return a
-    return a[flatten_perm(*layer.flattened_from)]
+# ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
+LAYOUT = CHANNELS_LAST
+to_native, from_native = converters(LAYOUT)
 
 
 # ----------------------------------------------------------------------------- helpers
-def _pads(layer: LayerInfo, symmetric: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
-    (t, b), (l, r) = layer.padding
-    if symmetric and (t != b or l != r):     # the fault: k//2 on every side, torch-style
-        k = layer.spec.options.get("kernel", layer.spec.options.get("pool"))
-        t = b = l = r = k // 2
-    return (t, b), (l, r)
-
-
-def _ceil_pool_pad(size: int, k: int, s: int) -> int:
-    """Bottom/right padding that makes a padding-0 pool produce torch's ceil_mode output size."""
-    out = -(-(size - k) // s) + 1
-    if (out - 1) * s >= size:                # torch: the last window must start inside the input
-        out -= 1
-    return max((out - 1) * s + k - size, 0)
-
-
 def _window(x: jax.Array, init: float, op, k: int, s: int, pads) -> jax.Array:
     """A pooling window; `init` is a Python scalar so that JAX sees a monoid (sum / max) and can differentiate."""
     (t, b), (l, r) = pads
@@ -79,12 +36,7 @@ def _window(x: jax.Array, init: float, op, k: int, s: int, pads) -> jax.Array:
 
 def _window_counts(h: int, w: int, k: int, s: int, pads) -> np.ndarray:
     """How many real (unpadded) pixels each pooling window covers, as a (1, OH, OW, 1) constant."""
-    def axis(size: int, lo: int, hi: int) -> np.ndarray:
-        n = (size + lo + hi - k) // s + 1
-        start = np.arange(n) * s - lo
-        return (np.minimum(start + k, size) - np.maximum(start, 0)).astype(np.float64)
-    (t, b), (l, r) = pads
-    return np.outer(axis(h, t, b), axis(w, l, r))[None, :, :, None]
+    return window_counts(h, w, k, s, pads)[None, :, :, None]
 
 
 def _dropout_native(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
@@ -103,7 +55,8 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
     (data-parallel replicas without synchronised BatchNorm); the running statistics are folded from
     group 0's (replica 0's, as DDP's buffer broadcast leaves them)."""
     new_buffers = dict(buffers)
-    skipped_bias = False
+    seams = Seams(fault)
+    no_bias = seams.dropped_bias(model)
     outs: dict[str, jax.Array] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
         o = layer.spec.options
@@ -115,29 +68,26 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
         elif k == "concat":
             x = jnp.concatenate([outs[src] for src in layer.inputs], axis=-1)     # NHWC: channels last
         elif k == "conv2d":
-            pads = _pads(layer, symmetric=(fault == "symmetric_same_padding")) if o["padding"] == "same" \
-                else ((0, 0), (0, 0))
+            pads = seams.same_pads(layer) if o["padding"] == "same" else ((0, 0), (0, 0))
             x = lax.conv_general_dilated(x, p[f"{layer.name}.kernel"], (o["stride"], o["stride"]), pads,
                                          rhs_dilation=(o["dilation"], o["dilation"]), dimension_numbers=DN,
                                          feature_group_count=o["groups"])
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = x + bias
         elif k == "maxpool2d":
             if o["padding"] == "same":
-                pads = _pads(layer)
-            elif fault == "maxpool_ceil":
+                pads = layer.padding
+            elif seams.maxpool_ceil:
                 h, w = x.shape[1], x.shape[2]
-                pads = ((0, _ceil_pool_pad(h, o["pool"], o["stride"])), (0, _ceil_pool_pad(w, o["pool"], o["stride"])))
+                pads = ((0, ceil_pool_pad(h, o["pool"], o["stride"])), (0, ceil_pool_pad(w, o["pool"], o["stride"])))
             else:
                 pads = ((0, 0), (0, 0))
             x = _window(x, -np.inf, lax.max, o["pool"], o["stride"], pads)
         elif k == "avgpool2d":
             if o["padding"] == "same":
                 # TF 'SAME' average: the padding is excluded from the count
-                pads = _pads(layer)
+                pads = layer.padding
                 num = _window(x, 0.0, lax.add, o["pool"], o["stride"], pads)
                 den = _window_counts(x.shape[1], x.shape[2], o["pool"], o["stride"], pads)
                 x = num / jnp.asarray(den, x.dtype)
@@ -163,10 +113,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             x = (x - mean) * lax.rsqrt(var + o["eps"]) * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"]
         elif k == "batchnorm2d":
-            mom = o["momentum"]
-            if fault == "bn_momentum_flipped":
-                mom = 1.0 - mom
-            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            mom, eps = seams.bn_params(o)
             gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]
             rm_key, rv_key = f"{layer.name}.running_mean", f"{layer.name}.running_var"
             if train and bn_groups > 1:
@@ -194,7 +141,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             rate = o["rate"]
             if train and not native_dropout and masks is not None:
                 x = x * masks[layer.name].astype(x.dtype) / (1.0 - rate)
-            elif (train or fault == "dropout_in_eval") and rate > 0:
+            elif (train or seams.eval_dropout) and rate > 0:
                 x = _dropout_native(x, rate, jax.random.fold_in(key, layer.index))
         elif k == "flatten":
             x = x.reshape(x.shape[0], -1)       # (H, W, C) order: the canonical one
@@ -202,9 +149,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             x = jnp.mean(x, axis=(1, 2))
         elif k == "dense":
             x = x @ p[f"{layer.name}.kernel"]
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = x + bias
         else:  # pragma: no cover - the spec validates kinds
@@ -234,4 +179,4 @@ def per_example_cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: 
     return nll
 
 
-__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_internal", "from_internal", "flatten_perm"]
+__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_native", "from_native", "LAYOUT"]

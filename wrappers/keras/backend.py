@@ -1,7 +1,7 @@
 """Keras 3 backend (one module for keras-tensorflow, keras-jax and keras-torch): the spec as a functional
-keras.Model of Keras layers (layers.py), keras.optimizers, a logits cross-entropy, trained by the
+keras.Model of Keras layers (layers.py), keras.optimizers (optim.py), a logits cross-entropy, trained by the
 model's own compiled train function around a custom `train_step` per Keras backend
-(train_step_<backend>.py), driven by that module's Stepper: keras-torch `train_on_batch`;
+(runtimes/<backend>.py, chosen once: `RT`), driven by that module's Stepper: keras-torch `train_on_batch`;
 keras-tensorflow the model's `train_function` as train_on_batch calls it; keras-jax `fit`'s way (the
 state kept as JAX arrays between steps, the model's `train_function` called per batch, the Keras
 variables written back only before an export, an evaluation, a probe or a load -- train_on_batch's
@@ -11,11 +11,7 @@ Conventions and conversions (canonical <-> Keras):
 * parameters: Keras layouts are the canonical ones; BatchNormalization(momentum = 1 - spec momentum,
   epsilon = spec eps). Keras stores the BIASED running variance: exported as stored
   (declared difference running_var_biased).
-* optimizer state: Keras SGD keeps the velocity v (v = mu v - lr_t g; p += v). The canonical
-  'momentum/<param>' is torch's buffer b (b = mu b + g; p -= lr_t b); we export b = -v / lr_t with lr_t
-  the (float32) learning rate of the last update, and load v = -b * lr_{step-1}. Equal to torch's b for
-  a constant lr; under a schedule the two recursions differ (declared difference keras_momentum_velocity).
-  Adam/AdamW: Keras' momentums/velocities are exp_avg/exp_avg_sq, 'step' = optimizer.iterations.
+* optimizer state: Keras' velocity as torch's momentum buffer (optim.py).
 * weight decay: Keras' weight_decay is decoupled, which is AdamW's; for sgd/momentum/nesterov/adam the
   reference is coupled L2, added to the gradient (g + wd * p) inside the train step; the reported loss
   and grad_norm are the DATA loss and its gradient (as torch reports them).
@@ -23,17 +19,16 @@ Conventions and conversions (canonical <-> Keras):
   or on keras-jax written into the optimizer state): a schedule never retraces.
 * dropout: harness masks live in a non-trainable variable of a small layer, set before each step.
 * data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow
-  tf.distribute.MirroredStrategy, both with the harness's contiguous shards (see train_step_jax.py and
-  train_step_tensorflow.py); keras-torch refuses (Keras has none on torch); --hosts is refused.
+  tf.distribute.MirroredStrategy, both with the harness's contiguous shards (parallel.py, runtimes/jax.py and
+  runtimes/tensorflow.py); keras-torch refuses (Keras has none on torch); --hosts is refused.
 * probes: forward_layers/gradients use model.stateless_call (BatchNorm's moving statistics untouched)
-  with the backend's own autodiff (train_step_<backend>.value_and_grad).
+  with the backend's own autodiff (runtimes/<backend>.value_and_grad).
 * float64: keras-tensorflow and keras-jax (jax_enable_x64 switched on before the model exists);
   refused on keras-torch, where Keras 3.15 computes float64 matmuls in float32.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import platform
 from typing import Any
@@ -48,15 +43,17 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
+from algorithms.faults import Seams  # noqa: E402
 from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import ModelSpec  # noqa: E402
 
 from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
 from ..registry import REGISTRY  # noqa: E402
-from .layers import from_keras_layout, lower, to_keras_layout, torch_avgpool_replicates  # noqa: E402
+from . import optim, runtimes  # noqa: E402
+from .layers import from_native, lower, to_native, torch_avgpool_replicates  # noqa: E402
 
 KBACKEND = keras.backend.backend()
-_ts = importlib.import_module(f".train_step_{KBACKEND}", __package__)
+RT = runtimes.current()          # this Keras backend's module: every per-backend difference is asked of it
 
 
 def batch_mean(loss_fn: keras.losses.Loss, y, logits):
@@ -86,7 +83,7 @@ class DuipaiModel(keras.Model):
     """A functional keras.Model whose `train_step` is the per-backend custom step; the helpers below
     are backend-neutral keras.ops code shared by the three steps."""
 
-    train_step = _ts.train_step
+    train_step = RT.train_step
 
     def configure(self, *, grad_scale: float, coupled_wd: float, replicas: int = 1, sum_replicas: bool = False,
                   wd_share: float = 1.0) -> None:
@@ -110,8 +107,7 @@ class DuipaiModel(keras.Model):
     def prepare_grads(self, grads, values, reduce=None):
         """(gradients the optimizer sees, norm of the data gradients); `reduce`: the replicas' sum of
         the gradients, for the norm, where the optimizer all-reduces them itself."""
-        if self.grad_scale != 1.0:    # fault grad_double
-            grads = [g * self.grad_scale for g in grads]
+        grads = self.fault_grads(grads)
         summed = grads if reduce is None else reduce(grads)
         grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in summed))
         if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p
@@ -119,27 +115,16 @@ class DuipaiModel(keras.Model):
             grads = [g + ops.cast(wd, g.dtype) * v for g, v in zip(grads, values)]
         return grads, grad_norm
 
+    def fault_grads(self, grads):
+        """The gradient seam, one for training and probes: grad_double counts every gradient twice."""
+        return [g * self.grad_scale for g in grads] if self.grad_scale != 1.0 else grads
+
     def step_logs(self, loss, logits, y, grad_norm, before, after):
         upd = ops.sqrt(sum(ops.sum(ops.square(a - b)) for a, b in zip(after, before)))
         pn = ops.sqrt(sum(ops.sum(ops.square(a)) for a in after))
         hit = ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), ops.cast(ops.convert_to_tensor(y), "int32"))
         return {"loss": loss, "accuracy": ops.mean(ops.cast(hit, "float32")), "grad_norm": grad_norm,
                 "update_norm": upd, "param_norm": pn}
-
-
-def make_optimizer(hp: HParams, fault: str | None) -> tuple[keras.optimizers.Optimizer, float]:
-    """The keras.optimizers optimizer, and the coupled-L2 coefficient the train step adds to the gradient."""
-    lr = float(hp.lr)
-    coupled = hp.weight_decay if (hp.optimizer != "adamw" or fault == "l2_not_decoupled") else 0.0
-    if hp.optimizer == "sgd":
-        return keras.optimizers.SGD(learning_rate=lr, momentum=0.0), coupled
-    if hp.optimizer in ("momentum", "nesterov"):
-        return keras.optimizers.SGD(learning_rate=lr, momentum=hp.momentum,
-                                    nesterov=hp.optimizer == "nesterov"), coupled
-    kw = dict(learning_rate=lr, beta_1=hp.beta1, beta_2=hp.beta2, epsilon=hp.eps)
-    if hp.optimizer == "adam" or fault == "l2_not_decoupled":
-        return keras.optimizers.Adam(**kw), coupled
-    return keras.optimizers.AdamW(weight_decay=hp.weight_decay, **kw), 0.0
 
 
 def _np(t) -> np.ndarray:
@@ -154,55 +139,51 @@ class KerasBackend(Backend):
         super().__init__(model, hp, opts)
         if opts.dtype not in ("float32", "float64"):
             raise UnsupportedError(f"keras-{KBACKEND}: dtype {opts.dtype!r} is not supported")
-        if opts.dtype == "float64" and KBACKEND == "torch":
-            # Keras 3.15's dtypes.result_type maps 64-bit to 32-bit (BIT64_TO_BIT32_DTYPE), and the torch
-            # backend's matmul casts to that result type: Dense would silently run in float32
-            raise UnsupportedError("keras-torch: float64 is not float64 in Keras 3.15 (ops.matmul computes "
-                                   "float64 inputs in float32 on the torch backend); use keras-tensorflow or keras-jax")
-        if opts.dtype == "float64" and KBACKEND == "jax":     # before any array exists (the model is built below)
-            import jax
-            jax.config.update("jax_enable_x64", True)
+        if opts.dtype == "float64":
+            if RT.FLOAT64_REFUSAL:
+                raise UnsupportedError(RT.FLOAT64_REFUSAL)
+            RT.enable_float64()          # before any array exists (the model is built below)
         # both: the global dtype policy, once created, no longer follows floatx (several backends per process)
         keras.config.set_floatx(opts.dtype)
         keras.config.set_dtype_policy(opts.dtype)
-        self._det = _ts.setup(opts.threads, opts.deterministic)
+        self._det = RT.setup(opts.threads, opts.deterministic)
         # data parallelism (before any Keras object: devices and the strategy / distribution come first)
-        self.par = _ts.make_parallel(self.replicas, self.hosts, self.sync_bn, opts.fault, opts.extra)
+        self.par = RT.make_parallel(self.replicas, self.hosts, self.sync_bn, opts.fault, opts.extra)
         keras.utils.set_random_seed(hp.seed)
-        self.permute = opts.fault != "flatten_no_permute"
+        self.seams = Seams(opts.fault)
+        self.permute = self.seams.permute
         with self.par.scope() if self.par else contextlib.nullcontext():
             self.low = lower(model, batch_size=hp.batch_size, fault=opts.fault,
                              native_dropout=opts.dropout == "native", seed=hp.seed,
-                             synchronized_bn=self.sync_bn and KBACKEND == "tensorflow")
+                             synchronized_bn=self.sync_bn and RT.SYNCHRONIZED_BN)
             self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
             self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
-            self.optimizer, coupled = make_optimizer(self.hp, opts.fault)
-            loss = (SmoothedSparseCrossentropy(model.num_classes, 0.1) if opts.fault == "label_smoothing"
-                    else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+            self.optimizer, coupled = optim.make_optimizer(self.hp, opts.fault)
+            loss = (SmoothedSparseCrossentropy(model.num_classes, self.seams.label_smoothing)
+                    if self.seams.label_smoothing else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
             self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-            self._jit = _ts.jit_options(opts.jit, opts.extra)
+            self._jit = RT.jit_options(opts.jit, opts.extra)
             self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
-            # TF: the replicas' gradients are summed by the optimizer, so each adds its share of the L2 term
-            self.net.configure(grad_scale=2.0 if opts.fault == "grad_double" else 1.0, coupled_wd=float(coupled),
+            # the replicas' gradients summed by the optimizer (TF): each adds its share of the L2 term
+            self.net.configure(grad_scale=self.seams.grad_scale, coupled_wd=float(coupled),
                                replicas=self.replicas, sum_replicas=opts.fault == "grad_sum_replicas",
-                               wd_share=1.0 / self.replicas if KBACKEND == "tensorflow" else 1.0)
+                               wd_share=1.0 / self.replicas if RT.REPLICA_GRADIENTS_SUMMED else 1.0)
             self.optimizer.build(self.net.trainable_variables)
-        if self.par is not None and KBACKEND == "tensorflow":
-            for layer in self.low.dropouts.values():     # each replica takes its rows of the (B, ...) mask
-                layer.select = self.par.mask_rows(hp.batch_size)
+        if self.par is not None:
+            self.par.attach_dropouts(self.low.dropouts, hp.batch_size)
         by_id = {id(v): n for n, v in self.low.variables.items()}
         self.trainable = [by_id[id(v)] for v in self.net.trainable_variables]
         assert sorted(self.trainable) == sorted(q.name for q in model.trainable), self.trainable
-        self.stepper = _ts.Stepper(self.net, self.optimizer, self.par)
+        self.stepper = RT.Stepper(self.net, self.optimizer, self.par)
         self.last_lr: np.float32 | None = None
 
     # ---- environment
     def versions(self) -> dict[str, str]:
-        return {"keras": keras.__version__, "keras_backend": KBACKEND, **_ts.versions(),
+        return {"keras": keras.__version__, "keras_backend": KBACKEND, **RT.versions(),
                 "python": platform.python_version(), "numpy": np.__version__}
 
     def devices(self) -> list[str]:
-        return self.par.devices if self.par is not None else _ts.devices()
+        return self.par.devices if self.par is not None else RT.devices()
 
     def parallel_info(self) -> dict[str, Any]:
         if self.par is None:
@@ -214,9 +195,7 @@ class KerasBackend(Backend):
                 "floatx": keras.config.floatx(), "jit_compile": bool(self.net.jit_compile),
                 "run_eagerly": bool(self.net.run_eagerly), "dropout": self.opts.dropout,
                 "lowering_notes": self.low.notes, **self._det,
-                **({"float64_note": "Keras' float64: the TF backend's ops.cast(python float, float64) goes through "
-                    "float32, so SGD momentum 0.9 acts as 0.89999998 (~3e-8 relative per momentum update)"}
-                   if self.opts.dtype == "float64" and KBACKEND == "tensorflow" else {})}
+                **({"float64_note": RT.FLOAT64_NOTE} if self.opts.dtype == "float64" and RT.FLOAT64_NOTE else {})}
 
     def declared_differences(self) -> list[str]:
         h, out = self.hp, []
@@ -225,12 +204,12 @@ class KerasBackend(Backend):
         if h.optimizer in ("momentum", "nesterov") and h.schedule != "constant":
             out.append("keras_momentum_velocity")
         # keras-torch: replicate padding of an asymmetric 'same' average pool, where it changes the numbers
-        if KBACKEND == "torch" and any(torch_avgpool_replicates(l) for l in self.model.layers):
+        if RT.AVGPOOL_SAME_REPLICATES and any(torch_avgpool_replicates(l) for l in self.model.layers):
             out.append("keras_torch_avgpool_same")
         if self.model.has("batchnorm2d"):
             out.append("running_var_biased")
             # keras-jax's DataParallel normalizes over the global batch (one GSPMD program): nothing to declare
-            if self.replicas > 1 and KBACKEND == "tensorflow" and not self.sync_bn:
+            if self.par is not None and self.par.per_replica_batchnorm:
                 out.append("per_replica_batchnorm")
         if self.model.has("dropout") and self.opts.dropout == "native":
             out.append("native_dropout_masks")
@@ -241,18 +220,15 @@ class KerasBackend(Backend):
         return self.low.variables[name]
 
     def _opt_slots(self, name: str) -> dict[str, Any]:
-        """canonical state kind -> the Keras optimizer variable of parameter `name`."""
-        o, v = self.optimizer, self._var(name)
-        i = o._get_variable_index(v)
-        if self.hp.optimizer in ("momentum", "nesterov"):
-            return {"momentum": o.momentums[i]}
-        if self.hp.optimizer in ("adam", "adamw"):
-            return {"exp_avg": o._momentums[i], "exp_avg_sq": o._velocities[i]}
-        return {}
+        return optim.slots(self.optimizer, self.hp, self._var(name))
+
+    def _per_replica(self) -> bool:
+        """Whether the strategy's replicas run their own programs (read, evaluate, record, differentiate apart)."""
+        return self.par is not None and self.par.replica_programs
 
     def _read(self, var) -> np.ndarray:
         """A variable's value (data parallel on TF: replica 0's component)."""
-        if self.par is not None and KBACKEND == "tensorflow":
+        if self._per_replica():
             return self.par.primary(var)
         return _np(var.value)
 
@@ -264,7 +240,7 @@ class KerasBackend(Backend):
         self._sync()
         for q in self.model.params:
             var = self._var(q.name)
-            var.assign(to_keras_layout(self.model, q.name, np.asarray(params[q.name]), self.permute).astype(var.dtype))
+            var.assign(to_native(self.model, q.name, np.asarray(params[q.name]), self.permute).astype(var.dtype))
         lr_var = self.optimizer._learning_rate
         for v in self.optimizer.variables:       # fresh optimizer state
             if v is not lr_var:
@@ -273,9 +249,9 @@ class KerasBackend(Backend):
 
     def export_params(self) -> dict[str, np.ndarray]:
         self._sync()
-        if self.par is not None and KBACKEND == "tensorflow":   # the mirrored parameters must not have diverged
+        if self._per_replica():   # the mirrored parameters must not have diverged
             self.par.check_in_sync({n: self._var(n) for n in self.trainable})
-        return {q.name: from_keras_layout(self.model, q.name, self._read(self._var(q.name)), self.permute)
+        return {q.name: from_native(self.model, q.name, self._read(self._var(q.name)), self.permute)
                 for q in self.model.params}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
@@ -286,10 +262,8 @@ class KerasBackend(Backend):
         out: dict[str, np.ndarray] = {}
         for n in self.trainable:
             for kind, slot in self._opt_slots(n).items():
-                a = self._read(slot)
-                if kind == "momentum":        # torch buffer b = -v / lr_t (lr_t: the last update's lr)
-                    a = (-a.astype(np.float64) / np.float64(self.last_lr)).astype(a.dtype)
-                out[f"{kind}/{n}"] = from_keras_layout(self.model, n, a, self.permute)
+                a = optim.to_canonical(kind, self._read(slot), self.last_lr)
+                out[f"{kind}/{n}"] = from_native(self.model, n, a, self.permute)
         if self.hp.optimizer in ("adam", "adamw"):
             out["step"] = np.asarray(float(it))
         return out
@@ -301,9 +275,8 @@ class KerasBackend(Backend):
             for kind, slot in self._opt_slots(n).items():
                 if f"{kind}/{n}" not in state:
                     continue
-                a = to_keras_layout(self.model, n, np.asarray(state[f"{kind}/{n}"]), self.permute)
-                if kind == "momentum":        # Keras velocity v = -lr_{step-1} * b
-                    a = -a.astype(np.float64) * np.float64(lr_prev)
+                a = optim.from_canonical(kind, to_native(self.model, n, np.asarray(state[f"{kind}/{n}"]), self.permute),
+                                         lr_prev)
                 slot.assign(a.astype(slot.dtype))
         it = int(float(state["step"])) if "step" in state else (step if state else 0)
         self.optimizer.iterations.assign(it)
@@ -348,7 +321,7 @@ class KerasBackend(Backend):
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         self._sync()
         x, y = self._xy(x, y)
-        if self.par is not None and KBACKEND == "tensorflow":
+        if self._per_replica():
             logits = self.par.predict(self.net, x)
         else:
             logits = _np(self.net.predict_on_batch(x))
@@ -364,21 +337,21 @@ class KerasBackend(Backend):
         self._sync()
         x, _, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
         self._set_masks(masks)
-        if self.par is not None and KBACKEND == "tensorflow":
+        if self._per_replica():
             return self._named(self.par.forward(self.recorder, self._xy(x)))
         return self._recorded(x, training=True)
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables)."""
         self._sync()
-        if self.par is not None and KBACKEND == "tensorflow":
+        if self._per_replica():
             return self._named(self.par.predict(self.recorder, self._xy(x)))
         return self._recorded(x, training=False)
 
     def _recorded(self, x: np.ndarray, training: bool) -> dict[str, np.ndarray]:
         """Every layer's output from one stateless pass of the recorder (no variable is written)."""
         tv, ntv = self._state_values(self.recorder)
-        with _ts.no_grad():
+        with RT.no_grad():
             outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=training)
         return self._named(outs)
 
@@ -391,7 +364,7 @@ class KerasBackend(Backend):
         x, y, masks = self._arrange(x, y, masks)
         self._set_masks(masks)
         x, y = self._xy(x, y)
-        if self.par is not None and KBACKEND == "tensorflow":
+        if self._per_replica():
             loss, grads = self.par.gradients(self.net, x, y)
         else:
             xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
@@ -405,10 +378,9 @@ class KerasBackend(Backend):
                     return ops.sum(net.replica_losses(yt, logits)), loss
                 return loss, loss
 
-            _, loss, grads = _ts.value_and_grad(fn, tv)
-        scale = self.net.grad_scale
-        return float(_np(loss)), {n: from_keras_layout(self.model, n, _np(g) * np.float32(scale), self.permute)
-                                  for n, g in zip(self.trainable, grads)}
+            _, loss, grads = RT.value_and_grad(fn, tv)
+        grads = self.net.fault_grads(list(grads))
+        return float(_np(loss)), {n: from_native(self.model, n, _np(g), self.permute) for n, g in zip(self.trainable, grads)}
 
 
 BACKEND = KerasBackend

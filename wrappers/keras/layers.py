@@ -7,48 +7,24 @@ change is the fault `flatten_no_permute`: the first dense kernel after a flatten
 rows were in torch's (C, H, W) order.
 
 Everything here is backend-neutral Keras (keras.layers, keras.ops, keras.random); the training
-step per Keras backend lives in train_step_<backend>.py.
+step per Keras backend lives in runtimes/<backend>.py.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
 
+from algorithms.faults import Seams
+from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, is_asymmetric
 from algorithms.spec import LayerInfo, ModelSpec
 
 
-# ----------------------------------------------------------------------------- layouts
-def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
-    """perm[j] = the canonical (H, W, C) row of a (C, H, W) flatten's position j (torch's order)."""
-    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
-
-
-def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
-    lname, role = pname.rsplit(".", 1)
-    return next(l for l in model.layers if l.name == lname), role
-
-
-def to_keras_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    """Canonical -> Keras. Identity, except under flatten_no_permute (permute=False): the kernel of a
-    dense layer fed by a flatten gets the canonical rows in (C, H, W) order, i.e. k_keras[perm] = k."""
-    layer, role = _layer_of(model, name)
-    if role != "kernel" or permute or not layer.flattened_from:
-        return a
-    out = np.empty_like(a)
-    out[flatten_perm(*layer.flattened_from)] = a
-    return out
-
-
-def from_keras_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    layer, role = _layer_of(model, name)
-    if role != "kernel" or permute or not layer.flattened_from:
-        return a
-    return a[flatten_perm(*layer.flattened_from)]
+# ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
+LAYOUT = CHANNELS_LAST
+to_native, from_native = converters(LAYOUT)
 
 
 # ----------------------------------------------------------------------------- custom layers
@@ -154,14 +130,6 @@ class Lowered:
     notes: list[str] = field(default_factory=list)
 
 
-def ceil_pool_pad(size: int, k: int, s: int) -> int:
-    """Extra bottom/right rows torch MaxPool2d(ceil_mode=True, padding=0) reads past a 'valid' pool."""
-    out = math.ceil((size - k) / s) + 1
-    if (out - 1) * s >= size:      # torch: the last window must start inside the input
-        out -= 1
-    return max((out - 1) * s + k - size, 0)
-
-
 def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropout: bool,
           seed: int, synchronized_bn: bool = False) -> Lowered:
     """The spec as Keras layers applied to a keras.Input; returns the symbolic graph and the
@@ -174,20 +142,19 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
     var_src: dict[str, tuple[Any, str]] = {}
     dropouts: dict[str, HarnessDropout] = {}
     notes: list[str] = []
-    skipped_bias = False
+    seams = Seams(fault)
+    no_bias = seams.dropped_bias(model)
     for layer in model.layers:
         o, k, n = layer.spec.options, layer.kind, layer.name
         if k in ("conv2d", "dense"):
             use_bias = o["use_bias"]
-            drop_bias = use_bias and fault == "missing_bias" and not skipped_bias
-            if drop_bias:
-                skipped_bias = True
+            drop_bias = n == no_bias
             if k == "conv2d":
                 padding = o["padding"]
-                (t, b), (l_, r) = layer.padding
-                if fault == "symmetric_same_padding" and padding == "same" and (t != b or l_ != r):
-                    p = o["kernel"] // 2          # torch-style k//2 on every side
-                    x = L.ZeroPadding2D(((p, p), (p, p)), name=f"{n}__sympad")(x)
+                if seams.symmetric_padding and padding == "same" and is_asymmetric(layer.padding):
+                    pads = seams.same_pads(layer)          # torch-style k//2 on every side
+                    p = pads[0][0]
+                    x = L.ZeroPadding2D(pads, name=f"{n}__sympad")(x)
                     padding = "valid"
                     notes.append(f"{n}: symmetric padding {p} + 'valid' (fault)")
                 kl = L.Conv2D(o["filters"], o["kernel"], strides=o["stride"], padding=padding,
@@ -207,7 +174,7 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
                 var_src[f"{n}.bias"] = (kl, "bias")
         elif k == "maxpool2d":
             padding = o["padding"]
-            if fault == "maxpool_ceil" and padding == "valid":
+            if seams.maxpool_ceil and padding == "valid":
                 h, w, _ = layer.in_shape
                 ph, pw = ceil_pool_pad(h, o["pool"], o["stride"]), ceil_pool_pad(w, o["pool"], o["stride"])
                 if ph or pw:
@@ -221,9 +188,7 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
         elif k == "tanh":
             x = L.Activation("tanh", name=n)(x)
         elif k == "batchnorm2d":
-            mom = o["momentum"]                       # torch convention: r = (1-m) r + m x
-            keras_mom = mom if fault == "bn_momentum_flipped" else 1.0 - mom   # Keras: r = M r + (1-M) x
-            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            keras_mom, eps = seams.bn_params(o, "keras")   # Keras: r = M r + (1-M) x
             bl = L.BatchNormalization(axis=-1, momentum=keras_mom, epsilon=eps, synchronized=synchronized_bn, name=n)
             x = bl(x)
             for role, attr in (("gamma", "gamma"), ("beta", "beta"), ("running_mean", "moving_mean"),
@@ -231,7 +196,7 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
                 var_src[f"{n}.{role}"] = (bl, attr)
         elif k == "dropout":
             dl = HarnessDropout(o["rate"], (batch_size, *layer.out_shape), native=native_dropout,
-                                eval_dropout=fault == "dropout_in_eval", seed=seed, name=n)
+                                eval_dropout=seams.eval_dropout, seed=seed, name=n)
             x = dl(x)
             dropouts[n] = dl
         elif k == "flatten":
@@ -247,5 +212,5 @@ def lower(model: ModelSpec, *, batch_size: int, fault: str | None, native_dropou
     return Lowered(inputs, x, outs, variables, dropouts, notes)
 
 
-__all__ = ["lower", "Lowered", "torch_avgpool_replicates", "HarnessDropout", "ConstantPad2D", "OrphanBias", "to_keras_layout",
-           "from_keras_layout", "flatten_perm", "ceil_pool_pad"]
+__all__ = ["lower", "Lowered", "torch_avgpool_replicates", "HarnessDropout", "ConstantPad2D", "OrphanBias", "to_native",
+           "from_native", "LAYOUT"]

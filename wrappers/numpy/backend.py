@@ -1,5 +1,5 @@
 """NumPy backend: layers.py's forward and hand-written backward, optim.py's reference optimizer, canonical
-layout throughout (nothing to permute), replicas simulated in-process with an explicit all-reduce."""
+layout throughout (nothing to permute), replicas simulated in-process with an explicit all-reduce (parallel.py)."""
 from __future__ import annotations
 
 import platform
@@ -10,10 +10,11 @@ import numpy as np
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, effective_step_for_lr, shard_bounds
+from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, effective_step_for_lr
 from . import NumpyEntry
 from .layers import backward, forward, softmax_xent
 from .optim import ReferenceOptimizer
+from .parallel import DataParallel, all_reduce, shards
 
 BUFFER_ROLES = ("running_mean", "running_var")
 
@@ -30,7 +31,7 @@ def _limit_blas_threads(n: int) -> int | None:
     return n
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(DataParallel, Backend):
     framework = "numpy"
     faults = NumpyEntry.faults
     layer_kinds = NumpyEntry.layer_kinds
@@ -66,21 +67,6 @@ class NumpyBackend(Backend):
             return ["per_replica_batchnorm"]
         return []
 
-    def parallel_info(self) -> dict[str, Any]:
-        if self.replicas == 1:
-            return super().parallel_info()
-        fault = self.opts.fault
-        shards = "every replica takes [0, B/N) (fault overlapping_shards)" if fault == "overlapping_shards" else \
-            "contiguous: replica r takes samples [r*B/N, (r+1)*B/N) of the global batch"
-        reduction = "sum of the replicas' mean-loss gradients (fault grad_sum_replicas)" if fault == "grad_sum_replicas" \
-            else "explicit all-reduce: the mean of the replicas' mean-loss gradients"
-        bn = "n/a (no BatchNorm)" if not self.model.has("batchnorm2d") else \
-            "all-reduced sums over the global batch" if self.sync_bn else \
-            "per replica; running statistics from replica 0's (as DDP's broadcast)"
-        return {"strategy": "replicas simulated in one process, layer by layer", "replicas": self.replicas,
-                "processes": 1, "sync_bn": self.sync_bn, "sharding": shards, "gradient_reduction": reduction,
-                "batchnorm_statistics": bn}
-
     # ---- state
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.p = {q.name: np.array(params[q.name], self.dtype) for q in self.model.params}
@@ -96,16 +82,11 @@ class NumpyBackend(Backend):
         self.opt.load(state)
 
     # ---- computation
-    def _shards(self, x: np.ndarray, masks: Masks) -> tuple[list[tuple[int, int]], list[np.ndarray], list[Masks]]:
-        bounds = shard_bounds(len(x), self.replicas, self.opts.fault) if self.replicas > 1 else [(0, len(x))]
-        xs = [np.asarray(x[lo:hi], self.dtype) for lo, hi in bounds]
-        return bounds, xs, [{k: v[lo:hi] for k, v in masks.items()} for lo, hi in bounds]
-
     def _grads(self, x: np.ndarray, y: np.ndarray, masks: Masks,
                update_running: bool) -> tuple[float, list[float], float, dict[str, np.ndarray]]:
         """(mean loss, replica losses, accuracy, all-reduced gradient): every replica's forward and
         backward on its shard, then the explicit reduction (mean; sum under grad_sum_replicas)."""
-        bounds, xs, ms = self._shards(x, masks)
+        bounds, xs, ms = shards(x, masks, self.replicas, self.opts.fault, self.dtype)
         p = self.p                   # update_running=False (a probe): the running buffers are left alone
         logits, caches = forward(self.model, p, xs, train=True, masks=ms, sync_bn=self.sync_bn,
                                  update_running=update_running)
@@ -116,9 +97,7 @@ class NumpyBackend(Backend):
             dlogits.append(dz)
             correct += int((pred == y[lo:hi]).sum())
         per_replica = backward(self.model, p, caches, dlogits, sync_bn=self.sync_bn)
-        scale = 1.0 if self.opts.fault == "grad_sum_replicas" else 1.0 / len(per_replica)
-        grads = {n: (sum(g[n] for g in per_replica) * scale if len(per_replica) > 1 else per_replica[0][n]).astype(self.dtype)
-                 for n in self.trainable}
+        grads = all_reduce(per_replica, self.trainable, self.opts.fault, self.dtype)
         return float(np.mean(losses)), losses, correct / len(x), grads
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
@@ -139,7 +118,7 @@ class NumpyBackend(Backend):
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
         """Training mode, every replica's shard, concatenated in replica order; running buffers untouched."""
-        _, xs, ms = self._shards(x, masks)
+        _, xs, ms = shards(x, masks, self.replicas, self.opts.fault, self.dtype)
         recs: list[dict[str, np.ndarray]] = [{} for _ in xs]
         forward(self.model, self.p, xs, train=True, masks=ms, sync_bn=self.sync_bn, record=recs)
         return {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}

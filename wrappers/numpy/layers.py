@@ -19,48 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
+from algorithms.layout import crop_padding, dilated_windows, pad_hw, scatter_windows, windows
 from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
+from .parallel import bn_backward, bn_moments
+
 Params = dict[str, np.ndarray]
-
-
-# ----------------------------------------------------------------------------- windows
-def _pad(x: np.ndarray, layer: LayerInfo, value: float) -> np.ndarray:
-    (t, b), (l, r) = layer.padding
-    if t == b == l == r == 0:
-        return x
-    return np.pad(x, ((0, 0), (t, b), (l, r), (0, 0)), constant_values=value)
-
-
-def _windows(xp: np.ndarray, k: int, s: int, oh: int, ow: int) -> np.ndarray:
-    """(N, OH, OW, C, k, k) view of the k x k windows at stride s of a padded NHWC map."""
-    return sliding_window_view(xp, (k, k), axis=(1, 2))[:, ::s, ::s][:, :oh, :ow]
-
-
-def _dilated_windows(xp: np.ndarray, k: int, s: int, d: int, oh: int, ow: int) -> np.ndarray:
-    """(N, OH, OW, C, k, k): the k x k taps, `d` pixels apart, of each window at stride s."""
-    if d == 1:
-        return _windows(xp, k, s, oh, ow)
-    return _windows(xp, (k - 1) * d + 1, s, oh, ow)[..., ::d, ::d]
-
-
-def _scatter(d: np.ndarray, k: int, s: int, padded_shape: tuple[int, ...], dilation: int = 1) -> np.ndarray:
-    """Adjoint of `_windows` (`_dilated_windows`): d (N, OH, OW, C, k, k) summed back into a zero padded map."""
-    out = np.zeros(padded_shape, d.dtype)
-    oh, ow = d.shape[1], d.shape[2]
-    for i in range(k):
-        for j in range(k):
-            a, b = i * dilation, j * dilation
-            out[:, a:a + s * (oh - 1) + 1:s, b:b + s * (ow - 1) + 1:s, :] += d[..., i, j]
-    return out
-
-
-def _crop(dxp: np.ndarray, layer: LayerInfo) -> np.ndarray:
-    (t, b), (l, r) = layer.padding
-    h, w = dxp.shape[1] - t - b, dxp.shape[2] - l - r
-    return dxp[:, t:t + h, l:l + w, :]
 
 
 # ----------------------------------------------------------------------------- conv2d
@@ -70,10 +34,10 @@ def conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[np.ndarr
         return grouped_conv2d_forward(layer, p, x)
     k, s = o["kernel"], o["stride"]
     oh, ow, co = layer.out_shape
-    xp = _pad(x, layer, 0.0)
+    xp = pad_hw(x, layer, 0.0)
     kern = p[f"{layer.name}.kernel"]                            # (k, k, C, O)
     # im2col: rows (n, oh, ow), columns (i, j, c) to match the kernel's (kH, kW, C) flattening
-    cols = _windows(xp, k, s, oh, ow).transpose(0, 1, 2, 4, 5, 3).reshape(-1, k * k * x.shape[3])
+    cols = windows(xp, k, s, oh, ow).transpose(0, 1, 2, 4, 5, 3).reshape(-1, k * k * x.shape[3])
     y = (cols @ kern.reshape(-1, co)).reshape(x.shape[0], oh, ow, co)
     if f"{layer.name}.bias" in p:
         y = y + p[f"{layer.name}.bias"]
@@ -93,7 +57,7 @@ def conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> 
     if f"{layer.name}.bias" in p:
         grads[f"{layer.name}.bias"] = d2.sum(axis=0)
     dcols = (d2 @ kern.reshape(-1, co).T).reshape(*dy.shape[:3], k, k, c).transpose(0, 1, 2, 5, 3, 4)
-    return _crop(_scatter(dcols, k, s, padded), layer), grads
+    return crop_padding(scatter_windows(dcols, k, s, padded), layer), grads
 
 
 def _group_kernels(kern: np.ndarray, g: int) -> np.ndarray:
@@ -109,8 +73,8 @@ def grouped_conv2d_forward(layer: LayerInfo, p: Params, x: np.ndarray) -> tuple[
     n, _, _, c = x.shape
     oh, ow, co = layer.out_shape
     cg = c // g
-    xp = _pad(x, layer, 0.0)
-    win = _dilated_windows(xp, k, s, d, oh, ow).reshape(n, oh, ow, g, cg, k, k)
+    xp = pad_hw(x, layer, 0.0)
+    win = dilated_windows(xp, k, s, d, oh, ow).reshape(n, oh, ow, g, cg, k, k)
     cols = win.transpose(3, 0, 1, 2, 5, 6, 4).reshape(g, n * oh * ow, k * k * cg)     # columns (i, j, c)
     kg = _group_kernels(p[f"{layer.name}.kernel"], g)
     y = np.matmul(cols, kg).transpose(1, 0, 2).reshape(n, oh, ow, co)
@@ -133,7 +97,7 @@ def grouped_conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndar
         grads[f"{layer.name}.bias"] = dy.reshape(-1, co).sum(axis=0)
     dcols = np.matmul(d2, _group_kernels(kern, g).transpose(0, 2, 1))             # (g, M, k*k*cg)
     dwin = dcols.reshape(g, n, oh, ow, k, k, cg).transpose(1, 2, 3, 0, 6, 4, 5).reshape(n, oh, ow, g * cg, k, k)
-    return _crop(_scatter(dwin, k, s, padded, d), layer), grads
+    return crop_padding(scatter_windows(dwin, k, s, padded, d), layer), grads
 
 
 # ----------------------------------------------------------------------------- element-wise and layernorm
@@ -234,8 +198,8 @@ def maxpool_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
     o = layer.spec.options
     k, s = o["pool"], o["stride"]
     oh, ow, _ = layer.out_shape
-    xp = _pad(x, layer, -np.inf)
-    win = _windows(xp, k, s, oh, ow).reshape(x.shape[0], oh, ow, x.shape[3], k * k)
+    xp = pad_hw(x, layer, -np.inf)
+    win = windows(xp, k, s, oh, ow).reshape(x.shape[0], oh, ow, x.shape[3], k * k)
     arg = win.argmax(axis=-1)                                   # the first maximum, row-major in the window
     y = np.take_along_axis(win, arg[..., None], axis=-1)[..., 0]
     return y, (arg, xp.shape)
@@ -245,69 +209,38 @@ def maxpool_backward(layer: LayerInfo, cache: Any, dy: np.ndarray) -> np.ndarray
     arg, padded = cache
     k, s = layer.spec["pool"], layer.spec["stride"]
     hit = (arg[..., None] == np.arange(k * k)).reshape(*arg.shape, k, k)
-    return _crop(_scatter(hit * dy[..., None, None], k, s, padded), layer)
+    return crop_padding(scatter_windows(hit * dy[..., None, None], k, s, padded), layer)
 
 
 def _avg_count(layer: LayerInfo, x_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """Real (unpadded) pixels per window, (1, OH, OW, 1): 'same' average pooling excludes the padding."""
     k, s = layer.spec["pool"], layer.spec["stride"]
     oh, ow, _ = layer.out_shape
-    ones = _pad(np.ones((1, x_shape[1], x_shape[2], 1), dtype), layer, 0.0)
-    return _windows(ones, k, s, oh, ow).sum(axis=(-2, -1))
+    ones = pad_hw(np.ones((1, x_shape[1], x_shape[2], 1), dtype), layer, 0.0)
+    return windows(ones, k, s, oh, ow).sum(axis=(-2, -1))
 
 
 def avgpool_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
     k, s = layer.spec["pool"], layer.spec["stride"]
     oh, ow, _ = layer.out_shape
-    xp = _pad(x, layer, 0.0)
+    xp = pad_hw(x, layer, 0.0)
     count = _avg_count(layer, x.shape, x.dtype)
-    return _windows(xp, k, s, oh, ow).sum(axis=(-2, -1)) / count, (count, xp.shape)
+    return windows(xp, k, s, oh, ow).sum(axis=(-2, -1)) / count, (count, xp.shape)
 
 
 def avgpool_backward(layer: LayerInfo, cache: Any, dy: np.ndarray) -> np.ndarray:
     count, padded = cache
     k, s = layer.spec["pool"], layer.spec["stride"]
     d = np.broadcast_to((dy / count)[..., None, None], (*dy.shape, k, k))
-    return _crop(_scatter(d, k, s, padded), layer)
+    return crop_padding(scatter_windows(d, k, s, padded), layer)
 
 
 # ----------------------------------------------------------------------------- batchnorm
-def bn_moments(xs: list[np.ndarray], sync: bool) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """(mean, biased var, count) per replica: over its own shard, or over every shard (sync: the
-    explicit all-reduce of the per-replica sums, then of the squared deviations)."""
-    if not sync:
-        out = []
-        for x in xs:
-            m = x.mean(axis=(0, 1, 2))
-            out.append((m, ((x - m) ** 2).mean(axis=(0, 1, 2)), x.shape[0] * x.shape[1] * x.shape[2]))
-        return out
-    n = sum(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
-    mean = sum(x.sum(axis=(0, 1, 2)) for x in xs) / n
-    var = sum(((x - mean) ** 2).sum(axis=(0, 1, 2)) for x in xs) / n
-    return [(mean, var, n)] * len(xs)
-
-
 def bn_apply(layer: LayerInfo, p: Params, x: np.ndarray, mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, Any]:
     eps = layer.spec["eps"]
     inv = 1.0 / np.sqrt(var + eps)
     xhat = (x - mean) * inv
     return xhat * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"], (xhat, inv)
-
-
-def bn_backward(layer: LayerInfo, p: Params, caches: list[Any], dys: list[np.ndarray], ns: list[int],
-                sync: bool) -> tuple[list[np.ndarray], list[Params]]:
-    """Training-mode BatchNorm backward per replica: dx = inv/n (n dxhat - sum dxhat - xhat sum(dxhat xhat)),
-    the sums over the replica's shard or (sync) all-reduced over every replica."""
-    gamma = p[f"{layer.name}.gamma"]
-    s1 = [(dy * gamma).sum(axis=(0, 1, 2)) for dy in dys]
-    s2 = [(dy * gamma * c[0]).sum(axis=(0, 1, 2)) for dy, c in zip(dys, caches)]
-    if sync:
-        s1, s2 = [sum(s1)] * len(dys), [sum(s2)] * len(dys)
-    dxs, grads = [], []
-    for dy, (xhat, inv), a, b, n in zip(dys, caches, s1, s2, ns):
-        dxs.append(inv / n * (n * dy * gamma - a - xhat * b))
-        grads.append({f"{layer.name}.gamma": (dy * xhat).sum(axis=(0, 1, 2)), f"{layer.name}.beta": dy.sum(axis=(0, 1, 2))})
-    return dxs, grads
 
 
 def bn_running(layer: LayerInfo, p: Params, mean: np.ndarray, var: np.ndarray, n: int) -> None:

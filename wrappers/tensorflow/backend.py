@@ -2,28 +2,14 @@
 one tf.function training step (XLA with `extra={'xla': True}`, eager with `jit=False`), and TF's own
 training kernels applied to the variables' handles:
 
-  sgd       ResourceApplyGradientDescent
-  momentum  ResourceApplyMomentum                   accum = mu*accum + g; var -= lr*accum (torch's buffer)
-  nesterov  ResourceApplyMomentum(use_nesterov)     var -= lr*(g + mu*accum)
-  adam(w)   ResourceApplyAdam                       'epsilon hat' form, made the reference (see below)
+(optim.py: the kernels, their per-step scalars and the optimizer faults applied there).
 
-ResourceApplyAdam computes  var -= lr*sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps_k).  The reference
-(torch) is  var -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps); multiplying numerator and denominator
-by sqrt(1-b2^t) gives  lr*sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps*sqrt(1-b2^t)):  the kernel computes
-the reference exactly when fed  eps_k = eps * sqrt(1 - b2^t),  which this backend does every step, so no
-difference needs declaring. The fault `adam_eps_hat` feeds the plain eps instead.
-
-Weight decay: coupled L2 (grad + wd*var before the kernel) for sgd/momentum/nesterov/adam; adamw is
-decoupled: var *= (1 - lr*wd), then the Adam kernel. The learning rate (and every per-step scalar)
-enters the compiled step as a tensor, so the step is traced once.
-
-Data parallelism (`--devices N`, `--hosts H`) is parallel.py: constructing a TensorflowBackend with
-devices > 1 or hosts > 1 gives a ParallelTensorflowBackend (tf.distribute). The single-device step
-here is left exactly as it was; the parallel one reuses its forward, loss and training kernels.
+Data parallelism (`--devices N`, `--hosts H`) is parallel.py (tf.distribute): constructing a TensorflowBackend
+with devices > 1 or hosts > 1 gives a ParallelTensorflowBackend, the DataParallel mixin over this class. The
+single-device step here is left exactly as it was; the parallel one reuses its forward, loss and training kernels.
 """
 from __future__ import annotations
 
-import math
 import os
 import platform
 from typing import Any
@@ -35,25 +21,13 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
+from algorithms.faults import Seams
+
 from ..base import DP_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError
 from . import TensorflowEntry
-from .layers import BUFFER_ROLES, LABEL_SMOOTHING, cross_entropy, forward, from_tf_layout, to_tf_layout
-
-# indices of the per-step scalars fed to the step as one tensor
-LR, EPS, B1P, B2P, MOM_SCALE, DECAY = range(6)
-
-
-def flat(tensors: list[tf.Tensor]) -> tf.Tensor:
-    """The tensors flattened into one vector, in order (a new tensor: a snapshot of variables' reads)."""
-    return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-
-
-def update_and_param_norm(before: tf.Tensor, after: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
-    """(|after - before|, |after|) of the flattened parameters. One subtraction of the flat vectors is
-    the concatenation of the per-parameter differences element by element: the same bits, fewer ops."""
-    a = flat(after)
-    return tf.norm(a - before), tf.norm(a)
-
+from .layers import cross_entropy, forward, from_native, to_native
+from .optim import NativeOptimizer, flat, update_and_param_norm
+from .parallel import DataParallel
 
 def _pin_threads(n: int) -> None:
     """Pin TF's thread pools; possible only before the runtime starts (a second backend in the same
@@ -86,14 +60,13 @@ def _outside_op_determinism(fn):
     return call
 
 
-class TensorflowBackend(Backend):
+class TensorflowBackend(NativeOptimizer, Backend):
     framework = "tensorflow"
     faults = TensorflowEntry.faults
     PARALLEL_FAULTS = DP_FAULTS
 
     def __new__(cls, model: ModelSpec, hp: HParams, opts: RunOptions):
         if cls is TensorflowBackend and (opts.devices != 1 or int(opts.extra.get("hosts", 1)) != 1):
-            from .parallel import ParallelTensorflowBackend
             cls = ParallelTensorflowBackend
         return super().__new__(cls)
 
@@ -124,21 +97,18 @@ class TensorflowBackend(Backend):
         self.dtype = tf.float64 if opts.dtype == "float64" else tf.float32
         self.np_dtype = np.float64 if opts.dtype == "float64" else np.float32
         self.fault = opts.fault
-        self.permute = opts.fault != "flatten_no_permute"
+        self.seams = Seams(opts.fault)
+        self.permute = self.seams.permute
         self.native_dropout = opts.dropout == "native"
         self.trainable: list[str] = [q.name for q in model.trainable]
         h = self.hp
         self.adam = h.optimizer in ("adam", "adamw")
-        self.decoupled = h.optimizer == "adamw" and opts.fault != "l2_not_decoupled"
+        self.decoupled = h.optimizer == "adamw" and not self.seams.coupled_adamw
         with self._variable_scope():
             self.v: dict[str, tf.Variable] = {
                 q.name: tf.Variable(tf.zeros(q.shape, self.dtype), trainable=q.trainable,
                                     name=q.name.replace(".", "/")) for q in model.params}
-            slots = {"momentum": ("momentum",), "nesterov": ("momentum",),
-                     "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}.get(h.optimizer, ())
-            self.slots: dict[str, dict[str, tf.Variable]] = {
-                s: {n: tf.Variable(tf.zeros_like(self.v[n]), trainable=False, name=f"{s}/{n.replace('.', '/')}")
-                    for n in self.trainable} for s in slots}
+            self._make_slots()
         self.t = 0                  # Adam's step count
         self.has_state = False      # torch creates optimizer state at the first step: export nothing before
         self.prev_lr: float | None = None
@@ -193,10 +163,10 @@ class TensorflowBackend(Backend):
 
     # ---- state
     def _canon(self, name: str, a: np.ndarray) -> np.ndarray:
-        return from_tf_layout(self.model, name, a, self.permute)
+        return from_native(self.model, name, a, self.permute)
 
     def _native(self, name: str, a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(to_tf_layout(self.model, name, np.asarray(a), self.permute), self.np_dtype)
+        return np.ascontiguousarray(to_native(self.model, name, np.asarray(a), self.permute), self.np_dtype)
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         for q in self.model.params:
@@ -209,24 +179,6 @@ class TensorflowBackend(Backend):
     def export_params(self) -> dict[str, np.ndarray]:
         return {n: self._canon(n, v.numpy()) for n, v in self.v.items()}
 
-    def export_opt_state(self) -> dict[str, np.ndarray]:
-        if not self.has_state:
-            return {}
-        out = {f"{s}/{n}": self._canon(n, var.numpy()) for s, slot in self.slots.items() for n, var in slot.items()}
-        if self.adam:
-            out["step"] = np.asarray(float(self.t))
-        return out
-
-    def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
-        for s, slot in self.slots.items():
-            for n, var in slot.items():
-                if f"{s}/{n}" in state:
-                    var.assign(self._native(n, state[f"{s}/{n}"]))
-                    self.has_state = True
-        if self.adam and "step" in state:
-            self.t = int(round(float(state["step"])))
-        self.prev_lr = self.lr_for(step - 1) if step > 0 else None
-
     # ---- computation
     def _tensors(self, x: np.ndarray, masks: Masks) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
         xt = tf.constant(np.asarray(x, self.np_dtype))
@@ -238,7 +190,7 @@ class TensorflowBackend(Backend):
                        native_dropout=self.native_dropout, dropout_seed=seed, moments=moments)
 
     def _loss(self, logits, y):
-        return cross_entropy(logits, y, LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0)
+        return cross_entropy(logits, y, self.seams.label_smoothing)
 
     def _grads(self, x, y, masks, new_buffers, seed):
         params = [self.v[n] for n in self.trainable]
@@ -248,36 +200,12 @@ class TensorflowBackend(Backend):
             loss = self._loss(logits, y)
         grads = tape.gradient(loss, params)
         grads = [tf.zeros_like(q) if g is None else g for g, q in zip(grads, params)]  # e.g. missing_bias
-        if self.fault == "grad_double":
-            grads = [g * 2.0 for g in grads]
-        return logits, loss, grads
+        return logits, loss, self._fault_grads(grads)
 
-    def _apply(self, var: tf.Variable, name: str, g: tf.Tensor, hyper: tf.Tensor,
-               slots: dict[str, tf.Variable] | None = None) -> None:
-        """One parameter's update by TF's own training kernel (`slots`: its optimizer slots, by default
-        self.slots[...][name]; the parallel backend passes one replica's components)."""
-        h = self.hp
-        slot = (lambda s: self.slots[s][name]) if slots is None else slots.__getitem__
-        lr = hyper[LR]
-        if h.weight_decay and not self.decoupled:
-            g = g + h.weight_decay * var              # coupled L2: through momentum / Adam's moments
-        if h.optimizer == "sgd":
-            tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=g)
-        elif h.optimizer in ("momentum", "nesterov"):
-            accum = slot("momentum")
-            if self.fault == "keras_momentum_schedule":   # Keras velocity v = mu v - lr g == buffer * lr_prev/lr
-                accum.assign(accum * hyper[MOM_SCALE])
-            tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr, grad=g,
-                                             momentum=tf.constant(h.momentum, self.dtype),
-                                             use_nesterov=h.optimizer == "nesterov")
-        else:
-            if self.decoupled and h.weight_decay:
-                var.assign(var * hyper[DECAY])
-            tf.raw_ops.ResourceApplyAdam(var=var.handle, m=slot("exp_avg").handle,
-                                         v=slot("exp_avg_sq").handle,
-                                         beta1_power=hyper[B1P], beta2_power=hyper[B2P], lr=lr,
-                                         beta1=tf.constant(h.beta1, self.dtype),
-                                         beta2=tf.constant(h.beta2, self.dtype), epsilon=hyper[EPS], grad=g)
+    def _fault_grads(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The gradient seam, one for training and probes (and every replica): grad_double counts them twice."""
+        scale = self.seams.grad_scale
+        return [g * scale for g in grads] if scale != 1.0 else grads
 
     def _step_impl(self, x, y, masks, hyper, seed):
         self.traces["train"] += 1          # Python side effect: counts traces under tf.function
@@ -293,20 +221,6 @@ class TensorflowBackend(Backend):
         upd, pn = update_and_param_norm(before, [q.read_value() for q in params])
         acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), self.dtype))
         return tf.stack([loss, acc, grad_norm, upd, pn])
-
-    def _step_hyper(self, step: int) -> np.ndarray:
-        h = self.hp
-        lr = self.lr_for(step)
-        eps = b1p = b2p = 0.0
-        if self.adam:
-            self.t += 1
-            b1p, b2p = h.beta1 ** self.t, h.beta2 ** self.t
-            eps = h.eps if self.fault == "adam_eps_hat" else h.eps * math.sqrt(1.0 - b2p)
-        scale = 1.0
-        if self.fault == "keras_momentum_schedule" and self.prev_lr is not None and self.prev_lr != lr:
-            scale = self.prev_lr / lr
-        self.prev_lr = lr
-        return np.array([lr, eps, b1p, b2p, scale, 1.0 - lr * h.weight_decay], self.np_dtype)
 
     def _seed(self, a: int, b: int) -> tf.Tensor:
         return tf.constant([a, b], tf.int64)
@@ -359,5 +273,9 @@ class TensorflowBackend(Backend):
         return float(loss.numpy()), {n: self._canon(n, g.numpy()) for n, g in zip(self.trainable, grads)}
 
 
+class ParallelTensorflowBackend(DataParallel, TensorflowBackend):
+    """TensorflowBackend with devices > 1 or hosts > 1 (TensorflowBackend(...) constructs this): parallel.py."""
+
+
 BACKEND = TensorflowBackend
-__all__ = ["TensorflowBackend", "BACKEND", "BUFFER_ROLES"]
+__all__ = ["TensorflowBackend", "ParallelTensorflowBackend", "BACKEND"]

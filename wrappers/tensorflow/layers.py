@@ -12,44 +12,18 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import tensorflow as tf
 
+from algorithms.faults import Seams
+from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, is_asymmetric
 from algorithms.spec import LayerInfo, ModelSpec
 
 BUFFER_ROLES = ("running_mean", "running_var")
-LABEL_SMOOTHING = 0.1       # the `label_smoothing` fault
-KERAS_BN_EPS = 1e-3         # the `bn_eps_keras` fault
 
 
-# ----------------------------------------------------------------------------- layouts
-def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
-    """perm[j] = the canonical (H, W, C) row of an NCHW (C, H, W) flatten position j."""
-    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
-
-
-def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
-    lname, role = pname.rsplit(".", 1)
-    return next(l for l in model.layers if l.name == lname), role
-
-
-def to_tf_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    """Canonical -> the array held by the tf.Variable. Identity unless `permute` is False (the fault):
-    then the first dense kernel after a flatten gets canonical row j at the HWC position that an NCHW
-    flatten puts at position j, so the network reads the weights as a port without the permutation."""
-    layer, role = _layer_of(model, name)
-    if permute or role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
-        return a
-    out = np.empty_like(a)
-    out[flatten_perm(*layer.flattened_from)] = a
-    return out
-
-
-def from_tf_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    layer, role = _layer_of(model, name)
-    if permute or role != "kernel" or layer.kind != "dense" or not layer.flattened_from:
-        return a
-    return a[flatten_perm(*layer.flattened_from)]
+# ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
+LAYOUT = CHANNELS_LAST
+to_native, from_native = converters(LAYOUT)
 
 
 # ----------------------------------------------------------------------------- padding helpers
@@ -57,25 +31,15 @@ def _explicit(t: int, b: int, l: int, r: int) -> list[list[int]]:
     return [[0, 0], [t, b], [l, r], [0, 0]]
 
 
-def conv_padding(layer: LayerInfo, symmetric: bool):
+def conv_padding(layer: LayerInfo, seams: Seams):
     """The `padding` argument of tf.nn.conv2d: TF 'SAME' (the spec's 'same'), 'VALID', or, under the
     fault `symmetric_same_padding`, k//2 on every side where TF 'SAME' pads asymmetrically."""
-    o = layer.spec.options
-    if o["padding"] != "same":
+    if layer.spec.options["padding"] != "same":
         return "VALID"
-    (t, b), (l, r) = layer.padding
-    if symmetric and (t != b or l != r):
-        k = o["kernel"] // 2
-        return _explicit(k, k, k, k)
+    if seams.symmetric_padding and is_asymmetric(layer.padding):
+        (t, b), (l, r) = seams.same_pads(layer)
+        return _explicit(t, b, l, r)
     return "SAME"
-
-
-def torch_ceil_pool_out(size: int, k: int, s: int) -> int:
-    """PyTorch's pooled size with ceil_mode=True and no padding (the last window must start inside)."""
-    out = math.ceil((size - k) / s) + 1
-    if (out - 1) * s >= size:
-        out -= 1
-    return out
 
 
 # ----------------------------------------------------------------------------- forward
@@ -92,29 +56,27 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
 
     `moments` (data parallel, synchronized BatchNorm) replaces tf.nn.moments: x -> (mean, biased var, n),
     n the number of values per channel the statistics are taken over (all replicas together)."""
-    skipped_bias = False
+    seams = Seams(fault)
+    no_bias = seams.dropped_bias(model)
     n_native = 0
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
         if k == "conv2d":
             x = tf.nn.conv2d(x, p[f"{layer.name}.kernel"], strides=o["stride"],
-                             padding=conv_padding(layer, fault == "symmetric_same_padding"))
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+                             padding=conv_padding(layer, seams))
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = tf.nn.bias_add(x, bias)
         elif k == "maxpool2d":
             if o["padding"] == "same":
                 x = tf.nn.max_pool2d(x, o["pool"], o["stride"], "SAME")
             else:
-                if fault == "maxpool_ceil":
-                    h, w = layer.in_shape[0], layer.in_shape[1]
-                    ph = (torch_ceil_pool_out(h, o["pool"], o["stride"]) - 1) * o["stride"] + o["pool"] - h
-                    pw = (torch_ceil_pool_out(w, o["pool"], o["stride"]) - 1) * o["stride"] + o["pool"] - w
+                if seams.maxpool_ceil:
+                    ph = ceil_pool_pad(layer.in_shape[0], o["pool"], o["stride"])
+                    pw = ceil_pool_pad(layer.in_shape[1], o["pool"], o["stride"])
                     if ph > 0 or pw > 0:
-                        x = tf.pad(x, _explicit(0, max(ph, 0), 0, max(pw, 0)), constant_values=float("-inf"))
+                        x = tf.pad(x, _explicit(0, ph, 0, pw), constant_values=float("-inf"))
                 x = tf.nn.max_pool2d(x, o["pool"], o["stride"], "VALID")
         elif k == "avgpool2d":
             # TF 'SAME' average pooling excludes the padded pixels from the count: the reference
@@ -124,10 +86,7 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
         elif k == "tanh":
             x = tf.math.tanh(x)
         elif k == "batchnorm2d":
-            mom = o["momentum"]
-            if fault == "bn_momentum_flipped":
-                mom = 1.0 - mom
-            eps = KERAS_BN_EPS if fault == "bn_eps_keras" else o["eps"]
+            mom, eps = seams.bn_params(o)
             gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]
             rm, rv = p[f"{layer.name}.running_mean"], p[f"{layer.name}.running_var"]
             if train:
@@ -147,7 +106,7 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
         elif k == "dropout":
             if train and not native_dropout and masks is not None and layer.name in masks:
                 x = x * tf.cast(masks[layer.name], x.dtype) / (1.0 - o["rate"])
-            elif train or fault == "dropout_in_eval":
+            elif train or seams.eval_dropout:
                 seed = dropout_seed if dropout_seed is not None else tf.constant([0, 0], tf.int64)
                 x = tf.nn.experimental.stateless_dropout(x, o["rate"], seed=seed + n_native)
                 n_native += 1
@@ -157,9 +116,7 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
             x = tf.reduce_mean(x, axis=[1, 2])
         elif k == "dense":
             x = tf.linalg.matmul(x, p[f"{layer.name}.kernel"])
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = tf.nn.bias_add(x, bias)
         else:  # pragma: no cover - the spec validates kinds
@@ -183,5 +140,5 @@ def cross_entropy(logits: tf.Tensor, y: tf.Tensor, label_smoothing: float = 0.0)
     return tf.reduce_mean(per_example_cross_entropy(logits, y, label_smoothing))
 
 
-__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_tf_layout", "from_tf_layout", "flatten_perm", "conv_padding",
-           "torch_ceil_pool_out", "BUFFER_ROLES"]
+__all__ = ["forward", "cross_entropy", "per_example_cross_entropy", "to_native", "from_native", "LAYOUT",
+           "conv_padding", "BUFFER_ROLES"]

@@ -55,8 +55,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..base import Masks, StepStats, UnsupportedError, shard_bounds
-from .backend import TensorflowBackend, flat, update_and_param_norm
-from .layers import LABEL_SMOOTHING, per_example_cross_entropy
+from .layers import per_example_cross_entropy
+from .optim import flat, update_and_param_norm
 
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 _STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}   # (hosts, devices per process, kind) -> the strategy
@@ -83,8 +83,9 @@ def _cpu_workers_use_local_devices(k: int) -> None:
     cars.CollectiveAllReduceExtended._initialize_local_devices = local_devices
 
 
-class ParallelTensorflowBackend(TensorflowBackend):
-    """TensorflowBackend with devices > 1 or hosts > 1 (TensorflowBackend(...) constructs this)."""
+class DataParallel:
+    """The data-parallel half of backend.ParallelTensorflowBackend (a mixin over TensorflowBackend: its hooks
+    `_before_runtime`, `_after_runtime`, `_variable_scope`, and the state and computation methods below)."""
 
     # ---- set-up (hooks of TensorflowBackend.__init__)
     def _before_runtime(self) -> None:
@@ -257,17 +258,14 @@ class ParallelTensorflowBackend(TensorflowBackend):
         with tf.GradientTape() as tape:
             logits = self._forward(x, True, masks, None, new_buffers, self._replica_seed(seed),
                                    params=self.v, moments=self._moments)
-            smoothing = LABEL_SMOOTHING if self.fault == "label_smoothing" else 0.0
-            per_sample = per_example_cross_entropy(logits, y, smoothing)
+            per_sample = per_example_cross_entropy(logits, y, self.seams.label_smoothing)
             mean = tf.reduce_mean(per_sample)
             if self.fault == "grad_sum_replicas":
                 loss = mean                      # the bug: a per-replica mean, then the SUM all-reduce
             else:
                 loss = tf.nn.compute_average_loss(per_sample, global_batch_size=b)
         grads = tape.gradient(loss, params)
-        grads = [tf.zeros_like(q) if g is None else g for g, q in zip(grads, params)]
-        if self.fault == "grad_double":
-            grads = [g * 2.0 for g in grads]
+        grads = self._fault_grads([tf.zeros_like(q) if g is None else g for g, q in zip(grads, params)])
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), self.dtype))
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         stats = tf.tensor_scatter_nd_update(
@@ -342,4 +340,4 @@ class ParallelTensorflowBackend(TensorflowBackend):
         return {k: s.experimental_local_results(v)[0].numpy() for k, v in rec.items()}
 
 
-__all__ = ["ParallelTensorflowBackend", "tf_config"]
+__all__ = ["DataParallel", "tf_config"]

@@ -8,59 +8,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from algorithms.spec import INPUT, LayerInfo, ModelSpec, ParamInfo
+from algorithms.faults import Seams, parts as fault_parts
+from algorithms.layout import (CHANNELS_FIRST, Pads, converters, flat_from_canonical, flat_sources,  # noqa: F401
+                               flat_to_canonical, is_asymmetric)
+from algorithms.spec import INPUT, ModelSpec
 
 
-# ----------------------------------------------------------------------------- layouts
-def flatten_perm(h: int, w: int, c: int) -> np.ndarray:
-    """perm[j] = the canonical (H, W, C) row of torch's (C, H, W) flatten position j."""
-    return np.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
-
-
-def to_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    layer, role = _layer_of(model, name)
-    if role != "kernel":
-        return a
-    if layer.kind == "conv2d":               # (kH, kW, I/groups, O) -> (O, I/groups, kH, kW)
-        return a.transpose(3, 2, 0, 1)
-    if layer.flattened_from and permute:     # rows in HWC order -> CHW order, then (out, in)
-        a = a[flatten_perm(*layer.flattened_from)]
-    return a.T
-
-
-def from_torch_layout(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-    layer, role = _layer_of(model, name)
-    if role != "kernel":
-        return a
-    if layer.kind == "conv2d":
-        return a.transpose(2, 3, 1, 0)
-    a = a.T
-    if layer.flattened_from and permute:
-        out = np.empty_like(a)
-        out[flatten_perm(*layer.flattened_from)] = a
-        return out
-    return a
-
-
-def flat_sources(model: ModelSpec) -> dict[str, tuple[int, int, int]]:
-    """Layers whose output is a flattened (H, W, C) map (the flatten and element-wise layers and sums after it,
-    `LayerInfo.flat_of`): torch holds these features in (C, H, W) order, the canonical layout in (H, W, C)."""
-    return {layer.name: layer.flat_of for layer in model.layers if layer.flat_of is not None}
-
-
-def flat_to_canonical(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
-    c = np.empty_like(a)
-    c[:, flatten_perm(*src)] = a
-    return c
-
-
-def flat_from_canonical(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
-    return a[:, flatten_perm(*src)]
-
-
-def _layer_of(model: ModelSpec, pname: str) -> tuple[LayerInfo, str]:
-    lname, role = pname.rsplit(".", 1)
-    return next(l for l in model.layers if l.name == lname), role
+# ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
+LAYOUT = CHANNELS_FIRST
+to_native, from_native = converters(LAYOUT)
 
 
 def nhwc(t: torch.Tensor) -> np.ndarray:
@@ -69,11 +25,8 @@ def nhwc(t: torch.Tensor) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- forward
-def _same_pad(layer: LayerInfo, value: float, x: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
-    (t, b), (l, r) = layer.padding
-    if symmetric and (t != b or l != r):       # the fault: k//2 on every side, torch-style
-        k = layer.spec.options.get("kernel", layer.spec.options.get("pool"))
-        t = b = l = r = k // 2
+def _pad(x: torch.Tensor, pads: Pads, value: float) -> torch.Tensor:
+    (t, b), (l, r) = pads
     if t == b == l == r == 0:
         return x
     return F.pad(x, (l, r, t, b), value=value)
@@ -86,11 +39,6 @@ _EMULATING = ("adam_eps_hat", "keras_momentum_schedule", "bn_running_var_biased"
               "bn_replica_mean_running_stats")
 EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(1, len(_EMULATING) + 1)
                              for c in itertools.combinations(_EMULATING, n))
-
-
-def fault_parts(fault: str | None) -> set[str]:
-    """The faults a (possibly '+'-joined) fault value applies."""
-    return set(fault.split("+")) if fault else set()
 
 
 def _biased_running_var(x: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
@@ -121,7 +69,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     `sync_bn`: a (process group, world size) pair: training-mode BatchNorm then uses the statistics
     of the global batch across the group, as torch.nn.SyncBatchNorm does (its autograd function;
     torch allows it on GPU only)."""
-    skipped_bias = False
+    seams = Seams(fault)
+    no_bias = seams.dropped_bias(model)
     emulate = fault_parts(fault)
     outs: dict[str, torch.Tensor] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
@@ -136,21 +85,19 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
         elif k == "conv2d":
             pad: tuple[int, int] | int = 0
             if o["padding"] == "same":
-                (t, b), (l, r) = layer.padding
-                if t == b and l == r and fault != "symmetric_same_padding":
-                    pad = (t, l)           # symmetric: the conv pads itself (bit-identical, ~20 % faster)
+                pads = seams.same_pads(layer)
+                if not is_asymmetric(layer.padding) and not seams.symmetric_padding:
+                    pad = (pads[0][0], pads[1][0])   # symmetric: the conv pads itself (bit-identical, ~20 % faster)
                 else:                      # TF SAME's odd pixel goes bottom/right: pad explicitly
-                    x = _same_pad(layer, 0.0, x, symmetric=(fault == "symmetric_same_padding"))
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+                    x = _pad(x, pads, 0.0)
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             x = F.conv2d(x, p[f"{layer.name}.kernel"], bias, stride=o["stride"], padding=pad,
                          dilation=o["dilation"], groups=o["groups"])
         elif k == "maxpool2d":
             if o["padding"] == "same":
-                x = F.max_pool2d(_same_pad(layer, float("-inf"), x), o["pool"], o["stride"])
+                x = F.max_pool2d(_pad(x, layer.padding, float("-inf")), o["pool"], o["stride"])
             else:
-                x = F.max_pool2d(x, o["pool"], o["stride"], ceil_mode=(fault == "maxpool_ceil"))
+                x = F.max_pool2d(x, o["pool"], o["stride"], ceil_mode=seams.maxpool_ceil)
         elif k == "avgpool2d":
             (t, b), (l, r) = layer.padding if o["padding"] == "same" else ((0, 0), (0, 0))
             if "avgpool_replicate_pad" in emulate and (t != b or l != r):
@@ -159,8 +106,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             elif o["padding"] == "same":
                 # TF 'SAME' average excludes the padding from the count (asymmetric pads: divide by a pooled mask)
                 ones = torch.ones_like(x[:1, :1])
-                num = F.avg_pool2d(_same_pad(layer, 0.0, x), o["pool"], o["stride"], divisor_override=1)
-                den = F.avg_pool2d(_same_pad(layer, 0.0, ones), o["pool"], o["stride"], divisor_override=1)
+                num = F.avg_pool2d(_pad(x, layer.padding, 0.0), o["pool"], o["stride"], divisor_override=1)
+                den = F.avg_pool2d(_pad(ones, layer.padding, 0.0), o["pool"], o["stride"], divisor_override=1)
                 x = num / den
             else:
                 x = F.avg_pool2d(x, o["pool"], o["stride"])
@@ -182,10 +129,7 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             args = ((x.shape[1],), p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], o["eps"])
             x = F.layer_norm(x.permute(0, 2, 3, 1), *args).permute(0, 3, 1, 2) if x.ndim == 4 else F.layer_norm(x, *args)
         elif k == "batchnorm2d":
-            mom = o["momentum"]
-            if fault == "bn_momentum_flipped":
-                mom = 1.0 - mom
-            eps = 1e-3 if fault == "bn_eps_keras" else o["eps"]
+            mom, eps = seams.bn_params(o)
             if train and sync_bn is not None and sync_bn[1] > 1:
                 from torch.nn.modules._functions import SyncBatchNorm
                 x = SyncBatchNorm.apply(x, p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"],
@@ -203,16 +147,14 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
         elif k == "dropout":
             if train and not native_dropout and masks is not None:
                 x = x * masks[layer.name] / (1.0 - o["rate"])
-            elif train or (fault == "dropout_in_eval"):
+            elif train or seams.eval_dropout:
                 x = F.dropout(x, o["rate"], training=True)
         elif k == "flatten":
             x = torch.flatten(x, 1)             # (C, H, W) order: the first dense kernel is permuted to match
         elif k == "global_avgpool2d":
             x = x.mean(dim=(2, 3))
         elif k == "dense":
-            bias = p.get(f"{layer.name}.bias")
-            if bias is not None and fault == "missing_bias" and not skipped_bias:
-                bias, skipped_bias = None, True
+            bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             x = F.linear(x, p[f"{layer.name}.kernel"], bias)
         else:  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
@@ -222,8 +164,5 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     return x
 
 
-def param_infos(model: ModelSpec) -> list[ParamInfo]:
-    return model.params
-
-
-__all__ = ["forward", "to_torch_layout", "from_torch_layout", "nhwc", "flatten_perm", "Any"]
+__all__ = ["forward", "to_native", "from_native", "nhwc", "LAYOUT", "EMULATION_FAULTS", "fault_parts",
+           "fold_replica_buffers", "flat_sources", "flat_to_canonical", "flat_from_canonical"]

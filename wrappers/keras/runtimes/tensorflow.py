@@ -40,7 +40,19 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from ..parallel import Parallel
+
 PARALLEL = "tf.distribute.MirroredStrategy"
+FLOAT64_REFUSAL = ""
+FLOAT64_NOTE = ("Keras' float64: the TF backend's ops.cast(python float, float64) goes through float32, so SGD "
+                "momentum 0.9 acts as 0.89999998 (~3e-8 relative per momentum update)")
+SYNCHRONIZED_BN = True         # --sync-bn: BatchNormalization(synchronized=True) under the strategy
+REPLICA_GRADIENTS_SUMMED = True    # the optimizer SUMs the replicas' gradients: each adds its share of the L2 term
+AVGPOOL_SAME_REPLICATES = False
+
+
+def enable_float64() -> None:
+    """Nothing to switch on: TensorFlow has float64."""
 _STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}
 
 
@@ -77,7 +89,7 @@ class Stepper:
     dropout masks are assigned to their variables first (an assign: no retrace). Data parallel: the
     batch as the replicas' shards (see the module docstring)."""
 
-    def __init__(self, net, optimizer, parallel: "Parallel | None" = None) -> None:
+    def __init__(self, net, optimizer, parallel: "MirroredDataParallel | None" = None) -> None:
         self.net, self.parallel = net, parallel
 
     def step(self, x, y, values):
@@ -92,12 +104,13 @@ class Stepper:
         """Nothing to do: the variables are the state."""
 
 
-class Parallel:
+class MirroredDataParallel(Parallel):
     """MirroredStrategy over N local devices, one per replica, and the harness's sharding."""
+    replica_programs = True
 
     def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
-        from ..base import UnsupportedError
-        self.replicas, self.sync_bn, self.fault = replicas, sync_bn, fault
+        from ...base import UnsupportedError
+        super().__init__(replicas, sync_bn, fault)
         if hosts > 1:
             raise UnsupportedError("keras-tensorflow: --hosts is not implemented (MultiWorkerMirroredStrategy with "
                                    "the harness's exact shards per worker is not wired for Keras); use --devices N "
@@ -143,8 +156,16 @@ class Parallel:
         """The global batch as given: the shards (and the overlapping_shards fault) are cut by distribute."""
         return x, y, masks
 
+    @property
+    def per_replica_batchnorm(self) -> bool:
+        return not self.sync_bn
+
+    def attach_dropouts(self, dropouts: dict[str, Any], batch: int) -> None:
+        for layer in dropouts.values():     # each replica takes its rows of the (B, ...) mask
+            layer.select = self.mask_rows(batch)
+
     def bounds(self, batch: int) -> list[tuple[int, int]]:
-        from ..base import shard_bounds
+        from ...base import shard_bounds
         return shard_bounds(batch, self.replicas, self.fault)
 
     def distribute(self, *arrays: np.ndarray):
@@ -257,7 +278,7 @@ class Parallel:
 
 
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
-    return Parallel(replicas, hosts, sync_bn, fault, extra) if replicas > 1 else None
+    return MirroredDataParallel(replicas, hosts, sync_bn, fault, extra) if replicas > 1 else None
 
 
 def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:

@@ -9,6 +9,20 @@ from typing import Any, Callable
 import torch
 from keras import ops
 
+# Keras 3.15's dtypes.result_type maps 64-bit to 32-bit (BIT64_TO_BIT32_DTYPE), and the torch backend's matmul
+# casts to that result type: Dense would silently run in float32
+FLOAT64_REFUSAL = ("keras-torch: float64 is not float64 in Keras 3.15 (ops.matmul computes float64 inputs in "
+                   "float32 on the torch backend); use keras-tensorflow or keras-jax")
+FLOAT64_NOTE = ""
+SYNCHRONIZED_BN = False
+REPLICA_GRADIENTS_SUMMED = False
+# 'same' average pooling padded by replication where the TF padding is asymmetric (layers.torch_avgpool_replicates)
+AVGPOOL_SAME_REPLICATES = True
+
+
+def enable_float64() -> None:
+    """Never reached: float64 is refused (FLOAT64_REFUSAL)."""
+
 
 def train_step(self, data):
     """One eager step: backward of THIS batch's data loss, then optimizer.apply under no_grad."""
@@ -47,8 +61,8 @@ class Stepper:
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
     """Keras 3 has no data parallelism on its torch backend: refused loudly."""
     if replicas > 1 or hosts > 1:
-        from ..base import UnsupportedError
-        from . import KerasTorchEntry      # the one wording, which the harness also reads before starting us
+        from ...base import UnsupportedError
+        from .. import KerasTorchEntry      # the one wording, which the harness also reads before starting us
         raise UnsupportedError(f"keras-torch: {KerasTorchEntry.no_data_parallel} (--devices {replicas}"
                                f"{f', --hosts {hosts}' if hosts > 1 else ''})")
     return None

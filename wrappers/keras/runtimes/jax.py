@@ -38,7 +38,19 @@ import jax
 import numpy as np
 from keras import ops
 
+from ..parallel import Parallel
+
 PARALLEL = "keras.distribution.DataParallel"
+FLOAT64_REFUSAL = ""           # float64 works (jax_enable_x64, switched on by `enable_float64`)
+FLOAT64_NOTE = ""
+SYNCHRONIZED_BN = False        # BatchNormalization(synchronized=True) is TensorFlow-only (and not needed: GSPMD)
+REPLICA_GRADIENTS_SUMMED = False   # one program over the global batch: each gradient is already the global one
+AVGPOOL_SAME_REPLICATES = False
+
+
+def enable_float64() -> None:
+    """Before any array exists (the model is built after this)."""
+    jax.config.update("jax_enable_x64", True)
 
 
 def train_step(self, state, data):
@@ -67,7 +79,7 @@ def train_step(self, state, data):
 class Stepper:
     """Runs the model's compiled train_function on state kept as JAX arrays (fit's way; see above)."""
 
-    def __init__(self, net, optimizer, parallel: "Parallel | None" = None) -> None:
+    def __init__(self, net, optimizer, parallel: "JaxDataParallel | None" = None) -> None:
         self.net, self.optimizer, self.parallel = net, optimizer, parallel
         self.groups = (list(net.trainable_variables), list(net.non_trainable_variables),
                        list(optimizer.variables), list(net.metrics_variables))
@@ -111,13 +123,13 @@ class Stepper:
         self.written.clear()
 
 
-class Parallel:
+class JaxDataParallel(Parallel):
     """keras.distribution.DataParallel over the first N JAX devices (see the module docstring)."""
 
     def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
         import keras
-        from ..base import UnsupportedError
-        self.replicas, self.sync_bn, self.fault = replicas, sync_bn, fault
+        from ...base import UnsupportedError
+        super().__init__(replicas, sync_bn, fault)
         if hosts > 1:
             raise UnsupportedError("keras-jax: --hosts is not implemented (a multi-process keras.distribution run "
                                    "needs jax.distributed and per-process data feeding, not wired for Keras); use "
@@ -134,15 +146,6 @@ class Parallel:
 
     def scope(self):
         return contextlib.nullcontext()       # set_distribution above: the distribution is global
-
-    def arrange(self, x: np.ndarray, y: np.ndarray, masks: dict[str, np.ndarray]):
-        """The global batch with the replicas' shards laid out contiguously in replica order (device r
-        holds rows [r B/N, (r+1) B/N) of it): as given, except under the fault overlapping_shards."""
-        if self.fault != "overlapping_shards":
-            return x, y, masks
-        from ..base import shard_bounds
-        idx = np.concatenate([np.arange(a, b) for a, b in shard_bounds(len(x), self.replicas, self.fault)])
-        return x[idx], y[idx], {k: v[idx] for k, v in masks.items()}
 
     def distribute(self, a: np.ndarray):
         """A global batch on the mesh with the distribution's data layout (batch axis sharded)."""
@@ -186,7 +189,7 @@ def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, e
         import keras
         keras.distribution.set_distribution(None)     # a process may build backends one after another
         return None
-    return Parallel(replicas, hosts, sync_bn, fault, extra)
+    return JaxDataParallel(replicas, hosts, sync_bn, fault, extra)
 
 
 def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:

@@ -1,0 +1,18 @@
+"""Keras' per-backend code, one module per Keras backend (jax.py, tensorflow.py, torch.py), each with the same
+names: the custom `train_step`, the `Stepper` that runs it, `make_parallel` (its data-parallel strategy, a
+wrappers.keras.parallel.Parallel, or a refusal), `value_and_grad` and `no_grad` for probes, `setup` (threads and
+determinism), `versions`, `devices`, `jit_options`, `enable_float64`, and the constants that say how this
+Keras backend differs (FLOAT64_REFUSAL, FLOAT64_NOTE, SYNCHRONIZED_BN, REPLICA_GRADIENTS_SUMMED,
+AVGPOOL_SAME_REPLICATES). The Keras wrapper imports the one module of the running Keras backend, once
+(`current()`), and never branches on the backend's name.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def current() -> ModuleType:
+    """The module of the Keras backend this process runs (KERAS_BACKEND, read by keras at import)."""
+    import keras
+    return importlib.import_module(f".{keras.backend.backend()}", __name__)
