@@ -273,8 +273,9 @@ def short_run(root, backend: str, fault: str | None = None):
 
 def arbitrated(results_root, ref_fault: str | None, cand_fault: str | None, other: str = "jax"):
     """`compare_runs` of torch (the reference) and one other backend, one of them with a fault, with the arbiter.
-    The envelope is its floor (the reference as its only member): every fault here leaves it at step 0 by
-    orders of magnitude, and what is under test is the arbiter, not the envelope."""
+    The envelope is its floor (the reference as its only member) and no resync: every fault here leaves it at
+    step 0 by orders of magnitude, and what is under test is the arbiter, not the envelope nor the shared-state
+    comparison (tests/test_resync*.py; the resync's jobs made this case 3.5 minutes of `make test`)."""
     from harness.compare_runs import compare_runs
     from harness.runs import load_run
     from .conftest import need
@@ -284,7 +285,7 @@ def arbitrated(results_root, ref_fault: str | None, cand_fault: str | None, othe
     out = root / f"cmp__{ref_fault}__{cand_fault}"
     out.mkdir(exist_ok=True)
     o = compare_runs(paths=[ref, cand], reference=ref.name, envelope_paths=[ref], out=out, arbiter=ARBITER,
-                     log=lambda m: None)
+                     resync_every=0, log=lambda m: None)
     doc = json.loads(o.json_text)
     (pair,) = [p for p in doc["pairs"] if p["with_reference"]]
     assert load_run(ref).backend == "torch"
