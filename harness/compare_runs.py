@@ -169,7 +169,7 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                                                    timeout=timeout, log=say, jobs=jobs)
                 group_notes += env_notes
             env = compute(ref, members, rule)
-            loc = Localizer(ref.path.parent, timeout=timeout, log=say) if localize else None
+            loc = Localizer(ref.path.parent, timeout=timeout, log=say, parallel=jobs) if localize else None
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
                   if loc is not None and resync_every > 0 else None)
             c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs, jobs=jobs)

@@ -96,8 +96,10 @@ SENSITIVITY_SEEDS = (1, 2)
 class Localizer:
     """Runs and caches the probe and replay jobs of one comparison (under RESULTS/.localize)."""
 
-    def __init__(self, root: Path, *, timeout: float | None = None, log: Callable[[str], None] | None = None):
+    def __init__(self, root: Path, *, timeout: float | None = None, log: Callable[[str], None] | None = None,
+                 parallel: int = 1):
         self.root = Path(root)
+        self.parallel = parallel   # the jobs of one replay that need only the reference's states run this many at once
         self.jobs = self.root / ".localize"
         self.timeout = timeout
         self.log = log or (lambda m: print(m, file=sys.stderr))
@@ -161,26 +163,42 @@ class Localizer:
                                    "probe_steps": 1}})
         done = json.loads((rf / "worker.json").read_text()).get("states") or {}
         states = {str(t): str(rf / done.get(str(t), f"state_{t:07d}.npz")) for t in at}   # absolute stays itself
-        cf = self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
-                       {"replay": {"at": at, "states": states, "probe_steps": 1}})
-        r64 = None
-        if ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand):
+        # every job below needs only the reference's states: they run `self.parallel` at a time
+        def candidate_job() -> Path:
+            return self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
+                             {"replay": {"at": at, "states": states, "probe_steps": 1}})
+
+        def float64_job() -> Path | None:
+            if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+                return None
             try:
-                r64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
-                                {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
+                return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
+                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
             except BackendFailed as e:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
+                return None
+
         # the reference's own sensitivity at each state (params moved by one ULP, SENSITIVITY_SEEDS seeds): at a
         # ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's rounding flips it
-        sens: dict[int, list[dict[str, np.ndarray]]] = {t: [] for t in at}
-        for seed in SENSITIVITY_SEEDS:
+        def nudged_job(seed: int) -> Path | None:
             try:
-                sf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{tag}", "replay",
-                               {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
-                for i, t in enumerate(at):
-                    sens[t].append(load_npz(sf / f"probe-{i}.npz"))
+                return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{tag}", "replay",
+                                 {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
             except BackendFailed as e:
                 self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
+                return None
+
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+            f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
+            f_nudged = [pool.submit(nudged_job, seed) for seed in SENSITIVITY_SEEDS]
+            cf, r64 = f_cand.result(), f_64.result()
+            nudged = [f.result() for f in f_nudged]
+        sens: dict[int, list[dict[str, np.ndarray]]] = {t: [] for t in at}
+        for sf in nudged:
+            if sf is not None:
+                for i, t in enumerate(at):
+                    sens[t].append(load_npz(sf / f"probe-{i}.npz"))
         emu, emu64 = None, {}
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{_change_tag(change)}__{tag}", "replay",
