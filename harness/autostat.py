@@ -15,6 +15,7 @@ from typing import Any, Callable
 from algorithms.differences import DIFFERENCES
 
 from .errors import BackendFailed, BadInput
+from .pair import BUG, INCONCLUSIVE, drop_stat_advice
 
 AUTO_SEEDS = 5
 AUTO_METRICS = ("eval_loss", "eval_accuracy", "loss")
@@ -24,7 +25,7 @@ AUTO_ALPHA = 0.05
 def needs_stat(pair: Any) -> bool:
     """A pair with the reference, INCONCLUSIVE, whose candidate or reference draws its dropout masks from the
     framework's RNG."""
-    if not pair.with_reference or pair.verdict != "INCONCLUSIVE":
+    if not pair.with_reference or pair.verdict != INCONCLUSIVE:
         return False
     ids = {d["id"] for d in pair.b.declared} | {d["id"] for d in pair.a.declared}
     return any(DIFFERENCES.get(i) is not None and DIFFERENCES[i].statistical for i in ids)
@@ -46,14 +47,13 @@ def decide(pair: Any, *, timeout: float | None = None, log: Callable[[str], None
     if mine is None:
         pair.notes.append("the automatic statistical comparison found no group of the candidate: INCONCLUSIVE stands")
         return
-    from .pair import drop_stat_advice
     was = pair.verdict
     pair.verdict = mine["verdict"]
     drop_stat_advice(pair)
     pair.stat = {"seeds": seeds, "metrics": list(AUTO_METRICS), "alpha": AUTO_ALPHA, "verdict": mine["verdict"],
                  "reason": mine["reason"], "tests": [t for t in sc.tests if cand.name in
                                                      sc.verdicts.get(t["group"], {}).get("runs", [])]}
-    if pair.verdict == "BUG":
+    if pair.verdict == BUG:
         pair.localization = {"stage": None, "method": "statistical (framework-RNG dropout)", "layer": None,
                              "parameter": None, "probe": None, "summary": "statistical: " + mine["reason"],
                              "lines": [], "disagreeing_keys": []}

@@ -56,6 +56,13 @@ def _rel(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     return d, scale, d / scale
 
 
+def _rms(d: np.ndarray) -> float:
+    """RMS of a difference (inf when it is not finite, 0 when empty)."""
+    if not d.size:
+        return 0.0
+    return float(np.sqrt(np.mean(d ** 2))) if np.isfinite(d).all() else float("inf")
+
+
 def _rms_rel(x: np.ndarray, y: np.ndarray) -> float:
     """RMS of x - y over the tensor's scale max|y| (inf for shape mismatch or non-finite values)."""
     if x.shape != y.shape or not np.isfinite(x).all() or not np.isfinite(y).all():
@@ -104,10 +111,10 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
         else:
             d, scale, rel = _rel(x, y)
             tol = rel_tol
-        if nudged:
-            own = [_rms_rel(np.asarray(n[k], np.float64), y) for n in nudged if k in n]
-            if own:
-                tol = max(tol, margin * max(own) * (max(float(np.max(np.abs(y))), ABS_FLOOR) / scale if y.size else 1.0))
+        own = [_rms(np.asarray(n[k], np.float64) - y) / scale for n in (nudged or ())
+               if k in n and np.shape(n[k]) == y.shape]
+        if own:   # the reference's own 1-ULP sensitivity, on the scale `rel` is on
+            tol = max(tol, margin * max(own))
         if kind == "loss" and logits_key is not None:
             tol = max(tol, _loss_tol_from_logits(b, ref64, logits_key, rel_tol, margin) / scale)
         out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= tol, tol))

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .probes import ABS_FLOOR, kind_of
+from .probes import EPS32, kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
 # on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
@@ -49,7 +49,6 @@ MIN_POINTS = 8
 # whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
 SEQ_DELTA = 8.0
 SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:

@@ -251,3 +251,17 @@ def test_a_job_two_threads_ask_for_runs_once(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert sorted(calls) == ["a", "b", "shared"] and peak[0] >= 2
+
+
+def test_a_kink_the_reference_itself_flips_is_not_a_disagreement_but_a_larger_one_is():
+    """At a ReLU kink one step is discontinuous: the reference moved by one ULP moves its gradients by 1e-3 as
+    well, and a candidate within 3x of that agrees there; 10x that still disagrees."""
+    ref = probes()
+    ref64 = {k: np.asarray(v, np.float64) for k, v in ref.items()}
+    g = "grad/fc1.kernel"
+    nudged = [dict(ref, **{g: ref[g] * (1 + 1e-3)})]
+    near = dict(ref, **{g: ref[g] * (1 + 2e-3)})
+    assert g in analyse(near, ref, LAYERS, rel_tol=3e-5, ref64=ref64)["disagreeing_keys"]
+    assert g not in analyse(near, ref, LAYERS, rel_tol=3e-5, ref64=ref64, nudged=nudged)["disagreeing_keys"]
+    far = dict(ref, **{g: ref[g] * (1 + 1e-2)})
+    assert analyse(far, ref, LAYERS, rel_tol=3e-5, ref64=ref64, nudged=nudged)["stage"] == "backward"

@@ -16,7 +16,7 @@ import numpy as np
 
 from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import HParams, lr_at
-from algorithms.spec import BASE_LAYER_KINDS, ModelSpec
+from algorithms.spec import BASE_LAYER_KINDS, LAYER_FIELDS, ModelSpec
 
 REGISTRY: dict[str, type["Entry"]] = {}
 # the capabilities an Entry may declare, with the option each one makes possible
@@ -322,7 +322,6 @@ def effective_hparams(hp: HParams, fault: str | None) -> HParams:
 def effective_model_decl(decl: dict, fault: str | None) -> dict:
     """The model declaration with a BatchNorm perturbation applied to every batchnorm2d layer (bn_eps,
     bn_momentum): every wrapper builds its layers from it, so they all apply it the same way."""
-    from algorithms.spec import LAYER_FIELDS
     p = perturbation(fault)
     if p is None or p.target not in ("bn_eps", "bn_momentum") or not isinstance(decl, dict):
         return decl
@@ -338,7 +337,7 @@ def eval_inputs(x: np.ndarray, fault: str | None) -> np.ndarray:
     p = perturbation(fault)
     if p is None or p.target != "eval_input":
         return x
-    return (x.astype(np.float64) * (1.0 + p.e) if p.mode == "rel" else x.astype(np.float64) + p.e).astype(x.dtype)
+    return p.apply(x.astype(np.float64)).astype(x.dtype)
 
 
 def effective_step_for_lr(step: int, fault: str | None) -> int:
