@@ -113,6 +113,7 @@ def load_digits(cache_dir: str | Path | None = None) -> Dataset:
 
 
 DIGITS32_SEED = 20261130   # the fixed colour jitter and shifts of digits32
+DIGITS32_SHAPE = (32, 32, 3)
 
 
 def _upsample_matrix(n_in: int, n_out: int) -> np.ndarray:
@@ -305,10 +306,12 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
 
 def load_data(spec: str, *, cache_dir: str | Path | None = None,
               image_shape: tuple[int, int, int] | None = None, classes: int = 10) -> Dataset:
-    """`digits` (8x8x1) | `digits32` (32x32x3) | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`.
+    """`digits` (the built-in digits at the model's shape: 8x8x1, or digits32 for a 32x32x3 model) |
+    `digits32` (32x32x3) | `synthetic[:N]` | `path.csv[,test.csv]` | `path.npz`.
     `image_shape` (the model's input shape) shapes synthetic data and folds flat CSV/npz pixel rows."""
-    if spec == "digits":
-        return load_digits(cache_dir)
+    if spec == "digits":   # the default data source: a 32x32x3 model gets the digits built at its shape
+        return digits32(cache_dir) if image_shape is not None and tuple(image_shape) == DIGITS32_SHAPE \
+            else load_digits(cache_dir)
     if spec == "digits32":
         return digits32(cache_dir)
     if spec.startswith("synthetic"):
@@ -326,7 +329,7 @@ def load_data(spec: str, *, cache_dir: str | Path | None = None,
 def check_fits(ds: Dataset, input_shape: tuple[int, ...], num_classes: int, model_name: str) -> None:
     src = ds.meta.get("source", "data")
     if ds.image_shape != tuple(input_shape):
-        hint = " (built in at that shape: --data digits32)" if tuple(input_shape) == (32, 32, 3) else ""
+        hint = " (built in at that shape: --data digits32)" if tuple(input_shape) == DIGITS32_SHAPE else ""
         raise DataError(f"{src}: images are {list(ds.image_shape)} but model '{model_name}' expects {list(input_shape)}"
                         f"{hint}; --data synthetic takes the model's shape")
     top = int(max(ds.y_train.max(), ds.y_test.max()))

@@ -16,6 +16,15 @@ def test_digits_split_and_normalisation():
     assert ds.hash() == D.load_digits().hash()
 
 
+def test_default_digits_follow_the_models_shape():
+    """`--data digits` (the default) gives a 32x32x3 model the digits built at its shape, not an error."""
+    ds = D.load_data("digits", image_shape=(32, 32, 3))
+    assert ds.image_shape == (32, 32, 3) and ds.hash() == D.digits32().hash()
+    assert D.load_data("digits", image_shape=(8, 8, 1)).image_shape == (8, 8, 1)
+    with pytest.raises(D.DataError, match="expects"):
+        D.check_fits(D.load_data("digits", image_shape=(16, 16, 1)), (16, 16, 1), 10, "m16")
+
+
 def test_order_is_per_epoch_permutation():
     o = D.batch_order(100, 10, 25, seed=3)
     assert o.shape == (25, 10)

@@ -45,7 +45,8 @@ def config_options(f):
         click.option("--seed", type=int, default=0, show_default=True, help="Data order and dropout masks."),
         click.option("--init-seed", type=int, default=0, show_default=True, help="Canonical initial weights."),
         click.option("--data", default="digits", show_default=True,
-                     help="digits | synthetic[:N] | train.csv[,test.csv] | file.npz"),
+                     help="digits (at the model's shape: 8x8x1, or digits32 for a 32x32x3 model) | digits32 | "
+                          "synthetic[:N] | train.csv[,test.csv] | file.npz"),
         click.option("--devices", type=int, default=1, show_default=True, help="Data-parallel replicas."),
         click.option("--threads", type=int, default=1, show_default=True, help="Intra-op threads (pinned)."),
         click.option("--fault", default=None, callback=_check_fault, metavar="FAULT",
