@@ -11,6 +11,7 @@ envelope, and counts the verdicts.
 
     python bench/false_alarms.py [--steps 300] [--configs 0-44|all] [--backends B ...] [-j 2] [--out DIR]
     python bench/false_alarms.py --quick          # 4 configurations, 60 steps: a smoke run
+    python bench/false_alarms.py --models resnet_tiny mobilenet_tiny convnext_tiny --results-name false_alarms-graph
 
 Runs are cached by content key under --out (default /tmp/duipai-false-alarms): a rerun after a harness-only
 change recompares without retraining. Writes bench/results/false_alarms.{md,json} (--quick: bench/results/quick/).
@@ -50,19 +51,19 @@ VARIANTS = {"threads2": ({"threads": 2}, "threads"), "eager": ({"jit": False}, "
             "onednn_off": ({"extra": {"onednn": "off"}}, "onednn")}
 
 
-def configurations() -> list[dict]:
+def configurations(models: tuple[str, ...] = MODELS) -> list[dict]:
     """The covering subset: every model x optimizer pair, each with three schedules (the one left out rotates).
     Ordered round-robin: the first 15 cover every model x optimizer pair once, the first 30 twice, so that a
     run stopped early (or --configs 0-14) is still spread over the whole space."""
     out = []
-    for (i, model), (j, opt) in itertools.product(enumerate(MODELS), enumerate(OPTIMIZERS)):
+    for (i, model), (j, opt) in itertools.product(enumerate(models), enumerate(OPTIMIZERS)):
         skip = SCHEDULES[(i + j) % len(SCHEDULES)]
         kept = [s for s in SCHEDULES if s != skip]
         kept = kept[(i + 2 * j) % 3:] + kept[:(i + 2 * j) % 3]   # every round meets every schedule
         for rnd, sched in enumerate(kept):
             out.append({"id": f"{model}__{opt}__{sched}", "model": model, "optimizer": opt, "schedule": sched,
                         "round": rnd})
-    return sorted(out, key=lambda c: (c["round"], OPTIMIZERS.index(c["optimizer"]), MODELS.index(c["model"])))
+    return sorted(out, key=lambda c: (c["round"], OPTIMIZERS.index(c["optimizer"]), models.index(c["model"])))
 
 
 def entries_for(conf: dict, backends: list[str], steps: int, with_variants: bool) -> list[M.Entry]:
@@ -137,9 +138,15 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=None, help="default: every installed backend")
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("/tmp/duipai-false-alarms"))
+    ap.add_argument("--models", nargs="+", default=list(MODELS),
+                    help="the models of the covering subset (default: the three straight-line models; the graph "
+                         "models resnet_tiny, mobilenet_tiny, convnext_tiny train on digits32)")
+    ap.add_argument("--results-name", default="false_alarms",
+                    help="bench/results/<name>.{md,json} (a run over other models keeps the main table)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
-    confs = configurations()
+    models = tuple(a.models)
+    confs = configurations(models)
     if a.quick:
         confs, a.steps = [confs[i] for i in (0, 6, 12, 44)], 60
     elif a.configs != "all":
@@ -155,7 +162,7 @@ def main() -> int:
     text = ""
     for n, conf in enumerate(confs):
         folder = out / conf["id"]
-        entries = entries_for(conf, backends, a.steps, with_variants=configurations().index(conf) % 5 == 0)
+        entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0)
         print(f"[{n + 1}/{len(confs)}] {conf['id']}: {len(entries)} runs", file=sys.stderr, flush=True)
         entries = M.run_entries(entries, folder, out, a.jobs, timeout=900, log=lambda s: None)
         M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
@@ -184,8 +191,8 @@ def write(rows: list[dict], a: argparse.Namespace, confs: list[dict], done: int,
     text = render(rows, meta)
     dest = HERE / "results" / ("quick" if a.quick else "")
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "false_alarms.md").write_text(text)
-    (dest / "false_alarms.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    (dest / f"{a.results_name}.md").write_text(text)
+    (dest / f"{a.results_name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     return text
 
 
