@@ -28,7 +28,7 @@ from .parallel import DataParallel
 
 BUFFER_ROLES = ("running_mean", "running_var")
 
-BUFFER_ROLES = ("running_mean", "running_var")
+
 class TorchBackend(DataParallel, Backend):
     framework = "torch"
     # the catalogued faults it declares, and the emulations of declared differences the verdict engine asks of
@@ -55,6 +55,8 @@ class TorchBackend(DataParallel, Backend):
         self.prev_lr: float | None = None
         # (parameters, their version counters, their flat copy) after the last step: the next step's `before`
         self._after: tuple[list[torch.Tensor], list[int], torch.Tensor] | None = None
+        # (parameters, gradients) as one flat vector each, the trainable tensors views of them (_flatten_trainable)
+        self._flat_storage: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seams = Seams(opts.fault)
         self.permute = self.seams.permute
         torch.manual_seed(hp.seed + self.rank)   # only native dropout draws from it (a stream per rank)
@@ -105,9 +107,32 @@ class TorchBackend(DataParallel, Backend):
                 self.p[q.name] = nn.Parameter(t, requires_grad=q.trainable)
             else:
                 self.p[q.name] = t.requires_grad_(q.trainable)
+        self._flatten_trainable()
         self.opt = make_optimizer(self.hp, [self.p[n] for n in self.trainable], self.opts.fault)
         self.prev_lr = None
+        self._after = None
         self._wrap_ddp()
+
+    def _flatten_trainable(self) -> None:
+        """One process, one replica, contiguous layout: the trainable parameters become views of one flat
+        vector and their gradients views of another (apex / DeepSpeed's contiguous buffers), so that the
+        step's statistics read one vector each instead of concatenating every tensor every step. The
+        vectors hold the same values in the same order as the concatenation: the same norms, bit for bit.
+        DDP, emulated replicas (their gradients are combined into new tensors) and channels_last keep
+        separate tensors."""
+        self._flat_storage = None
+        if self.distributed or self.replicas > 1 or self.channels_last or not self.trainable:
+            return
+        params = [self.p[n] for n in self.trainable]
+        flat = torch.cat([q.detach().reshape(-1) for q in params])
+        grads = torch.zeros_like(flat)
+        offset = 0
+        for q in params:
+            n = q.numel()
+            q.data = flat[offset:offset + n].view_as(q)
+            q.grad = grads[offset:offset + n].view_as(q)
+            offset += n
+        self._flat_storage = (flat, grads)
 
     def _canon(self, name: str, t: torch.Tensor) -> np.ndarray:
         # a copy: .numpy() and the layout transposes are views of the live tensor
@@ -158,6 +183,7 @@ class TorchBackend(DataParallel, Backend):
 
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         params = [self.p[n] for n in self.trainable]
+        flat = self._flat_storage
         before = self._params_flat(params)
         self.opt.zero_grad(set_to_none=False)
         if self.distributed:
@@ -167,18 +193,22 @@ class TorchBackend(DataParallel, Backend):
         else:
             xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)
             loss, replica_losses, acc = self._grads_single(xt, yt, masks)
-        for q in params:
-            if q.grad is None:
-                q.grad = torch.zeros_like(q)
-            else:
-                self._fault_grad(q.grad)
+        if flat is not None:          # every gradient is a view of flat[1], accumulated in place by backward
+            self._fault_grad(flat[1])
+        else:
+            for q in params:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                else:
+                    self._fault_grad(q.grad)
         lr = self.lr_for(step)
         set_hyper(self.opt, params, self.hp, step, lr, self.prev_lr, self.opts.fault)
         self.prev_lr = lr
         with torch.no_grad():
-            grad_norm = torch.linalg.vector_norm(self._flat([q.grad for q in params]))
+            grads = flat[1] if flat is not None else self._flat([q.grad for q in params])
+            grad_norm = torch.linalg.vector_norm(grads)
             self.opt.step()
-            after = self._flat(params)
+            after = flat[0].clone() if flat is not None else self._flat(params)
             self._after = (params, [q._version for q in params], after)
             # (after - before) is the concatenation of the per-parameter differences, element by element:
             # the same vector, the same norm kernel, the same bits
@@ -194,7 +224,7 @@ class TorchBackend(DataParallel, Backend):
             prev, versions, flat = self._after
             if len(prev) == len(params) and all(a is b and a._version == v for a, b, v in zip(prev, params, versions)):
                 return flat
-        return self._flat(params)
+        return self._flat_storage[0].clone() if self._flat_storage is not None else self._flat(params)
 
     @staticmethod
     def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
