@@ -213,3 +213,23 @@ def test_batchnorm_dp2_manifest_declares_per_replica_statistics(runs):
     man = json.loads((run / "manifest.json").read_text())
     assert [d["id"] for d in man["declared_differences"]] == ["per_replica_batchnorm"]
     assert man["parallel"]["batchnorm_statistics"].startswith("per replica")
+
+
+def test_probes_of_a_dp2_run_step_through_ddp_ranks(runs, tmp_path):
+    """A probe job of a --devices 2 run runs as two gloo DDP ranks (what trained is what is probed), and its
+    optimizer step is DDP's: under the grad_sum_replicas fault (a SUM comm hook on DDP) the update is twice
+    the clean one's (SGD)."""
+    from algorithms.optim import HParams
+    from algorithms.params import load_npz
+    from harness import runner
+    hp = HParams(steps=4, optimizer="sgd", eval_every=4, checkpoint_every=4)
+    probes = {}
+    for fault in (None, "grad_sum_replicas"):
+        cfg = runner.RunConfig(model="cnn2d_2conv_2fc", backend="torch", hparams=hp, devices=2, fault=fault)
+        folder = runner.execute(cfg, tmp_path, f"probe-{fault}", mode="probe", probe_steps=1)
+        info = json.loads((folder / "worker.json").read_text())["parallel"]
+        assert info["processes"] == 2 and info["backend"] == "gloo", info
+        probes[fault] = load_npz(folder / "probe-0.npz")
+    clean, summed = probes[None], probes["grad_sum_replicas"]
+    for k in (k for k in clean if k.startswith("update0/")):
+        np.testing.assert_allclose(summed[k], 2 * clean[k], rtol=1e-3, atol=1e-7, err_msg=k)   # update = float32 params differenced

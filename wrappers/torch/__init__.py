@@ -1,13 +1,15 @@
 """PyTorch: torch.nn.functional ops in NCHW, torch.optim optimizers.
 
-Data parallel (`--devices N`, train jobs): DistributedDataParallel, one OS process per rank
-(gloo on CPU, NCCL with one GPU per rank when CUDA is present).
+Data parallel (`--devices N`): DistributedDataParallel, one OS process per rank (gloo on CPU, NCCL
+with one GPU per rank when CUDA is present), for train jobs and for the probe and replay jobs of a
+one-host run too, so that the steps the verdict compares run the code that trained (DDP's all-reduce).
   hosts == 1   the wrappers launcher starts N `python -m wrappers rank JOB i` processes itself and
                gives each RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR=127.0.0.1 / MASTER_PORT=port
                (env:// rendezvous on rank 0's TCPStore);
   hosts == H   the launcher starts H torchrun node agents (c10d rendezvous on 127.0.0.1:port), each
                running N/H ranks: H local agents stand in for H hosts.
-Probe and replay jobs stay in one process (see TorchBackend: the replicas are emulated there).
+Probe and replay jobs of a multi-host run (--hosts > 1) stay in one process, the replicas emulated there
+(see TorchBackend._grads_emulated); their notes say so.
 """
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ class TorchEntry(Entry):
     @classmethod
     def processes(cls, job: dict[str, Any]) -> int:
         devices, hosts = _dp(job)
-        if devices <= 1 or job.get("mode", "train") != "train":
-            return 1                       # probes / replays: one process, replicas emulated
+        if devices <= 1 or (hosts > 1 and job.get("mode", "train") != "train"):
+            return 1                       # multi-host probes / replays: one process, replicas emulated
         return devices if hosts <= 1 else hosts
 
     @classmethod

@@ -1,14 +1,16 @@
-"""PyTorch data parallelism: DistributedDataParallel ranks for train jobs, the same replicas emulated in one
-process for probe and replay jobs.
+"""PyTorch data parallelism: DistributedDataParallel ranks for train, probe and replay jobs (the training
+step a probe or a resynced step runs is DDP's); the same replicas emulated in one process for the probe and
+replay jobs of a multi-host run, and for the parts of a probe that are not a training step.
 
-  * train jobs run as N processes (see wrappers/torch/__init__.py for how they are started), each a
+  * train, probe and replay jobs run as N processes (see wrappers/torch/__init__.py for how they are started), each a
     DistributedDataParallel rank: gloo on CPU, NCCL on cuda:LOCAL_RANK when CUDA is present. Every
     rank receives the global batch and takes its contiguous shard shard_bounds(B, N, fault)[rank];
     DDP all-reduces the gradients divided by N (the mean of the per-rank mean losses of equal
     shards = the global-batch mean gradient). Rank 0 writes the results.
-  * probe and replay jobs run in one process: the N replicas are emulated there, shard by shard
-    (per-replica BatchNorm statistics, rank 0's running buffers, gradients averaged, the
-    grad_sum_replicas / overlapping_shards faults), so a probe of a dp=N run shows what the ranks do.
+  * a probe's per-layer forward and its gradient (`forward_layers`, `gradients`) emulate the N replicas
+    shard by shard in rank 0 (per-replica BatchNorm statistics, gradients averaged, the grad_sum_replicas /
+    overlapping_shards faults); its optimizer steps (`update0/...`) are DDP's own steps on every rank. The
+    probe and replay jobs of a --hosts > 1 run stay in one process, everything emulated.
   * BatchNorm: per-replica statistics (declared difference per_replica_batchnorm). DDP broadcasts
     rank 0's buffers at every forward (forward_sync_buffers=True, its default), so the running
     statistics of the run, and those exported, are rank 0's: rank 0's shard statistics folded in
@@ -108,15 +110,15 @@ class DataParallel:
             raise UnsupportedError("--sync-bn: probes and replays of a synchronized-BatchNorm run are not emulated "
                                    "in one process; compare its training runs")
         self.ddp: nn.parallel.DistributedDataParallel | None = None
-        if self.distributed:
+        if self.distributed and not dist.is_initialized():   # a probe job's further cases reuse the group
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method="env://", rank=self.rank, world_size=self.replicas,
                                     timeout=timedelta(seconds=DIST_TIMEOUT_S))
             atexit.register(_destroy_group)
 
     def _wrap_ddp(self) -> None:
-        """Train jobs: the model under DDP (a collective: every rank loads in lock-step, rank 0's state is
-        broadcast); grad_sum_replicas replaces DDP's mean all-reduce by a SUM."""
+        """The model under DDP (a collective: every rank loads in lock-step, rank 0's state is broadcast), at
+        every load (train, probe and replay jobs alike); grad_sum_replicas replaces DDP's mean all-reduce by a SUM."""
         if not self.distributed:
             return
         self.ddp = nn.parallel.DistributedDataParallel(
