@@ -191,7 +191,7 @@ def _emulate(folder: Path, out: Path) -> Path:
 @pytest.mark.slow
 def test_batchnorm_dp2_declares_per_replica_statistics_and_emulation_is_exact(runs, tmp_path):
     """cnn2d_hard (BatchNorm, dropout) at dp=2: the manifest declares per_replica_batchnorm, and the
-    one-process emulation that probes and replays use reproduces the DDP ranks bit for bit,
+    one-process emulation (multi-host probes and replays, and a probe's forward and gradient) reproduces the DDP ranks bit for bit,
     running statistics (rank 0's) and evaluation included."""
     run = runs.get(2, model="cnn2d_hard", steps=4)
     man = json.loads((run / "manifest.json").read_text())
