@@ -21,6 +21,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from .documents import parse_document
+
 # the data types (algorithms/model.py), re-exported: algorithms.spec is where every caller finds them
 from .model import (BASE_LAYER_KINDS, ELEMENTWISE_KINDS, GELU_APPROXIMATIONS, INITS, INPUT,  # noqa: F401
                     LAYER_FIELDS, MERGE_KINDS, OMITTED_AT_DEFAULT, PADDINGS, REQUIRED, SPATIAL_KINDS, LayerInfo,
@@ -339,10 +341,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
                             " (or give the path of a .toml file)")
     if not p.exists():
         raise SpecError(f"model file {p}: no such file")
-    try:
-        decl = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"model file {p}: not valid TOML: {e}") from None
+    decl = parse_document(p, tomllib.loads, bad=lambda e: SpecError(f"model file {p}: not valid TOML: {e}"))
     return build_model(decl, str(p))
 
 

@@ -1,10 +1,10 @@
 """How far clean float32 backends land from the exact (float64) step-0 probes, per probe key, and how far
-faulty ones do: the numbers behind the arbiter's tolerance (harness/arbiter.py).
+faulty ones do: the numbers behind the arbiter's tolerance (harness/arbitration.py).
 
 For every model and standard optimizer case: each installed backend in float32 and (where it can) float64,
 the arbiter backend in float64 (the exact values) and float32 (a correct float32 implementation of the same
 formulas), and the reference backend with a few catalogued faults. Per key: every side's RMS relative error
-against the exact values over the tolerance harness.arbiter.tolerance gives it. Probe keys a backend's declared
+against the exact values over the tolerance harness.arbitration.tolerance gives it. Probe keys a backend's declared
 differences may move are left out (they compute another formula on purpose). Probe folders are reused.
 
     python bench/arbiter_tolerance.py --arbiter NAME [--models a,b] [--backends x,y] [--faults f,g] [--out DIR]
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from algorithms.params import load_npz  # noqa: E402
-from harness.arbiter import max_rel, rms_rel, tolerance  # noqa: E402
+from harness.arbitration import max_rel, rms_rel, tolerance  # noqa: E402
 from harness.defaults import REFERENCE  # noqa: E402
 from harness.probes import ProbeResult, run_cases, standard_cases  # noqa: E402
 from harness.runner import backend_info  # noqa: E402

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from algorithms.documents import parse_document
 from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import OPTIMIZERS, HParamError, HParams
 
@@ -83,10 +84,7 @@ def load_matrix(path: str | Path) -> Matrix:
     if not p.is_file():
         known = ", ".join(sorted(q.stem for q in MATRICES_DIR.glob("*.toml")))
         raise BadInput(f"matrix {path}: no such file (built-in matrices: {known})")
-    try:
-        raw = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"matrix {p}: not valid TOML: {e}") from None
+    raw = parse_document(p, tomllib.loads, bad=lambda e: BadInput(f"matrix {p}: not valid TOML: {e}"))
 
     def bad(msg: str) -> BadInput:
         return BadInput(f"matrix {p}: {msg}")

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from algorithms.documents import parse_document
+
 from .errors import BadInput
 from .runner import RunConfig
 
@@ -120,10 +122,7 @@ def load_run(path: str | Path) -> Run:
     mp = p / "manifest.json"
     if not mp.is_file():
         raise BadInput(f"{p}: no manifest.json (not a duipai run folder, or an unfinished run)")
-    try:
-        man = json.loads(mp.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{mp}: not valid JSON ({e})") from None
+    man = parse_document(mp, json.loads, bad=lambda e: BadInput(f"{mp}: not valid JSON ({e})"))
     if man.get("status") != "complete":
         raise BadInput(f"{p}: manifest status is {man.get('status')!r}, not 'complete'")
     if man.get("kind", "train") != "train":

@@ -1,4 +1,4 @@
-"""The arbiter (harness/arbiter.py): which side of a BUG the exact float64 computation supports.
+"""The arbiter (harness/arbitration.py, harness/arbiter.py): which side of a BUG the exact float64 computation supports.
 
 Pure decision logic on hand-built probe dicts first (side, computation order, tolerance, shapes, NaN, the
 options it cannot honour), then real comparisons of two backends through `compare_runs(arbiter=...)` with a
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.arbiter import (MARGIN, REL_FLOOR, REL_TOL, arbiter_options, arbitrate, key_order, lead_lines,
-                             statement, tolerance)
+from harness.arbiter import arbiter_options, lead_lines
+from harness.arbitration import MARGIN, REL_FLOOR, REL_TOL, arbitrate, key_order, statement, tolerance
 
 LAYERS = ["conv1", "pool1", "flatten", "fc1", "fc2"]
 RNG = np.random.default_rng(0)

@@ -45,6 +45,7 @@ def _batch(configs: list[dict], out_root: str) -> dict:
     from harness.runner import RunConfig, prepare
     from wrappers.base import RunOptions
     from wrappers.tensorflow.backend import TensorflowBackend
+    from wrappers.worker import backend_class
     from tests.dp_runs import train_in_process
     out = {}
     for c in configs:
@@ -52,7 +53,8 @@ def _batch(configs: list[dict], out_root: str) -> dict:
         cfg = RunConfig(model=c["model"], backend="tensorflow", hparams=hp, devices=c.get("devices", 1),
                         fault=c.get("fault"), perturb_ulp=c.get("ulp"), extra=c.get("extra", {}))
         prep = prepare(cfg, Path(out_root))
-        b = TensorflowBackend(prep.model, hp, RunOptions(devices=cfg.devices, fault=cfg.fault, extra=cfg.extra))
+        opts = RunOptions(devices=cfg.devices, fault=cfg.fault, extra=cfg.extra)
+        b = backend_class(TensorflowBackend, opts)(prep.model, hp, opts)    # as the worker constructs it
         b.name = "tensorflow"
         rows, final = train_in_process(b, prep, hp)   # the parallel backend's export checks its replicas agree
         out[c["key"]] = {"rows": rows, "declared": b.declared_differences(), "traces": b.traces["train"],

@@ -3,7 +3,7 @@ checked on the source tree (files, ast and text; nothing is imported or run).
 
 * every wrappers/<backend>/ folder holds the same modules: __init__ (the Entry and its capabilities), layers,
   optim, parallel, backend; Keras' per-backend code is one subpackage (runtimes/) whose modules define the
-  same names;
+  same names; no wrapper class picks its own class in `__new__`;
 * the layout, permutation and pooling-size maths are defined once, in algorithms/layout.py; the fault
   constants once, in algorithms/faults.py;
 * no module under harness/ names a backend, outside the matrix defaults (harness/matrices/*.toml, read by
@@ -38,6 +38,15 @@ def test_every_backend_folder_has_the_same_modules():
         assert modules == MODULE_SET, f"wrappers/{folder.name}/: {sorted(modules)} != {sorted(MODULE_SET)}"
         subs = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
         assert subs == set(SUBPACKAGES.get(folder.name, {})), f"wrappers/{folder.name}/ subpackages: {sorted(subs)}"
+
+
+def test_no_wrapper_class_swaps_itself_in_new():
+    """The class that runs a job is chosen where it is constructed (a backend's `for_options`, asked by
+    wrappers/worker.py), not by a `__new__` that returns another class."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(WRAPPERS.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.FunctionDef) and node.name == "__new__"]
+    assert not found, f"__new__ in wrappers/: {found}"
 
 
 def top_level_names(path: Path) -> set[str]:

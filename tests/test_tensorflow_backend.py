@@ -67,6 +67,21 @@ def assert_same(a: dict, b: dict, exact=True, rtol=0.0):
             assert float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) <= rtol * scale, k
 
 
+# --------------------------------------------------------------------------- the class that runs a job
+def test_the_parallel_class_is_chosen_before_construction():
+    """--devices or --hosts other than 1 run ParallelTensorflowBackend, named by for_options where the worker
+    constructs the backend; the single-device class constructed for such a job refuses it."""
+    from wrappers.base import UnsupportedError
+    from wrappers.tensorflow.backend import ParallelTensorflowBackend
+    from wrappers.worker import backend_class
+    assert backend_class(TensorflowBackend, RunOptions()) is TensorflowBackend
+    for opts in (RunOptions(devices=2), RunOptions(extra={"hosts": 2})):
+        assert backend_class(TensorflowBackend, opts) is ParallelTensorflowBackend
+    assert "__new__" not in vars(TensorflowBackend)
+    with pytest.raises(UnsupportedError, match="needs the parallel backend"):
+        TensorflowBackend(load_model("cnn2d_2conv_2fc"), HParams(steps=1), RunOptions(devices=2))
+
+
 # --------------------------------------------------------------------------- compilation
 @pytest.mark.parametrize("case", ["momentum_step", "adamw"])
 def test_tf_function_eager_and_xla_steps_agree(case):

@@ -48,11 +48,18 @@ def progress(out: TextIO, **kw: Any) -> None:
     out.flush()
 
 
+def backend_class(cls: type[Backend], opts: RunOptions) -> type[Backend]:
+    """The class that runs a job with these options: a backend whose data parallelism is a subclass of its own
+    names it through the classmethod `for_options(opts)`; every other backend runs every job in one class."""
+    choose = getattr(cls, "for_options", None)
+    return cls if choose is None else choose(opts)
+
+
 def build_backend(job: dict[str, Any], cls: type[Backend]) -> Backend:
     opts = RunOptions(**job.get("options", {}))
     model = build_model(effective_model_decl(job["model"], opts.fault), job.get("model_source", "<job>"))
     hp = HParams.from_dict(job["hparams"])
-    return cls(model, hp, opts)
+    return backend_class(cls, opts)(model, hp, opts)
 
 
 def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: TextIO) -> None:

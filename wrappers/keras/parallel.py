@@ -17,15 +17,20 @@ from typing import Any
 
 import numpy as np
 
-from ..base import shard_bounds
+from ..base import UnsupportedError, shard_bounds
 
 
 class Parallel:
     """The interface KerasBackend uses; the defaults are a single global-batch program's."""
     replica_programs = False          # True: each replica runs its own program on its shard
     per_replica_batchnorm = False     # BatchNorm statistics over each replica's shard (a declared difference)
+    backend = ""                      # the backend configuration's name (keras-<backend>), for its refusals
+    hosts_missing = ""                # what a multi-process run of this strategy would need (--hosts is refused)
 
-    def __init__(self, replicas: int, sync_bn: bool, fault: str | None) -> None:
+    def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None) -> None:
+        if hosts > 1:
+            raise UnsupportedError(f"{self.backend}: --hosts is not implemented ({self.hosts_missing}); use "
+                                   "--devices N in one process")
         self.replicas, self.sync_bn, self.fault = replicas, sync_bn, fault
         self.devices: list[str] = []
 

@@ -4,9 +4,10 @@ training kernels applied to the variables' handles:
 
 (optim.py: the kernels, their per-step scalars and the optimizer faults applied there).
 
-Data parallelism (`--devices N`, `--hosts H`) is parallel.py (tf.distribute): constructing a TensorflowBackend
-with devices > 1 or hosts > 1 gives a ParallelTensorflowBackend, the DataParallel mixin over this class. The
-single-device step here is left exactly as it was; the parallel one reuses its forward, loss and training kernels.
+Data parallelism (`--devices N`, `--hosts H`) is parallel.py (tf.distribute): ParallelTensorflowBackend, the
+DataParallel mixin over this class, which `TensorflowBackend.for_options` names for such a job (the worker asks
+it before constructing). The single-device step here is left exactly as it was; the parallel one reuses its
+forward, loss and training kernels.
 """
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ class TensorflowBackend(NativeOptimizer, Backend):
     faults = TensorflowEntry.faults
     PARALLEL_FAULTS = DP_FAULTS
 
-    def __new__(cls, model: ModelSpec, hp: HParams, opts: RunOptions):
-        if cls is TensorflowBackend and (opts.devices != 1 or int(opts.extra.get("hosts", 1)) != 1):
-            cls = ParallelTensorflowBackend
-        return super().__new__(cls)
+    @classmethod
+    def for_options(cls, opts: RunOptions) -> type[TensorflowBackend]:
+        """The class that runs `opts`: ParallelTensorflowBackend for --devices or --hosts other than 1, else
+        this one (its single-device step carries no strategy)."""
+        parallel = opts.devices != 1 or int(opts.extra.get("hosts", 1)) != 1
+        return ParallelTensorflowBackend if parallel else TensorflowBackend
 
     def _before_runtime(self) -> None:
         """What must be configured before TF's runtime starts (the parallel backend: its devices)."""
@@ -274,7 +277,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
 
 
 class ParallelTensorflowBackend(DataParallel, TensorflowBackend):
-    """TensorflowBackend with devices > 1 or hosts > 1 (TensorflowBackend(...) constructs this): parallel.py."""
+    """TensorflowBackend with devices > 1 or hosts > 1 (`TensorflowBackend.for_options` names it): parallel.py."""
 
 
 BACKEND = TensorflowBackend

@@ -93,10 +93,15 @@ class NativeOptimizer:
         self.prev_lr = lr
         return np.array([lr, eps, b1p, b2p, scale, 1.0 - lr * h.weight_decay], self.np_dtype)
 
+    def _state_slots(self) -> dict[str, dict[str, tf.Variable]]:
+        """The slot variables whose values are the exported optimizer state (the parallel backend: replica 0's)."""
+        return self.slots
+
     def export_opt_state(self) -> dict[str, np.ndarray]:
         if not self.has_state:
             return {}
-        out = {f"{s}/{n}": self._canon(n, var.numpy()) for s, slot in self.slots.items() for n, var in slot.items()}
+        out = {f"{s}/{n}": self._canon(n, var.numpy()) for s, slot in self._state_slots().items()
+               for n, var in slot.items()}
         if self.adam:
             out["step"] = np.asarray(float(self.t))
         return out

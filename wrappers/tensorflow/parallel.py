@@ -223,13 +223,8 @@ class DataParallel:
         self._check_in_sync()
         return {n: self._canon(n, v.numpy()) for n, v in self.v0.items()}
 
-    def export_opt_state(self) -> dict[str, np.ndarray]:
-        if not self.has_state:
-            return {}
-        out = {f"{s}/{n}": self._canon(n, var.numpy()) for s, slot in self.slot0.items() for n, var in slot.items()}
-        if self.adam:
-            out["step"] = np.asarray(float(self.t))
-        return out
+    def _state_slots(self) -> dict[str, dict[str, tf.Variable]]:
+        return self.slot0
 
     # ---- computation
     def _forward(self, x, train, masks, record=None, new_buffers=None, seed=None, params=None, moments=None):

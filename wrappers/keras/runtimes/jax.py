@@ -125,15 +125,14 @@ class Stepper:
 
 class JaxDataParallel(Parallel):
     """keras.distribution.DataParallel over the first N JAX devices (see the module docstring)."""
+    backend = "keras-jax"
+    hosts_missing = ("a multi-process keras.distribution run needs jax.distributed and per-process data feeding, "
+                     "not wired for Keras")
 
     def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
         import keras
         from ...base import UnsupportedError
-        super().__init__(replicas, sync_bn, fault)
-        if hosts > 1:
-            raise UnsupportedError("keras-jax: --hosts is not implemented (a multi-process keras.distribution run "
-                                   "needs jax.distributed and per-process data feeding, not wired for Keras); use "
-                                   "--devices N in one process")
+        super().__init__(replicas, hosts, sync_bn, fault)
         have = jax.devices()
         if len(have) < replicas:
             raise UnsupportedError(f"keras-jax: --devices {replicas} but jax sees {len(have)} {jax.default_backend()} "

@@ -107,14 +107,12 @@ class Stepper:
 class MirroredDataParallel(Parallel):
     """MirroredStrategy over N local devices, one per replica, and the harness's sharding."""
     replica_programs = True
+    backend = "keras-tensorflow"
+    hosts_missing = "MultiWorkerMirroredStrategy with the harness's exact shards per worker is not wired for Keras"
 
     def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
         from ...base import UnsupportedError
-        super().__init__(replicas, sync_bn, fault)
-        if hosts > 1:
-            raise UnsupportedError("keras-tensorflow: --hosts is not implemented (MultiWorkerMirroredStrategy with "
-                                   "the harness's exact shards per worker is not wired for Keras); use --devices N "
-                                   "in one process")
+        super().__init__(replicas, hosts, sync_bn, fault)
         if extra.get("xla"):
             raise UnsupportedError("keras-tensorflow: --xla with data parallelism is not supported (jit_compile "
                                    "cannot span the replicas of a MirroredStrategy step); drop --xla")
