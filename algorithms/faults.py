@@ -82,6 +82,38 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "buffers and evaluation move", "a batchnorm2d layer"),
     Fault("eval_input_rel_1e-04", "eval", "",
           "the evaluation pipeline normalizes with a rounded constant (inputs x (1 + 1e-4)); training is exact"),
+    # the graph layers' porting bugs (issue 15). Five are declaration rewrites (`rewrite_declaration`): every
+    # wrapper builds its layers from the rewritten declaration, so every backend computes the same wrong model;
+    # three need the lowering itself (Seams below: the concat axis, a bypassed BatchNorm, a kernel's load order)
+    Fault("gelu_tanh_approx", "forward", "first gelu layer with approximate = 'none'",
+          "GELU's tanh approximation where the spec says exact: jax.nn.gelu's default is approximate=True, "
+          "torch's F.gelu and Keras' gelu default to exact (keras.activations.gelu(approximate=False)); a port "
+          "that leaves the default changes it", "a gelu layer with approximate = 'none'"),
+    Fault("layernorm_eps_default", "forward", "first layernorm layer whose eps is not 1e-3",
+          "Keras LayerNormalization's default epsilon 1e-3 where the spec says otherwise (ConvNeXt: 1e-6; "
+          "torch's LayerNorm default: 1e-5)", "a layernorm layer with eps != 1e-3"),
+    Fault("leaky_relu_default_alpha", "forward", "first leaky_relu layer whose alpha is not 0.3",
+          "keras.layers.LeakyReLU() with its default negative_slope 0.3 where the spec's alpha differs (torch's "
+          "nn.LeakyReLU default is 0.01, keras.activations.leaky_relu's 0.2)", "a leaky_relu layer with alpha != 0.3"),
+    Fault("dilation_dropped", "forward", "first conv2d with dilation > 1",
+          "a dilated convolution ported without its dilation (dilation_rate / rhs_dilation left at 1); with "
+          "'same' padding the shapes still fit, so nothing fails", "a conv2d with dilation > 1 and 'same' padding"),
+    Fault("residual_after_activation", "forward", "first add read only by an activation",
+          "a residual block whose shortcut is added after the activation, act(branch) + shortcut, where the "
+          "spec adds before it, act(branch + shortcut) (ResNet's basic block: relu(bn2 + shortcut))",
+          "an add whose output only an activation reads (its first input is taken as the branch)"),
+    Fault("projection_without_bn", "forward", "first BatchNorm of a 1x1 projection shortcut",
+          "a downsampling shortcut ported as the 1x1 convolution alone, without its BatchNorm (its gamma and "
+          "beta still exist as parameters: loaded, exported, decayed, with a zero gradient)",
+          "a batchnorm2d after a 1x1 conv2d that reads a branching output, feeding an add"),
+    Fault("concat_wrong_axis", "forward", "first concat of inputs with equal shapes",
+          "an NCHW port concatenating on the NHWC channel index (axis 3 = width in NCHW, torch.cat(dim=3) copied "
+          "from TF's axis=-1): the maps are joined side by side, and a following flatten still fits",
+          "a concat of equal-shaped inputs followed by a flatten (a conv would not fit the wrong shape)"),
+    Fault("depthwise_multiplier_order", "forward", "first depthwise conv2d with a channel multiplier > 1",
+          "a depthwise kernel with channel multiplier m > 1 loaded with its C*m outputs in multiplier-major "
+          "order (j*C + c) where the framework (torch groups, TF depthwise_conv2d) is channel-major (c*m + j): "
+          "every input channel gets another channel's filters", "a conv2d with groups = input channels < filters"),
 ]}
 
 # The reference backend's emulations of declared differences (algorithms/differences.py `emulated_by`) that
@@ -171,14 +203,104 @@ def check_fault(name: str | None) -> None:
 # --------------------------------------------------------------------------- the seams a wrapper applies faults at
 LABEL_SMOOTHING = 0.1      # the `label_smoothing` fault's smoothing
 KERAS_BN_EPS = 1e-3        # the `bn_eps_keras` fault's epsilon (Keras BatchNormalization's default)
+KERAS_LN_EPS = 1e-3        # the `layernorm_eps_default` fault's epsilon (Keras LayerNormalization's default)
+KERAS_LEAKY_RELU_ALPHA = 0.3   # the `leaky_relu_default_alpha` fault's slope (keras.layers.LeakyReLU's default)
+ACTIVATION_KINDS = ("relu", "relu6", "leaky_relu", "gelu", "silu", "sigmoid", "tanh")
+
+
+# --------------------------------------------------------------------------- declaration rewrites
+# the faults that are a rewrite of the model declaration, with the layer kind (Entry.layer_kinds' names) each
+# rewrites: every wrapper builds its layers from wrappers.base.effective_model_decl, so every backend that
+# lowers that kind implements the fault, alike
+DECLARATION_FAULTS: dict[str, str] = {"gelu_tanh_approx": "gelu", "layernorm_eps_default": "layernorm",
+                                      "leaky_relu_default_alpha": "leaky_relu", "dilation_dropped": "conv2d:dilation",
+                                      "residual_after_activation": "add"}
+
+
+def _explicit_inputs(decl: dict) -> list[dict]:
+    """The declaration's layers normalised (names and defaults filled) with every `inputs` written out, so
+    that a rewrite may move layers' roles without changing what the others read."""
+    from .spec import build_model
+    model = build_model(decl)
+    return [dict(d, inputs=list(l.inputs)) for d, l in zip(model.to_dict()["layers"], model.layers)]
+
+
+def _residual_after_activation(decl: dict) -> list[dict]:
+    """Every add whose only reader is an activation: the add's place now computes act(first input) and the
+    activation's place adds the other inputs to it. Both keep their names (and so their probes): the add's
+    place is where a correct localization finds the first disagreement."""
+    layers = _explicit_inputs(decl)
+    readers: dict[str, list[int]] = {}
+    for i, l in enumerate(layers):
+        for src in l["inputs"]:
+            readers.setdefault(src, []).append(i)
+    for l in list(layers):
+        if l.get("type") != "add":
+            continue
+        after = readers.get(l["name"], [])
+        if len(after) != 1 or layers[after[0]].get("type") not in ACTIVATION_KINDS:
+            continue
+        j, i = after[0], layers.index(l)
+        act = layers[j]
+        branch, shortcuts = l["inputs"][0], l["inputs"][1:]
+        layers[i] = {**{k: v for k, v in act.items() if k not in ("name", "inputs")}, "name": l["name"],
+                     "inputs": [branch]}
+        layers[j] = {"type": "add", "name": act["name"], "inputs": [l["name"], *shortcuts]}
+    return layers
+
+
+def rewrite_declaration(decl: dict, fault: str | None) -> dict:
+    """The model declaration as a port with this fault declares it (the declaration-level faults of
+    `DECLARATION_FAULTS`); any other fault returns `decl` itself. Layer names never change, so every probe
+    of the faulty run has its counterpart in the clean one."""
+    if fault not in DECLARATION_FAULTS or not isinstance(decl, dict) or not isinstance(decl.get("layers"), list):
+        return decl
+    if fault == "residual_after_activation":
+        return dict(decl, layers=_residual_after_activation(decl))
+    layers = [dict(l) if isinstance(l, dict) else l for l in decl["layers"]]
+    for l in layers:
+        if not isinstance(l, dict):
+            continue
+        kind = l.get("type")
+        if fault == "gelu_tanh_approx" and kind == "gelu":
+            l["approximate"] = "tanh"
+        elif fault == "layernorm_eps_default" and kind == "layernorm":
+            l["eps"] = KERAS_LN_EPS
+        elif fault == "leaky_relu_default_alpha" and kind == "leaky_relu":
+            l["alpha"] = KERAS_LEAKY_RELU_ALPHA
+        elif fault == "dilation_dropped" and kind == "conv2d" and "dilation" in l:
+            l["dilation"] = 1
+    return dict(decl, layers=layers)
+
+
+# --------------------------------------------------------------------------- where the lowering faults act
+def projection_norms(model) -> tuple[str, ...]:
+    """The batchnorm2d layers of 1x1 projection shortcuts: after a 1x1 conv2d that reads a branching output
+    (one read by another layer too), feeding an add (ResNet's downsample; not MobileNet's linear projection,
+    whose 1x1 conv reads an unbranched output)."""
+    reads: dict[str, int] = {}
+    for l in model.layers:
+        for src in l.inputs:
+            reads[src] = reads.get(src, 0) + 1
+    by_name = {l.name: l for l in model.layers}
+    into_add = {src for l in model.layers if l.kind == "add" for src in l.inputs}
+    out = []
+    for l in model.layers:
+        conv = by_name.get(l.inputs[0])
+        if (l.kind == "batchnorm2d" and l.name in into_add and conv is not None and conv.kind == "conv2d"
+                and conv.spec["kernel"] == 1 and reads.get(conv.inputs[0], 0) > 1):
+            out.append(l.name)
+    return tuple(out)
+
 
 
 @dataclass(frozen=True)
 class Seams:
     """The catalogued lowering faults read once from a run's fault value, as the named seams where a wrapper
-    applies them: the weight layout on load (`permute`), padding (`same_pads`), normalisation parameters
-    (`bn_params`), which bias a port dropped (`dropped_bias`), pooling size (`maxpool_ceil`), the loss
-    (`label_smoothing`), gradients (`grad_scale`) and evaluation mode (`eval_dropout`). A wrapper's `forward`
+    applies them: the weight layout on load (`permute`, `depthwise_channel_major`), padding (`same_pads`),
+    normalisation parameters (`bn_params`), which bias a port dropped (`dropped_bias`), which BatchNorm it
+    left out (`bypassed_norms`), the concatenation axis (`concat_axis`), pooling size (`maxpool_ceil`), the
+    loss (`label_smoothing`), gradients (`grad_scale`) and evaluation mode (`eval_dropout`). A wrapper's `forward`
     asks these and stays the clean lowering; the fault itself is one small transformation here."""
     fault: str | None = None
 
@@ -234,6 +356,30 @@ class Seams:
     def eval_dropout(self) -> bool:
         """dropout_in_eval: the framework's random dropout left on in inference mode."""
         return self.fault == "dropout_in_eval"
+
+    def concat_axis(self, channels_first: bool) -> int:
+        """The native axis a concat joins (NCHW or NHWC activations): the channels; under concat_wrong_axis
+        the width (the NHWC channel index 3 used on NCHW maps, or its canonical equivalent, NHWC axis 2)."""
+        if self.fault == "concat_wrong_axis":
+            return 3 if channels_first else 2
+        return 1 if channels_first else 3
+
+    def bypassed_norms(self, model) -> tuple[str, ...]:
+        """projection_without_bn: the projection shortcuts' batchnorm2d layers, passed through unchanged in
+        training and inference (their parameters stay, unused: a zero gradient, unmoved running statistics)."""
+        return projection_norms(model) if self.fault == "projection_without_bn" else ()
+
+    @property
+    def leaves_unused_parameters(self) -> bool:
+        """Whether some parameter takes no part in the computation (a dropped bias, a bypassed BatchNorm):
+        torch DDP must then be told to look for unused parameters."""
+        return self.fault in ("missing_bias", "projection_without_bn")
+
+    @property
+    def depthwise_channel_major(self) -> bool:
+        """False under depthwise_multiplier_order: a multiplied depthwise kernel loaded with its outputs in
+        multiplier-major order (algorithms/layout.py `to_native(channel_major=False)`)."""
+        return self.fault != "depthwise_multiplier_order"
 
     @property
     def coupled_adamw(self) -> bool:

@@ -8,6 +8,11 @@ kernels as (O, I/groups, kH, kW), dense kernels as (out, in) and flattens in (C,
 of a dense kernel fed by a flatten are permuted. The fault `flatten_no_permute` (permute=False) is the
 port that forgets that permutation: a channels-first framework loads the rows unpermuted; a channels-last
 one loads them in the (C, H, W) order such a port would have left them in.
+
+A depthwise kernel with channel multiplier m holds its C*m outputs channel-major (output c*m + j reads input
+channel c) in every framework here. The fault `depthwise_multiplier_order` (channel_major=False) is the
+port that reorders them as if the source were multiplier-major (j*C + c): each output gets the filter
+written for another one, in every layout alike.
 """
 from __future__ import annotations
 
@@ -58,12 +63,38 @@ def _rows_in_hwc(a: np.ndarray, src: tuple[int, int, int]) -> np.ndarray:
     return out
 
 
+# ----------------------------------------------------------------------------- the depthwise output order
+def multiplier_major_perm(channels: int, multiplier: int) -> np.ndarray:
+    """perm[c*m + j] = j*C + c: the canonical output a multiplier-major reading puts at channel-major place
+    c*m + j (the identity when m == 1 or C == 1)."""
+    return np.arange(channels * multiplier).reshape(multiplier, channels).T.ravel()
+
+
+def depthwise_multiplier(layer: LayerInfo) -> int:
+    """The channel multiplier filters / groups of a depthwise conv2d (groups = input channels > 1); 0 for
+    any other layer."""
+    if layer.kind != "conv2d" or layer.spec["groups"] <= 1 or layer.spec["groups"] != layer.in_shape[-1]:
+        return 0
+    return layer.spec["filters"] // layer.spec["groups"]
+
+
+def _depthwise_perm(layer: LayerInfo) -> np.ndarray | None:
+    """The fault's output permutation of a multiplied depthwise kernel (None where it changes nothing)."""
+    m = depthwise_multiplier(layer)
+    return multiplier_major_perm(layer.spec["groups"], m) if m > 1 else None
+
+
 # ----------------------------------------------------------------------------- parameters
-def to_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permute: bool = True) -> np.ndarray:
-    """A canonical parameter -> the framework's array (`permute=False`: the flatten_no_permute fault)."""
+def to_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permute: bool = True,
+              channel_major: bool = True) -> np.ndarray:
+    """A canonical parameter -> the framework's array (`permute=False`: the flatten_no_permute fault;
+    `channel_major=False`: the depthwise_multiplier_order fault)."""
     layer, role = layer_of(model, name)
     if role != "kernel":
         return a
+    perm = None if channel_major else _depthwise_perm(layer)
+    if perm is not None:                         # output o gets canonical output perm[o]'s filter
+        a = a[..., perm]
     if layout.channels_first:
         if layer.kind == "conv2d":               # (kH, kW, I/groups, O) -> (O, I/groups, kH, kW)
             return a.transpose(3, 2, 0, 1)
@@ -75,11 +106,18 @@ def to_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permut
     return _rows_in_hwc(a, layer.flattened_from)   # the fault: canonical row j where a CHW flatten puts j
 
 
-def from_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permute: bool = True) -> np.ndarray:
+def from_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permute: bool = True,
+                channel_major: bool = True) -> np.ndarray:
     """The inverse of `to_native`."""
     layer, role = layer_of(model, name)
     if role != "kernel":
         return a
+    perm = None if channel_major else _depthwise_perm(layer)
+    if perm is not None:
+        canonical = from_native(model, name, a, layout, permute)
+        out = np.empty_like(canonical)
+        out[..., perm] = canonical
+        return out
     if layout.channels_first:
         if layer.kind == "conv2d":
             return a.transpose(2, 3, 1, 0)
@@ -93,12 +131,13 @@ def from_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, perm
 
 
 def converters(layout: Layout) -> tuple[Callable[..., np.ndarray], Callable[..., np.ndarray]]:
-    """(to_native, from_native) bound to one layout: f(model, name, array, permute=True)."""
-    def to(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-        return to_native(model, name, a, layout, permute)
+    """(to_native, from_native) bound to one layout: f(model, name, array, permute=True, channel_major=True)."""
+    def to(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True, channel_major: bool = True) -> np.ndarray:
+        return to_native(model, name, a, layout, permute, channel_major)
 
-    def back(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True) -> np.ndarray:
-        return from_native(model, name, a, layout, permute)
+    def back(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True,
+             channel_major: bool = True) -> np.ndarray:
+        return from_native(model, name, a, layout, permute, channel_major)
     return to, back
 
 

@@ -46,13 +46,14 @@ def kind_of(key: str) -> tuple[str, int]:
 
 
 def _rel(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
-    """(max|x - y|, scale, relative error); inf for shape mismatch or a non-finite value."""
+    """(max|x - y|, scale, relative error); inf for shape mismatch or a non-finite value. The scale is the
+    reference's own (max|y|, at least ABS_FLOOR) whatever the candidate's shape: other tolerances divide by it."""
+    scale = max(float(np.max(np.abs(y))) if y.size else 0.0, ABS_FLOOR)
     if x.shape != y.shape:
-        return float("inf"), 0.0, float("inf")
+        return float("inf"), scale, float("inf")
     d = float(np.max(np.abs(x - y))) if x.size else 0.0
     if not np.isfinite(x).all() or not np.isfinite(y).all():
         d = float("inf")
-    scale = max(float(np.max(np.abs(y))) if y.size else 0.0, ABS_FLOOR)
     return d, scale, d / scale
 
 

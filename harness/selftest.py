@@ -14,7 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from algorithms.faults import FAULTS, fault_info
+from algorithms.faults import (ACTIVATION_KINDS, FAULTS, KERAS_LEAKY_RELU_ALPHA, KERAS_LN_EPS, fault_info,
+                               projection_norms)
+from algorithms.layout import depthwise_multiplier
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec, load_model
 
@@ -47,6 +49,11 @@ class Scenario:
                        checkpoint_every=min(50, steps // 2))
 
 
+# a model of the graph layers no built-in model has (leaky_relu, dilation, a channel multiplier, concat), for the
+# faults of those layers: algorithms/models/scenarios/, loaded by this name, not listed among the built-in models
+GRAPH_SCENARIO = "scenarios/graph_ops_tiny"
+SCENARIO_MODELS = (GRAPH_SCENARIO,)
+
 FAULT_SCENARIOS: dict[str, Scenario] = {
     "flatten_no_permute": Scenario(),
     "symmetric_same_padding": Scenario(model="cnn2d_hard"),
@@ -74,9 +81,20 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
     "bn_eps_abs_1e-05": Scenario(model="cnn2d_hard"),
     "bn_momentum_abs_1e-04": Scenario(model="cnn2d_hard"),
     "eval_input_rel_1e-04": Scenario(),
+    # the graph layers' faults: on the built-in graph model they touch, or on the scenario model of the layers
+    # no built-in model has
+    "gelu_tanh_approx": Scenario(model="convnext_tiny"),
+    "layernorm_eps_default": Scenario(model="convnext_tiny"),
+    "residual_after_activation": Scenario(model="resnet_tiny"),
+    "projection_without_bn": Scenario(model="resnet_tiny"),
+    "leaky_relu_default_alpha": Scenario(model=GRAPH_SCENARIO),
+    "dilation_dropped": Scenario(model=GRAPH_SCENARIO),
+    "concat_wrong_axis": Scenario(model=GRAPH_SCENARIO),
+    "depthwise_multiplier_order": Scenario(model=GRAPH_SCENARIO),
 }
-# the built-in models the full self-test injects every fault into (where the fault touches their layers)
-SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard")
+# the models the full self-test injects every fault into (where the fault touches their layers): the built-in
+# straight-line models, the two graph models the graph faults touch, and the graph scenario model
+SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard", "resnet_tiny", "convnext_tiny", GRAPH_SCENARIO)
 
 
 def expected_layer(fault: str, model: ModelSpec) -> tuple[bool, str | None]:
@@ -106,6 +124,29 @@ def expected_layer(fault: str, model: ModelSpec) -> tuple[bool, str | None]:
         after_gap = {l.name for i, l in enumerate(layers) if any(m.kind == "global_avgpool2d" for m in layers[i:])}
         return first(lambda l: l.kind == "maxpool2d" and l.name in after_gap and l.spec.options.get("padding") == "valid"
                      and (l.in_shape[0] - l.spec.options["pool"]) % l.spec.options["stride"] != 0)
+    if fault == "gelu_tanh_approx":
+        return first(lambda l: l.kind == "gelu" and l.spec["approximate"] == "none")
+    if fault == "layernorm_eps_default":
+        return first(lambda l: l.kind == "layernorm" and l.spec["eps"] != KERAS_LN_EPS)
+    if fault == "leaky_relu_default_alpha":
+        return first(lambda l: l.kind == "leaky_relu" and l.spec["alpha"] != KERAS_LEAKY_RELU_ALPHA)
+    if fault == "dilation_dropped":   # 'same' padding: a 'valid' one would change the shapes the weights fit
+        dilated = [l for l in layers if l.kind == "conv2d" and l.spec["dilation"] > 1]
+        if any(l.spec["padding"] != "same" for l in dilated):
+            return (False, None)
+        return (bool(dilated), dilated[0].name if dilated else None)
+    if fault == "residual_after_activation":   # the add's place computes the activation under the fault
+        readers = {l.name: [m for m in layers if l.name in m.inputs] for l in layers}
+        return first(lambda l: l.kind == "add" and len(readers[l.name]) == 1
+                     and readers[l.name][0].kind in ACTIVATION_KINDS)
+    if fault == "projection_without_bn":
+        norms = projection_norms(model)
+        return (bool(norms), norms[0] if norms else None)
+    if fault == "concat_wrong_axis":  # on the width: equal shapes, and only a flatten after it fits the new shape
+        flat_next = {l.inputs[0] for l in layers if l.kind == "flatten"}
+        return first(lambda l: l.kind == "concat" and len(set(l.in_shapes)) == 1 and l.name in flat_next)
+    if fault == "depthwise_multiplier_order":
+        return first(lambda l: depthwise_multiplier(l) > 1)
     return (True, None)
 # drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);
 # which backends have it is theirs to say (wrappers' Entry.capabilities, read through runner.backend_info)
@@ -119,6 +160,11 @@ DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "channels_last": ({"extra": {"channels_last": True}}, "channels_last"),
     "onednn_off": ({"extra": {"onednn": "off"}}, "onednn"),
 }
+
+
+def builtin_data(model: str) -> str:
+    """The built-in data set of the model's input shape: digits (8x8x1) or digits32 (32x32x3)."""
+    return "digits32" if load_model(model).input_shape == (32, 32, 3) else "digits"
 
 
 def registered_backends() -> tuple[str, ...]:
@@ -165,11 +211,11 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
             p.expect[name] = expect
 
     def group(model: str, sc: Scenario) -> HParams:
-        hp = sc.hparams(steps)
-        add(RunConfig(model=model, backend=reference, hparams=hp), "run")
+        hp, data = sc.hparams(steps), builtin_data(model)
+        add(RunConfig(model=model, backend=reference, hparams=hp, data=data), "run")
         for s in range(1, k + 1):
-            add(RunConfig(model=model, backend=reference, hparams=hp, perturb_ulp=s), "envelope")
-        add(RunConfig(model=model, backend=reference, hparams=hp, perturb_ulp=1, dtype="float64"), "envelope")
+            add(RunConfig(model=model, backend=reference, hparams=hp, data=data, perturb_ulp=s), "envelope")
+        add(RunConfig(model=model, backend=reference, hparams=hp, data=data, perturb_ulp=1, dtype="float64"), "envelope")
         return hp
 
     for f in faults:
@@ -182,7 +228,8 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
                 continue
             hp = group(model, sc)
             for b in backends:     # a fault the wrapper does not implement is n/a, said without starting it
-                add(RunConfig(model=model, backend=b, hparams=hp, devices=sc.devices, fault=f), "fault",
+                add(RunConfig(model=model, backend=b, hparams=hp, data=builtin_data(model), devices=sc.devices,
+                              fault=f), "fault",
                     {"kind": "fault", "fault": f, "backend": b, "model": model, "stage": fault_info(f).stage,
                      "layer": layer}, run=implements(b, f))
     base = Scenario()
@@ -294,7 +341,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
                  jobs: int = 1, timeout: float = 900, argv: list[str] | None = None,
                  models: tuple[str, ...] | None = None) -> int:
     """Run the self-test; None for backends/faults/variants/steps/models means the full (or reduced) default
-    (models: every built-in straight-line model in the full self-test, each fault's scenario model when reduced)."""
+    (models: SELFTEST_MODELS in the full self-test, each fault's scenario model when reduced)."""
     t0 = time.time()
     import platform
     cfg = REDUCED if reduced else {"backends": registered_backends(), "steps": 300, "faults": tuple(FAULTS),

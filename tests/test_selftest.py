@@ -126,7 +126,7 @@ def test_the_full_plan_injects_each_fault_into_every_model_whose_layers_it_touch
                steps=300, models=S.SELFTEST_MODELS)
     got = {(x["fault"], x["model"], x["layer"]) for x in p.expect.values() if x["kind"] == "fault"}
     assert got == {("flatten_no_permute", "cnn2d_2conv_2fc", "fc1"), ("flatten_no_permute", "cnn2d_3conv_3fc", "fc1"),
-                   ("maxpool_ceil", "cnn2d_hard", "pool3")} | {
+                   ("flatten_no_permute", S.GRAPH_SCENARIO, "fc"), ("maxpool_ceil", "cnn2d_hard", "pool3")} | {
         (f, m, None) for f in ("lr_rel_1e-05", "lr_rel_1e-04_from_100") for m in S.SELFTEST_MODELS}
     # every model has its reference and envelope; a fault that starts at step 100 needs the steps to get there
     refs = {e.cfg.model for e in p.entries if e.role == "envelope"}

@@ -16,7 +16,6 @@ import os
 import sys
 from pathlib import Path
 
-from .base import WORKER_FAULTS
 from .registry import ORIGINS, REGISTRY
 
 
@@ -107,7 +106,7 @@ def main(argv: list[str]) -> int:
                                  "sources": e.sources(), "description": e.description,
                                  "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
                                  "layer_kinds": sorted(e.layer_kinds),
-                                 "faults": sorted(e.faults | WORKER_FAULTS), **ORIGINS[name]}
+                                 "faults": sorted(e.implemented_faults()), **ORIGINS[name]}
                           for name, e in REGISTRY.items()}))
         return 0
     job_path = os.path.abspath(argv[1])     # handed on to the other processes of a multi-process job

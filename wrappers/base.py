@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from algorithms.faults import FAULTS, perturbation
+from algorithms.faults import DECLARATION_FAULTS, FAULTS, perturbation, rewrite_declaration
 from algorithms.optim import HParams, lr_at
 from algorithms.spec import BASE_LAYER_KINDS, LAYER_FIELDS, ModelSpec
 
@@ -83,6 +83,11 @@ class Entry:
     def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
         """Extra environment for one job (e.g. a forced host device count), set before import."""
         return {}
+
+    @classmethod
+    def implemented_faults(cls) -> frozenset[str]:
+        """Every fault this configuration implements (what `duipai backends` and the self-test read)."""
+        return implemented_faults(cls.faults, cls.layer_kinds)
 
     @classmethod
     def processes(cls, job: dict[str, Any]) -> int:
@@ -185,10 +190,10 @@ class Backend:
         if cannot:
             raise UnsupportedError(f"{type(self).__name__} cannot lower layer kind(s) {', '.join(map(repr, cannot))} "
                                    f"(model {model.name}); it lowers: {', '.join(sorted(self.layer_kinds))}")
-        if (opts.fault is not None and opts.fault not in self.faults and opts.fault not in WORKER_FAULTS
-                and perturbation(opts.fault) is None):
+        implemented = implemented_faults(self.faults, self.layer_kinds)
+        if opts.fault is not None and opts.fault not in implemented and perturbation(opts.fault) is None:
             raise UnsupportedError(f"fault {opts.fault!r} is not implemented in this backend's wrapper; "
-                                   f"it implements: {', '.join(sorted(self.faults | WORKER_FAULTS)) or 'none'}")
+                                   f"it implements: {', '.join(sorted(implemented)) or 'none'}")
 
     name: str = ""
 
@@ -301,12 +306,22 @@ LOWERING_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn
                              "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
                              "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
 DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
+# the graph layers' lowering faults (algorithms.faults.Seams: concat_axis, bypassed_norms,
+# depthwise_channel_major): a wrapper that lowers concat, add and grouped convolutions can list them
+GRAPH_LOWERING_FAULTS = frozenset({"concat_wrong_axis", "projection_without_bn", "depthwise_multiplier_order"})
 
 # faults the generic worker loop injects for every backend (they change data handling, not lowering)
 # (and the catalogued perturbations: every wrapper applies them through effective_hparams, lr_for,
 # effective_model_decl and eval_inputs)
 WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"}
                           | {n for n in FAULTS if perturbation(n) is not None})
+
+
+def implemented_faults(wrapper_faults: frozenset[str], layer_kinds: frozenset[str]) -> frozenset[str]:
+    """A backend's faults: its wrapper's own, the worker's, and each declaration rewrite
+    (algorithms.faults.DECLARATION_FAULTS) of a layer kind it lowers: the rewrite asks nothing else of it."""
+    return (wrapper_faults | WORKER_FAULTS
+            | {f for f, kind in DECLARATION_FAULTS.items() if kind in layer_kinds})
 
 
 def effective_hparams(hp: HParams, fault: str | None) -> HParams:
@@ -321,7 +336,11 @@ def effective_hparams(hp: HParams, fault: str | None) -> HParams:
 
 def effective_model_decl(decl: dict, fault: str | None) -> dict:
     """The model declaration with a BatchNorm perturbation applied to every batchnorm2d layer (bn_eps,
-    bn_momentum): every wrapper builds its layers from it, so they all apply it the same way."""
+    bn_momentum), or rewritten as a port with a declaration-level fault declares it (gelu_tanh_approx, ...:
+    algorithms.faults.rewrite_declaration): every wrapper builds its layers from it, so they all apply it
+    the same way."""
+    if fault in DECLARATION_FAULTS:
+        return rewrite_declaration(decl, fault)
     p = perturbation(fault)
     if p is None or p.target not in ("bn_eps", "bn_momentum") or not isinstance(decl, dict):
         return decl

@@ -9,7 +9,7 @@ import click
 from algorithms.faults import FAULTS
 from algorithms.spec import model_names
 
-from ..selftest import DRIFT_VARIANTS, registered_backends, run_selftest
+from ..selftest import DRIFT_VARIANTS, SCENARIO_MODELS, registered_backends, run_selftest
 
 
 @click.command("selftest")
@@ -23,8 +23,9 @@ from ..selftest import DRIFT_VARIANTS, registered_backends, run_selftest
                    "onednn_off; default: all, or the reduced set); 'none' for no variant.")
 @click.option("--steps", type=int, default=None, help="Steps per run (default 300, or 40 when reduced).")
 @click.option("--models", default=None,
-              help="Comma-separated built-in models to inject every fault into where it touches their layers "
-                   "(default: the three straight-line models, or each fault's own model when reduced).")
+              help="Comma-separated built-in models (or scenario models: " + ", ".join(SCENARIO_MODELS) + ") to "
+                   "inject every fault into where it touches their layers (default: the straight-line models, "
+                   "resnet_tiny, convnext_tiny and the scenario models, or each fault's own model when reduced).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
 @click.option("-j", "--jobs", type=int, default=1, show_default=True)
 def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, variants: str | None, steps: int | None,
@@ -49,4 +50,4 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
     sys.exit(run_selftest(out, reduced=reduced, backends=names(backends, registered_backends(), "backend"),
                           faults=names(faults, tuple(FAULTS), "fault"),
                           variants=names(variants, tuple(DRIFT_VARIANTS), "variant"), steps=steps, jobs=jobs,
-                          models=names(models, tuple(model_names()), "model")))
+                          models=names(models, tuple(model_names()) + SCENARIO_MODELS, "model")))

@@ -10,7 +10,7 @@ from typing import Any
 
 from algorithms.spec import BASE_LAYER_KINDS
 
-from ..base import DP_FAULTS, LOWERING_FAULTS, Entry, jax_platform_env
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry, jax_platform_env
 
 
 def _dp(job: dict[str, Any]) -> tuple[int, int]:
@@ -24,7 +24,7 @@ class JaxEntry(Entry):
     module = "wrappers.jax.backend"
     description = "JAX jit, jax.lax in NHWC, optax"
     capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "threads"})
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
     layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
                                       "silu", "sigmoid", "relu6", "layernorm"}
 

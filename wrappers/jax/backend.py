@@ -175,6 +175,7 @@ class JaxBackend(DataParallel, Backend):
         self.dtype = jnp.float64 if opts.dtype == "float64" else jnp.float32
         self.np_dtype = np.dtype(opts.dtype)
         self.permute = Seams(opts.fault).permute
+        self.channel_major = Seams(opts.fault).depthwise_channel_major
         self.native_dropout = opts.dropout == "native"
         self.trainable: list[str] = [q.name for q in model.trainable]
         self.buffer_names: list[str] = [q.name for q in model.buffers]
@@ -221,11 +222,11 @@ class JaxBackend(DataParallel, Backend):
     # ---- state
     def _to_jax(self, name: str, a: np.ndarray) -> jax.Array:
         # a private copy first: on CPU jnp.asarray may alias the caller's NumPy buffer
-        return jnp.asarray(np.array(to_native(self.model, name, np.asarray(a), self.permute),
+        return jnp.asarray(np.array(to_native(self.model, name, np.asarray(a), self.permute, self.channel_major),
                                     dtype=self.np_dtype, copy=True))
 
     def _canon(self, name: str, a: jax.Array) -> np.ndarray:
-        return from_native(self.model, name, np.array(host_value(a), copy=True), self.permute)   # never a view of live state
+        return from_native(self.model, name, np.array(host_value(a), copy=True), self.permute, self.channel_major)   # never a view of live state
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.params = self._place({n: self._to_jax(n, params[n]) for n in self.trainable})

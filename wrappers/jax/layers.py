@@ -57,6 +57,8 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
     new_buffers = dict(buffers)
     seams = Seams(fault)
     no_bias = seams.dropped_bias(model)
+    no_norm = seams.bypassed_norms(model)
+    cat_axis = seams.concat_axis(channels_first=False)
     outs: dict[str, jax.Array] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
         o = layer.spec.options
@@ -66,7 +68,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             for src in layer.inputs[1:]:
                 x = x + outs[src]
         elif k == "concat":
-            x = jnp.concatenate([outs[src] for src in layer.inputs], axis=-1)     # NHWC: channels last
+            x = jnp.concatenate([outs[src] for src in layer.inputs], axis=cat_axis)     # NHWC: channels last
         elif k == "conv2d":
             pads = seams.same_pads(layer) if o["padding"] == "same" else ((0, 0), (0, 0))
             x = lax.conv_general_dilated(x, p[f"{layer.name}.kernel"], (o["stride"], o["stride"]), pads,
@@ -112,6 +114,8 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             x = (x - mean) * lax.rsqrt(var + o["eps"]) * p[f"{layer.name}.gamma"] + p[f"{layer.name}.beta"]
+        elif k == "batchnorm2d" and layer.name in no_norm:
+            pass                         # projection_without_bn: the port has no BatchNorm here
         elif k == "batchnorm2d":
             mom, eps = seams.bn_params(o)
             gamma, beta = p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"]

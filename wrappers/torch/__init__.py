@@ -18,7 +18,7 @@ from typing import Any
 
 from algorithms.spec import BASE_LAYER_KINDS
 
-from ..base import DP_FAULTS, LOWERING_FAULTS, Entry
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry
 
 # torchrun's c10d rendezvous ranks the node agents by sorted (address, pid): each local "host" gets
 # its own loopback address, three digits so that the string order is the node order, so agent 0
@@ -40,7 +40,7 @@ class TorchEntry(Entry):
     description = "PyTorch eager, torch.nn.functional in NCHW, torch.optim; DistributedDataParallel for --devices N"
     # no sync_bn: torch.nn.SyncBatchNorm refuses CPU tensors (the wrapper refuses --sync-bn on CPU, saying so)
     capabilities = frozenset({"data_parallel", "hosts", "float64", "channels_last", "threads"})
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
     layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
                                       "silu", "sigmoid", "relu6", "layernorm"}
 

@@ -59,6 +59,7 @@ class TorchBackend(DataParallel, Backend):
         self._flat_storage: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seams = Seams(opts.fault)
         self.permute = self.seams.permute
+        self.channel_major = self.seams.depthwise_channel_major
         torch.manual_seed(hp.seed + self.rank)   # only native dropout draws from it (a stream per rank)
 
     # ---- environment
@@ -100,7 +101,7 @@ class TorchBackend(DataParallel, Backend):
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         self.p = {}
         for q in self.model.params:
-            t = self._t(to_native(self.model, q.name, params[q.name], self.permute))
+            t = self._t(to_native(self.model, q.name, params[q.name], self.permute, self.channel_major))
             if self.channels_last and t.ndim == 4:
                 t = t.contiguous(memory_format=torch.channels_last)
             if self.distributed and not q.name.endswith(BUFFER_ROLES):
@@ -136,7 +137,7 @@ class TorchBackend(DataParallel, Backend):
 
     def _canon(self, name: str, t: torch.Tensor) -> np.ndarray:
         # a copy: .numpy() and the layout transposes are views of the live tensor
-        return np.array(from_native(self.model, name, t.detach().cpu().numpy(), self.permute), copy=True)
+        return np.array(from_native(self.model, name, t.detach().cpu().numpy(), self.permute, self.channel_major), copy=True)
 
     def export_params(self) -> dict[str, np.ndarray]:
         return {n: self._canon(n, t) for n, t in self.p.items()}
@@ -146,7 +147,7 @@ class TorchBackend(DataParallel, Backend):
 
     def load_opt_state(self, state: dict[str, np.ndarray], step: int) -> None:
         load_state(self.opt, self.p, self.trainable, state,
-                   lambda n, a: self._t(to_native(self.model, n, a, self.permute)))
+                   lambda n, a: self._t(to_native(self.model, n, a, self.permute, self.channel_major)))
         self.prev_lr = self.lr_for(step - 1) if step > 0 else None
 
     # ---- computation

@@ -71,6 +71,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     torch allows it on GPU only)."""
     seams = Seams(fault)
     no_bias = seams.dropped_bias(model)
+    no_norm = seams.bypassed_norms(model)
+    cat_axis = seams.concat_axis(channels_first=True)
     emulate = fault_parts(fault)
     outs: dict[str, torch.Tensor] = {INPUT: x}      # every layer's output by name: the graph's edges
     for layer in model.layers:
@@ -81,7 +83,7 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
             for src in layer.inputs[1:]:
                 x = x + outs[src]
         elif k == "concat":
-            x = torch.cat([outs[src] for src in layer.inputs], dim=1)     # NCHW: channels are axis 1
+            x = torch.cat([outs[src] for src in layer.inputs], dim=cat_axis)     # NCHW: channels are axis 1
         elif k == "conv2d":
             pad: tuple[int, int] | int = 0
             if o["padding"] == "same":
@@ -128,6 +130,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
         elif k == "layernorm":            # over channels: NCHW -> NHWC -> F.layer_norm -> NCHW
             args = ((x.shape[1],), p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], o["eps"])
             x = F.layer_norm(x.permute(0, 2, 3, 1), *args).permute(0, 3, 1, 2) if x.ndim == 4 else F.layer_norm(x, *args)
+        elif k == "batchnorm2d" and layer.name in no_norm:
+            pass                                # projection_without_bn: the port has no BatchNorm here
         elif k == "batchnorm2d":
             mom, eps = seams.bn_params(o)
             if train and sync_bn is not None and sync_bn[1] > 1:

@@ -123,7 +123,7 @@ class DataParallel:
             return
         self.ddp = nn.parallel.DistributedDataParallel(
             _Replica(self), device_ids=[self.device] if self.device.type == "cuda" else None,
-            forward_sync_buffers=True, find_unused_parameters=self.opts.fault == "missing_bias")
+            forward_sync_buffers=True, find_unused_parameters=self.seams.leaves_unused_parameters)
         if self.opts.fault == "grad_sum_replicas":
             self.ddp.register_comm_hook(None, _sum_allreduce_hook)
 
