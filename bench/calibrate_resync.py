@@ -21,7 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.localize import Localizer, checkpoints  # noqa: E402
+from harness.localize import Localizer  # noqa: E402
+from harness.probe_jobs import checkpoints  # noqa: E402
 from harness.probes import _rms_rel, kind_of  # noqa: E402
 from harness.runs import discover, load_run  # noqa: E402
 

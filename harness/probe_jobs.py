@@ -1,0 +1,201 @@
+"""The probe and replay jobs of one comparison, run and cached under RESULTS/.localize.
+
+Framework-free: a job is a backend run in another process (runner.execute, `probe` or `replay` mode of
+wrappers/worker.py) from a run's own manifest, checked to reproduce it; what comes back is .npz probes.
+harness.localize decides from them where a bug is; harness.resync judges the shared-state steps; the
+arbiter runs its backend's jobs through the same cache. A job two pairs share (the reference's probe, its
+replay) runs once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from algorithms.params import load_npz
+
+from . import runner
+from .errors import BackendFailed
+from .runs import Run, check_reproduces, config_of
+
+def same_path(a: Run, b: Run) -> bool:
+    """Same backend and options (a fault or a weight perturbation aside): the same arithmetic."""
+    keys = ("dtype", "threads", "devices", "jit", "extra", "deterministic", "dropout")
+    return a.backend == b.backend and all(a.options.get(k) == b.options.get(k) for k in keys)
+
+
+def change_tag(change: dict[str, Any]) -> str:
+    return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
+
+
+def checkpoints(run: Run) -> dict[int, Path]:
+    """The run's saved states: step -> checkpoints/step_NNNNNNN.npz (taken after that many steps)."""
+    d = run.path / "checkpoints"
+    return {int(p.stem.split("_")[1]): p for p in sorted(d.glob("step_*.npz"))} if d.is_dir() else {}
+
+
+def _at_tag(at: list[int]) -> str:
+    """A job-name part for the replayed steps; hashed when there are many (file names stay short)."""
+    text = "-".join(map(str, at))
+    return f"at{text}" if len(at) <= 4 else f"at{at[0]}-{at[-1]}-n{len(at)}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
+def _tag(run: Run) -> str:
+    return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+# seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity
+SENSITIVITY_SEEDS = (1, 2)
+
+
+class ProbeJobs:
+    """Runs and caches the probe and replay jobs of one comparison (under RESULTS/.localize)."""
+
+    def __init__(self, root: Path, *, timeout: float | None = None, log: Callable[[str], None] | None = None,
+                 parallel: int = 1):
+        self.root = Path(root)
+        self.parallel = parallel   # the jobs of one replay that need only the reference's states run this many at once
+        self.jobs = self.root / ".localize"
+        self.timeout = timeout
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+        self._replays: dict[tuple[str, str, str], dict[str, Any]] = {}   # the resync's, by (ref, cand, change)
+        # pairs are localized in parallel threads (compare's `jobs`); a job two pairs share (the reference's
+        # probe, its replay) runs once: the second waits on the first's lock and finds its folder
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _job(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+        with self._locks_guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            return self._job_once(run, name, mode, job_extra, **change)
+
+    def _job_once(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+        folder = self.jobs / name
+        if (folder / "manifest.json").is_file() and (folder / "worker.json").is_file():
+            return folder
+        cfg = config_of(run.manifest, self.root, **change)
+        prep = runner.prepare(cfg, self.root)
+        check_reproduces(run.manifest, cfg, prep, f"the {mode} job")
+        self.log(f"localize: {mode} {cfg.backend} ({name})")
+        return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
+                              job_extra=job_extra)
+
+    def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
+        tag = "__" + change_tag(change) if change else ""
+        f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
+        return load_npz(f / "probe-0.npz")
+
+    def probe64(self, ref: Run, cand: Run, **change: Any) -> dict[str, np.ndarray] | None:
+        """The reference configuration (with `change`) probed in float64, for the tolerance of probes computed
+        by two different code paths. None when the candidate runs the reference's own code path (same backend
+        and options: its correct probes are bitwise equal), when the reference is float64 already, or
+        when the backend cannot run float64."""
+        if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+            return None
+        try:
+            return self.probe0(ref, dtype="float64", **change)
+        except BackendFailed as e:
+            self.log(f"localize: no float64 reference probe ({str(e).splitlines()[0]}); fixed tolerance")
+            return None
+
+    def replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Probe steps `at` of both backends from the reference's own states there. With `change` (the
+        emulation of the candidate's declared differences) the reference also probes those states computing
+        the declared formula: each entry of `probes` is (step, candidate, reference compared against, its
+        float64 probe, the plain reference's probe or None without `change`); `emulated64` the float64 probes
+        of the emulating reference per step."""
+        cks = checkpoints(ref)
+        usable = [s for s in cks if s <= at[0]]
+        if not usable:
+            return {"error": f"no checkpoint of {ref.name} at or before step {at[0]}"}
+        s0 = usable[-1]
+        tag = _at_tag(at)
+        # every checkpoint is offered: a step that has one is probed from it directly, any other is re-trained
+        # from the latest one before it (one reference process for all the steps)
+        rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
+                       {"replay": {"at": at, "checkpoints": {str(t): str(f) for t, f in cks.items()},
+                                   "probe_steps": 1}})
+        done = json.loads((rf / "worker.json").read_text()).get("states") or {}
+        states = {str(t): str(rf / done.get(str(t), f"state_{t:07d}.npz")) for t in at}   # absolute stays itself
+        # every job below needs only the reference's states: they run `self.parallel` at a time
+        def candidate_job() -> Path:
+            return self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
+                             {"replay": {"at": at, "states": states, "probe_steps": 1}})
+
+        def float64_job() -> Path | None:
+            if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+                return None
+            try:
+                return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
+                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
+            except BackendFailed as e:
+                self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
+                return None
+
+        # the reference's own sensitivity at each state (params moved by one ULP, SENSITIVITY_SEEDS seeds): at a
+        # ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's rounding flips it
+        def nudged_job(seed: int) -> Path | None:
+            try:
+                return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{tag}", "replay",
+                                 {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
+            except BackendFailed as e:
+                self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
+                return None
+
+        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+            f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
+            f_nudged = [pool.submit(nudged_job, seed) for seed in SENSITIVITY_SEEDS]
+            cf, r64 = f_cand.result(), f_64.result()
+            nudged = [f.result() for f in f_nudged]
+        sens: dict[int, list[dict[str, np.ndarray]]] = {t: [] for t in at}
+        for sf in nudged:
+            if sf is not None:
+                for i, t in enumerate(at):
+                    sens[t].append(load_npz(sf / f"probe-{i}.npz"))
+        emu, emu64 = None, {}
+        if change is not None:
+            emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
+                            {"replay": {"at": at, "states": states, "probe_steps": 1}}, **change)
+            if ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand):
+                try:
+                    e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
+                                    "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
+                                    **dict(change, dtype="float64"))
+                    emu64 = {t: load_npz(e64 / f"probe-{i}.npz") for i, t in enumerate(at)}
+                except BackendFailed as e:
+                    self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
+        worker = json.loads((rf / "worker.json").read_text())
+        rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
+        repro = None
+        if len(rows):
+            idx = rows[:, 0].astype(int)
+            cols = ["loss", "accuracy", "grad_norm", "update_norm", "param_norm"]
+            got = rows[:, 1:]
+            want = np.stack([ref.values[c][idx] for c in cols], axis=1)
+            repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
+                     "max_abs_diff": float(np.max(np.abs(got - want)))}
+        return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
+                "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
+                "reproduced": repro,
+                "float64_job": str(r64) if r64 else None,
+                "emulated64": emu64, "sensitivity": sens,
+                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz((emu or rf) / f"probe-{i}.npz"),
+                            load_npz(r64 / f"probe-{i}.npz") if r64 else None,
+                            load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
+
+    def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
+        """The resync's replay restricted to `at`, when it probed every step of `at`."""
+        rep = self._replays.get((ref.name, cand.name, change_tag(change or {})))
+        if rep is None or not set(at) <= set(rep["at"]):
+            return None
+        return dict(rep, at=at, probes=[p for p in rep["probes"] if p[0] in at])
+
+
+__all__ = ["ProbeJobs", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]
