@@ -119,6 +119,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
 # The reference backend's emulations of declared differences (algorithms/differences.py `emulated_by`) that
 # are not catalogued bug classes of their own: the verdict engine runs them, the self-test does not inject them.
 EMULATIONS: dict[str, Fault] = {f.name: f for f in [
+    Fault("adam_float32_betas", "optimizer", "",
+          "Adam's bias corrections 1 - b^t computed from the betas cast to float32 (Keras) where the reference "
+          "computes them from the exact betas in float64", "optimizer adam/adamw in a float32 run"),
     Fault("bn_running_var_biased", "forward", "batchnorm2d running statistics",
           "Keras' biased running variance stored where the reference stores the unbiased one", "a batchnorm2d layer"),
     Fault("avgpool_replicate_pad", "forward", "avgpool2d 'same' with asymmetric padding",

@@ -59,10 +59,11 @@ def _missing(backend: str) -> bool:
 def test_keras_adamw_clean_is_declared_and_verified(adamw):
     pairs, clean, _ = adamw
     p = pairs[clean]
-    assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat"], p.notes
+    assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat", "keras_float32_betas"], p.notes
     chk = p.localization["declared_check"]
-    assert chk["verified"] and chk["agree"] and chk["change"] == {"fault": "adam_eps_hat"} and chk["evidence"]
-    assert "verified: the reference computing the declared formula (fault adam_eps_hat) agrees" in p.notes[-1]
+    both = "adam_eps_hat+adam_float32_betas"
+    assert chk["verified"] and chk["agree"] and chk["change"] == {"fault": both} and chk["evidence"]
+    assert f"verified: the reference computing the declared formula (fault {both}) agrees" in p.notes[-1]
 
 
 def test_keras_adamw_coupled_l2_is_a_bug_in_the_optimizer(adamw):
@@ -72,5 +73,5 @@ def test_keras_adamw_coupled_l2_is_a_bug_in_the_optimizer(adamw):
     loc = p.localization
     assert loc["stage"] == "optimizer" and loc["probe"].startswith("update0/")
     assert loc["declared_check"]["verified"] and not loc["declared_check"]["agree"]
-    assert any("adam_epsilon_hat do not explain probe" in n for n in p.notes)
+    assert any("adam_epsilon_hat, keras_float32_betas do not explain probe" in n for n in p.notes), p.notes
     p.to_dict()   # the record stays serializable with the added field

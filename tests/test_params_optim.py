@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from algorithms.optim import HParamError, HParams, lr_at, reference_init, reference_update
+from algorithms.optim import HParamError, HParams, float32_bias_corrections, lr_at, reference_init, reference_update
 from algorithms.params import init_params, load_npz, params_hash, perturb_ulp, save_npz
 from algorithms.spec import load_model
 
@@ -87,6 +87,17 @@ def test_reference_adam_and_eps_hat_by_hand():
     q1, _ = reference_update(h, 0, p, g, reference_init(h, p), adam_eps_hat=True)
     np.testing.assert_allclose(q1["w"], 1.0 - 0.1 * math.sqrt(0.001) / 0.1 * m / (math.sqrt(v) + 1e-3))
     assert abs(q1["w"][0] - p1["w"][0]) > 1e-4                     # the forms really differ
+
+
+def test_keras_bias_corrections_use_float32_betas():
+    """Keras casts the betas to float32 before the power: 1 - b2 is 1.3e-5 relative low at t = 1, the same
+    sign at every step (the systematic difference keras_float32_betas declares)."""
+    h = HParams(optimizer="adam")
+    k1, k2 = float32_bias_corrections(h, 1)
+    assert k2 == float(np.float32(1) - np.float32(0.999)) and k1 == float(np.float32(1) - np.float32(0.9))
+    assert -1.4e-5 < k2 / (1 - 0.999) - 1 < -1.2e-5
+    for t in (2, 10, 100, 1000):
+        assert float32_bias_corrections(h, t)[1] < 1 - 0.999 ** t          # always low: a bias, not rounding
 
 
 def test_reference_adamw_is_decoupled():

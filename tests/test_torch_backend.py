@@ -8,6 +8,8 @@ correct step into a BUG. Runs in this process (torch needs no environment set be
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,31 @@ def test_torch_optim_steps_are_the_reference_update_in_float64(model_name, case)
             upd = max(float(np.max(np.abs(ref[n] - p[n]))), 1e-12)
             worst = max(worst, float(np.max(np.abs(got[n] - ref[n]))) / upd)
     assert worst < 1e-9, f"{case}: torch.optim differs from reference_update by {worst:.2e} of the update"
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_keras_adam_emulation_is_keras_formula_by_hand(optimizer):
+    """The reference's emulation of Keras Adam (adam_eps_hat + adam_float32_betas, through torch.optim's lr,
+    eps and weight decay) against Keras' update written out by hand in float64: float32 betas' bias
+    corrections, epsilon outside them, decoupled decay lr * wd (AdamW)."""
+    from algorithms.optim import float32_bias_corrections
+    from wrappers.torch.optim import make_optimizer, set_hyper
+    h = HParams(optimizer=optimizer, lr=0.01, weight_decay=0.1 if optimizer == "adamw" else 0.0, eps=1e-7)
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=50)
+    w = torch.tensor(w0, dtype=torch.float64, requires_grad=True)
+    opt = make_optimizer(h, [w], None)
+    p, m, v = w0.copy(), np.zeros(50), np.zeros(50)
+    for step in range(5):
+        g = rng.normal(size=50) * 10.0 ** -step
+        set_hyper(opt, [w], h, step, h.lr, None, "adam_eps_hat+adam_float32_betas")
+        w.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+        k1, k2 = float32_bias_corrections(h, step + 1)
+        p = p - p * h.weight_decay * h.lr
+        m, v = m + (g - m) * (1 - h.beta1), v + (g * g - v) * (1 - h.beta2)
+        p = p - h.lr * math.sqrt(k2) / k1 * m / (np.sqrt(v) + h.eps)
+        np.testing.assert_allclose(w.detach().numpy(), p, rtol=1e-13, atol=0)
 
 
 def test_a_wrong_convention_is_caught_by_that_check():

@@ -201,6 +201,8 @@ class KerasBackend(Backend):
         h, out = self.hp, []
         if h.optimizer in ("adam", "adamw"):
             out.append("adam_epsilon_hat")
+            if self.opts.dtype == "float32":
+                out.append("keras_float32_betas")
         if h.optimizer in ("momentum", "nesterov") and h.schedule != "constant":
             out.append("keras_momentum_velocity")
         # keras-torch: replicate padding of an asymmetric 'same' average pool, where it changes the numbers

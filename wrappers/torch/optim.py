@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from algorithms.faults import Seams, parts as fault_parts
-from algorithms.optim import HParams
+from algorithms.optim import HParams, float32_bias_corrections
 
 # torch.optim state key -> the canonical optimizer-state kind
 STATE_KEYS = (("momentum_buffer", "momentum"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
@@ -32,13 +32,26 @@ def make_optimizer(hp: HParams, params: list[torch.Tensor], fault: str | None) -
 def set_hyper(opt: torch.optim.Optimizer, params: list[torch.Tensor], hp: HParams, step: int, lr: float,
               prev_lr: float | None, fault: str | None) -> None:
     """The step's learning rate into every group; the optimizer faults / emulations at this one seam:
-    adam_eps_hat (Keras/TF's eps-hat form == torch eps / sqrt(1 - b2^t)) and keras_momentum_schedule (Keras'
-    velocity v = mu v - lr g == torch's buffer rescaled by lr_prev / lr when the lr changes)."""
+    adam_eps_hat (Keras/TF's eps-hat form == torch eps / sqrt(1 - b2^t)), adam_float32_betas (Keras' bias
+    corrections from float32 betas, through lr and eps) and keras_momentum_schedule (Keras' velocity
+    v = mu v - lr g == torch's buffer rescaled by lr_prev / lr when the lr changes)."""
     emulate = fault_parts(fault)
+    t = step + 1
+    bc1, bc2 = 1.0 - hp.beta1 ** t, 1.0 - hp.beta2 ** t      # torch's own bias corrections (float64)
+    gain, eps_gain = 1.0, 1.0
+    if "adam_float32_betas" in emulate:
+        # Keras' corrections k1, k2 (float32 betas): lr' = lr sqrt(k2/bc2) bc1/k1 and eps' = eps sqrt(k2/bc2)
+        # make torch's lr'/bc1 m / (sqrt(v/bc2) + eps') equal lr/k1 m / (sqrt(v/k2) + eps)
+        k1, k2 = float32_bias_corrections(hp, t)
+        gain, eps_gain = math.sqrt(k2 / bc2) * bc1 / k1, math.sqrt(k2 / bc2)
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * gain
         if "adam_eps_hat" in emulate:
-            g["eps"] = hp.eps / math.sqrt(1.0 - hp.beta2 ** (step + 1))
+            g["eps"] = hp.eps / math.sqrt(bc2)
+        elif "adam_float32_betas" in emulate:
+            g["eps"] = hp.eps * eps_gain
+        if "adam_float32_betas" in emulate and isinstance(opt, torch.optim.AdamW):
+            g["weight_decay"] = hp.weight_decay / gain     # the decoupled decay stays lr * wd
     if "keras_momentum_schedule" in emulate and prev_lr is not None and prev_lr != lr:
         for q in params:
             buf = opt.state.get(q, {}).get("momentum_buffer")
