@@ -233,3 +233,25 @@ def test_probes_of_a_dp2_run_step_through_ddp_ranks(runs, tmp_path):
     clean, summed = probes[None], probes["grad_sum_replicas"]
     for k in (k for k in clean if k.startswith("update0/")):
         np.testing.assert_allclose(summed[k], 2 * clean[k], rtol=1e-3, atol=1e-7, err_msg=k)   # update = float32 params differenced
+
+
+def test_replica_mean_running_stats_emulation_on_ddp_ranks(tmp_path):
+    """The reference's emulation of tf.distribute's MEAN of the replicas' running statistics
+    (bn_replica_mean_running_stats) also holds in a probe job run as DDP ranks: the running mean after
+    step 0 is the mean of the replicas' (for equal shards, the global batch's, as at --devices 1), where
+    DDP alone keeps rank 0's (its half batch's)."""
+    from algorithms.optim import HParams
+    from algorithms.params import load_npz
+    from harness import runner
+    hp = HParams(steps=4, optimizer="sgd", eval_every=4, checkpoint_every=4)
+    got = {}
+    for devices, fault in ((1, None), (2, None), (2, "bn_replica_mean_running_stats")):
+        cfg = runner.RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, devices=devices, fault=fault)
+        folder = runner.execute(cfg, tmp_path, f"probe-{devices}-{fault}", mode="probe", probe_steps=1)
+        if devices == 2:
+            assert json.loads((folder / "worker.json").read_text())["parallel"]["processes"] == 2
+        got[(devices, fault)] = load_npz(folder / "probe-0.npz")["buffer0/bn1.running_mean"]
+    one, rank0, mean = got[(1, None)], got[(2, None)], got[(2, "bn_replica_mean_running_stats")]
+    np.testing.assert_allclose(mean, one, rtol=1e-5, atol=1e-7)
+    assert np.max(np.abs(rank0 - one)) > 1e-4      # without the emulation: rank 0's half batch
+

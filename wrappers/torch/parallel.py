@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base import Masks, UnsupportedError, shard_bounds
+from algorithms.faults import parts as fault_parts
+
 from .layers import fold_replica_buffers
 
 DIST_TIMEOUT_S = 60      # gloo/NCCL collectives and the rendezvous: a lost peer fails the run, never hangs it
@@ -184,12 +186,24 @@ class DataParallel:
         logits = self.ddp(xt, self._masks(self._shard_masks(masks, lo, hi)))
         loss = self._loss(logits, yt)
         loss.backward()
+        self._fold_rank_buffers()
         with torch.no_grad():
             mine = torch.stack([loss.detach().to(torch.float64), (logits.argmax(1) == yt).sum().to(torch.float64)])
             every = [torch.empty_like(mine) for _ in range(self.replicas)]
             dist.all_gather(every, mine)
         losses = [float(t[0]) for t in every]
         return sum(losses) / len(losses), losses, sum(float(t[1]) for t in every) / len(x)
+
+    def _fold_rank_buffers(self) -> None:
+        """The bn_replica_mean_running_stats emulation on DDP ranks: every rank's running statistics replaced
+        by their mean over the ranks (what fold_replica_buffers does to emulated replicas)."""
+        if "bn_replica_mean_running_stats" not in fault_parts(self.opts.fault):
+            return
+        with torch.no_grad():
+            for name, t in self.p.items():
+                if name.endswith(("running_mean", "running_var")):
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                    t.div_(self.replicas)
 
     def _grads_emulated(self, x, y, masks):
         """The N replicas one after another in this process, gradients combined as DDP combines them."""
