@@ -50,6 +50,42 @@ def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
+class ReplayProbes:
+    """The probes of a replay's points, read from their files one point at a time while iterated: a
+    32x32x3 graph model's probe is ~100 MB, and a resync of 12 points with its float64, nudged and
+    emulating replays is tens of them (held at once, one compare needed 15 GB). Iterating yields
+    (step, candidate, reference compared against, its float64 probe or None, plain reference or None)."""
+
+    def __init__(self, points: list[tuple[int, tuple[Path | None, ...]]]):
+        self._points = points
+
+    def __iter__(self):
+        for t, files in self._points:
+            yield (t, *(load_npz(f) if f is not None else None for f in files))
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def restricted(self, at: list[int]) -> "ReplayProbes":
+        return ReplayProbes([pt for pt in self._points if pt[0] in at])
+
+
+class LazyProbeMap:
+    """step -> probes (or a list of probes), each read from its file(s) when asked for, never kept."""
+
+    def __init__(self, files: dict[int, Path | list[Path]]):
+        self._files = files
+
+    def get(self, t: int, default: Any = None) -> Any:
+        f = self._files.get(t)
+        if f is None:
+            return default
+        return [load_npz(x) for x in f] if isinstance(f, list) else load_npz(f)
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+
 # seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity
 SENSITIVITY_SEEDS = (1, 2)
 
@@ -154,12 +190,8 @@ class ProbeJobs:
             f_nudged = [pool.submit(nudged_job, seed) for seed in SENSITIVITY_SEEDS]
             cf, r64 = f_cand.result(), f_64.result()
             nudged = [f.result() for f in f_nudged]
-        sens: dict[int, list[dict[str, np.ndarray]]] = {t: [] for t in at}
-        for sf in nudged:
-            if sf is not None:
-                for i, t in enumerate(at):
-                    sens[t].append(load_npz(sf / f"probe-{i}.npz"))
-        emu, emu64 = None, {}
+        sens = LazyProbeMap({t: [sf / f"probe-{i}.npz" for sf in nudged if sf is not None] for i, t in enumerate(at)})
+        emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
                             {"replay": {"at": at, "states": states, "probe_steps": 1}}, **change)
@@ -168,7 +200,7 @@ class ProbeJobs:
                     e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
                                     "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
                                     **dict(change, dtype="float64"))
-                    emu64 = {t: load_npz(e64 / f"probe-{i}.npz") for i, t in enumerate(at)}
+                    emu64 = LazyProbeMap({t: e64 / f"probe-{i}.npz" for i, t in enumerate(at)})
                 except BackendFailed as e:
                     self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / "worker.json").read_text())
@@ -186,16 +218,18 @@ class ProbeJobs:
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
                 "emulated64": emu64, "sensitivity": sens,
-                "probes": [(t, load_npz(cf / f"probe-{i}.npz"), load_npz((emu or rf) / f"probe-{i}.npz"),
-                            load_npz(r64 / f"probe-{i}.npz") if r64 else None,
-                            load_npz(rf / f"probe-{i}.npz") if emu else None) for i, t in enumerate(at)]}
+                "probes": ReplayProbes([(t, (cf / f"probe-{i}.npz", (emu or rf) / f"probe-{i}.npz",
+                                              r64 / f"probe-{i}.npz" if r64 else None,
+                                              rf / f"probe-{i}.npz" if emu else None)) for i, t in enumerate(at)])}
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""
         rep = self._replays.get((ref.name, cand.name, change_tag(change or {})))
         if rep is None or not set(at) <= set(rep["at"]):
             return None
-        return dict(rep, at=at, probes=[p for p in rep["probes"] if p[0] in at])
+        probes = rep["probes"]
+        return dict(rep, at=at, probes=probes.restricted(at) if isinstance(probes, ReplayProbes)
+                    else [p for p in probes if p[0] in at])
 
 
-__all__ = ["ProbeJobs", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]
+__all__ = ["LazyProbeMap", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]
