@@ -8,14 +8,16 @@ Keras' own layouts are the canonical ones (NHWC activations, conv kernel (kH, kW
 grouped Conv2D, dense kernel (in, out), a Flatten that reads (H, W, C), Concatenate on the last axis),
 so parameters load as they are, with two exceptions: a depthwise convolution (groups == input
 channels > 1) is a DepthwiseConv2D, whose kernel (kH, kW, C, M) with output channel c*M + m is the
-canonical (kH, kW, 1, C*M) reshaped (`to_native`/`from_native` here); and the fault
-`flatten_no_permute`: the first dense kernel after a flatten is loaded as if its rows were in torch's
-(C, H, W) order.
+canonical (kH, kW, 1, C*M) reshaped (`to_native`/`from_native` here); and the load-order faults:
+`flatten_no_permute` (the first dense kernel after a flatten loaded as if its rows were in torch's
+(C, H, W) order) and `depthwise_multiplier_order` (a multiplied depthwise kernel loaded multiplier-major),
+both algorithms/layout.py's. The graph's other two lowering faults are seams of `lower`:
+`concat_wrong_axis` (Concatenate on the width, Seams.concat_axis) and `projection_without_bn`
+(BypassedBatchNorm: the shortcut's BatchNorm variables kept, its input passed through).
 
 float64: where a Keras backend's own op is not float64 in Keras 3.15 (runtimes/<backend>.py
 FLOAT64_FORMULA: on keras-jax BatchNormalization, LayerNormalization, GlobalAveragePooling2D and tanh
-compute in float32,
-keras-tensorflow's gelu and leaky_relu round a constant to float32) the layer computes the spec's
+compute in float32, keras-tensorflow's gelu and leaky_relu round a constant to float32) the layer computes the spec's
 formula with keras.ops instead, said in the lowering notes; float32 always runs Keras' own layers
 (the same Keras layers as before for the straight-line kinds).
 
