@@ -255,3 +255,21 @@ def test_keras_tensorflow_graph_faults_are_the_reference_s_bugs_at_their_layer(t
         assert rel(got[f][at], got[""][at]) > 1e-4, (f, at, "the fault changes nothing at its layer")
         for n in names[:names.index(at)]:
             assert rel(got[f][n], got[""][n]) < 1e-6, (f, n, "a layer before the fault's moved")
+
+
+def test_keras_layout_holds_a_depthwise_kernel_as_depthwiseconv2d_does():
+    """algorithms/layout.py KERAS: a depthwise kernel (kH, kW, 1, C*M) as (kH, kW, C, M) with [.., c, m] the
+    canonical output c*M + m, round trip exact, the depthwise_multiplier_order fault's order on top of it."""
+    from algorithms.layout import KERAS, from_native, multiplier_major_perm, to_native
+    from algorithms.params import init_params
+
+    from .test_graph_faults import SCENARIO
+    m = load_model(SCENARIO)
+    k = init_params(m, 0)["dw.kernel"]                         # (3, 3, 1, 8): 4 channels x multiplier 2
+    native = to_native(m, "dw.kernel", k, KERAS)
+    assert native.shape == (3, 3, 4, 2)
+    assert all(np.array_equal(native[:, :, c, j], k[:, :, 0, c * 2 + j]) for c in range(4) for j in range(2))
+    assert np.array_equal(from_native(m, "dw.kernel", native, KERAS), k)
+    bad = to_native(m, "dw.kernel", k, KERAS, channel_major=False)
+    assert np.array_equal(bad.reshape(3, 3, 1, 8), k[..., multiplier_major_perm(4, 2)])
+    assert np.array_equal(from_native(m, "dw.kernel", bad, KERAS, channel_major=False), k)

@@ -8,7 +8,7 @@ Keras' own layouts are the canonical ones (NHWC activations, conv kernel (kH, kW
 grouped Conv2D, dense kernel (in, out), a Flatten that reads (H, W, C), Concatenate on the last axis),
 so parameters load as they are, with two exceptions: a depthwise convolution (groups == input
 channels > 1) is a DepthwiseConv2D, whose kernel (kH, kW, C, M) with output channel c*M + m is the
-canonical (kH, kW, 1, C*M) reshaped (`to_native`/`from_native` here); and the load-order faults:
+canonical (kH, kW, 1, C*M) reshaped (algorithms/layout.py's KERAS layout); and the load-order faults:
 `flatten_no_permute` (the first dense kernel after a flatten loaded as if its rows were in torch's
 (C, H, W) order) and `depthwise_multiplier_order` (a multiplied depthwise kernel loaded multiplier-major),
 both algorithms/layout.py's. The graph's other two lowering faults are seams of `lower`:
@@ -32,51 +32,20 @@ from typing import Any
 import keras
 from keras import ops
 
-import numpy as np
 
 from algorithms.faults import Seams
-from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, depthwise_multiplier, is_asymmetric
+from algorithms.layout import KERAS, ceil_pool_pad, converters, depthwise_multiplier, is_asymmetric
 from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
 
 # ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
-LAYOUT = CHANNELS_LAST
-_to_native, _from_native = converters(LAYOUT)
+LAYOUT = KERAS          # channels last; a depthwise kernel as DepthwiseConv2D's (kH, kW, C, M)
+to_native, from_native = converters(LAYOUT)
 
 
 def is_depthwise(layer: LayerInfo) -> bool:
     """A conv2d lowered to DepthwiseConv2D: groups == input channels > 1 (filters = channels * multiplier)."""
     return depthwise_multiplier(layer) > 0
-
-
-def _depthwise_kernel(model: ModelSpec, name: str) -> LayerInfo | None:
-    layer_name, _, role = name.rpartition(".")
-    if role != "kernel":
-        return None
-    layer = model.layer(layer_name)
-    return layer if is_depthwise(layer) else None
-
-
-def to_native(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True,
-              channel_major: bool = True) -> np.ndarray:
-    """Canonical -> Keras; a depthwise kernel (kH, kW, 1, C*M) -> DepthwiseConv2D's (kH, kW, C, M) (output
-    channel c*M + m, the canonical order; channel_major=False: the depthwise_multiplier_order fault's
-    multiplier-major load, algorithms/layout.py)."""
-    a = _to_native(model, name, a, permute, channel_major)
-    layer = _depthwise_kernel(model, name)
-    if layer is not None:
-        c = layer.in_shape[-1]
-        a = a.reshape(a.shape[0], a.shape[1], c, a.shape[3] // c)
-    return a
-
-
-def from_native(model: ModelSpec, name: str, a: np.ndarray, permute: bool = True,
-                channel_major: bool = True) -> np.ndarray:
-    """Keras -> canonical; DepthwiseConv2D's (kH, kW, C, M) -> (kH, kW, 1, C*M) (output channel c*M + m)."""
-    layer = _depthwise_kernel(model, name)
-    if layer is not None:
-        a = a.reshape(a.shape[0], a.shape[1], 1, a.shape[2] * a.shape[3])
-    return _from_native(model, name, a, permute, channel_major)
 
 
 # ----------------------------------------------------------------------------- custom layers
