@@ -33,10 +33,14 @@ class Layout:
     """A framework's parameter and activation layout."""
     name: str
     channels_first: bool      # NCHW activations, OIHW conv kernels, (out, in) dense kernels, CHW flatten
+    # a depthwise conv2d's kernel as (kH, kW, C, M), output channel c*M + m (Keras' DepthwiseConv2D): the
+    # canonical (kH, kW, 1, C*M) reshaped
+    depthwise_by_channel: bool = False
 
 
-CHANNELS_LAST = Layout("channels_last", False)    # the canonical layout (jax, tensorflow, keras, numpy)
+CHANNELS_LAST = Layout("channels_last", False)    # the canonical layout (jax, tensorflow, numpy)
 CHANNELS_FIRST = Layout("channels_first", True)   # torch
+KERAS = Layout("keras", False, depthwise_by_channel=True)   # channels last, DepthwiseConv2D kernels
 
 
 # ----------------------------------------------------------------------------- the flatten permutation
@@ -95,6 +99,8 @@ def to_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, permut
     perm = None if channel_major else _depthwise_perm(layer)
     if perm is not None:                         # output o gets canonical output perm[o]'s filter
         a = a[..., perm]
+    if layout.depthwise_by_channel and depthwise_multiplier(layer):   # (kH, kW, 1, C*M) -> (kH, kW, C, M)
+        return a.reshape(a.shape[0], a.shape[1], layer.in_shape[-1], a.shape[3] // layer.in_shape[-1])
     if layout.channels_first:
         if layer.kind == "conv2d":               # (kH, kW, I/groups, O) -> (O, I/groups, kH, kW)
             return a.transpose(3, 2, 0, 1)
@@ -112,6 +118,8 @@ def from_native(model: ModelSpec, name: str, a: np.ndarray, layout: Layout, perm
     layer, role = layer_of(model, name)
     if role != "kernel":
         return a
+    if layout.depthwise_by_channel and depthwise_multiplier(layer) and a.shape[2] != 1:   # (kH, kW, C, M) back
+        a = a.reshape(a.shape[0], a.shape[1], 1, a.shape[2] * a.shape[3])
     perm = None if channel_major else _depthwise_perm(layer)
     if perm is not None:
         canonical = from_native(model, name, a, layout, permute)

@@ -60,6 +60,13 @@ FAULTS = {"flatten_no_permute": FAULT_MODEL, "symmetric_same_padding": FAULT_MOD
           "missing_bias": FAULT_MODEL, "grad_double": FAULT_MODEL, "maxpool_ceil": CEIL_MODEL}
 
 
+# the graph spec's kinds alone (tests/test_gradcheck.py layer_model), and the straight-line kinds whose float64
+# Keras computes in float32 on keras-jax (runtimes/jax.py FLOAT64_FORMULA)
+KIND_CASES = ["conv2d_grouped", "conv2d_depthwise_multiplier2_s2", "conv2d_dilated_same", "conv2d_dilated_grouped_valid",
+              "layernorm_spatial", "relu6_spatial", "add", "add_three", "concat", "leaky_relu", "gelu_none", "gelu_tanh",
+              "silu", "sigmoid", "relu6", "layernorm", "tanh", "batchnorm2d", "global_avgpool2d"]
+
+
 def avgpool_model(size: int, pool: int, stride: int) -> dict:
     return {"name": "avgpool_probe", "input_shape": [size, size, 1], "num_classes": 2, "layers": [
         {"type": "avgpool2d", "name": "pool", "pool": pool, "stride": stride, "padding": "same"},
@@ -139,7 +146,8 @@ def collect(backend: str, path: str) -> None:
     for name, decl in FAULTS.items():
         m = fault_models[decl["name"]]
         res["faults"][name] = _probe(cls, m, FAULT_HP, fault=name)[1]
-    if backend == "torch":        # the reference for the fault checks
+    if backend == "torch":        # the reference for the fault checks and the graph kinds (float32 and float64)
+        res["kinds"] = {dtype: _kinds(cls, dtype) for dtype in ("float32", "float64")}
         with open(path, "wb") as f:
             pickle.dump(res, f)
         return
@@ -220,8 +228,31 @@ def collect(backend: str, path: str) -> None:
         b64.load_params(init_params(m2, 0))
         x64 = _inputs(m2, 16)[0].astype(np.float64) + 1e-9       # not representable in float32
         res["float64"] = {"x": x64, "forward": b64.forward_layers(x64, {}), "params": init_params(m2, 0)}
+    # the graph kinds alone (last: float64 where the backend has it)
+    res["kinds"] = _kinds(cls, "float32" if "refused" in res["float64"] else "float64")
     with open(path, "wb") as f:
         pickle.dump(res, f)
+
+
+def _kinds(cls, dtype: str) -> dict:
+    """Every graph kind alone (tests/test_gradcheck.py layer_model: a conv before it, a dense head): the training-mode
+    forward per layer, the loss and the gradients at the canonical initial weights, on a fixed batch."""
+    from algorithms.params import init_params
+    from wrappers.base import RunOptions
+
+    from .test_gradcheck import layer_model
+    out = {"dtype": dtype}
+    for case in KIND_CASES:
+        m = layer_model(case)
+        b = cls(m, FAULT_HP, RunOptions(dtype=dtype))
+        b.load_params(init_params(m, 0))
+        rng = np.random.default_rng(7)
+        x = rng.normal(size=(FAULT_HP.batch_size, *m.input_shape)).astype(dtype)
+        y = rng.integers(0, m.num_classes, FAULT_HP.batch_size).astype(np.int32)
+        loss, grads = b.gradients(x, y, {})
+        out[case] = {**{f"forward/{k}": np.asarray(v) for k, v in b.forward_layers(x, {}).items()},
+                     **{f"grad/{k}": np.asarray(v) for k, v in grads.items()}, "loss": np.asarray(loss)}
+    return out
 
 
 # ============================================================================ fixtures
@@ -472,6 +503,29 @@ def test_float64_is_float64_or_refused(backend, root):
     assert all(v.dtype == np.float64 for v in f.values())
     want = f["flatten_1"] @ p["fc1.kernel"].astype(np.float64) + p["fc1.bias"]
     assert _rel(f["fc1"], want) < 1e-12
+
+
+# ============================================================================ graph kinds
+@pytest.mark.parametrize("backend", KERAS)
+def test_graph_kinds_alone_match_torch(backend, root):
+    """Each graph kind alone (grouped, depthwise with multiplier 2 and stride 2 -- DepthwiseConv2D's channel order --,
+    dilated convolutions, add of two and three, concat, leaky_relu alpha 0.2, gelu exact and tanh, silu, sigmoid,
+    relu6, layernorm over channels and on a vector), and tanh / batchnorm2d / global_avgpool2d: forward per layer,
+    loss and every gradient against torch, float64 on keras-jax and keras-tensorflow (1e-10 relative), float32 on
+    keras-torch (1e-4 relative, against torch float32)."""
+    got = collected(backend, root)["kinds"]
+    dtype = got["dtype"]
+    assert dtype == ("float32" if backend == "keras-torch" else "float64")
+    ref = collected("torch", root)["kinds"][dtype]
+    tol = 1e-10 if dtype == "float64" else 1e-4
+    for case in KIND_CASES:
+        a, b = got[case], ref[case]
+        assert set(a) == set(b) and any(k.startswith("grad/") for k in b), (case, sorted(set(a) ^ set(b)))
+        for k in b:
+            if k != "loss":       # a Python float
+                assert a[k].dtype == np.dtype(dtype), f"{backend} {case} {k}: {a[k].dtype}"
+            rel = float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) / max(float(np.max(np.abs(b[k]))), 1e-6)
+            assert rel < tol, f"{backend} {case} {k}: relative error {rel:.3g} >= {tol}"
 
 
 # ============================================================================ faults

@@ -1,14 +1,25 @@
 """Keras 3: the spec as a functional keras.Model subclass of Keras layers, keras.optimizers; one entry per Keras backend."""
-from ..base import DP_FAULTS, Entry, jax_platform_env
+from algorithms.spec import BASE_LAYER_KINDS
 
-# the lowering faults the Keras wrapper implements (no optimizer-convention faults: Keras' own optimizers run)
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, Entry, jax_platform_env
+
+# the lowering faults the Keras wrapper implements (no optimizer-convention faults: Keras' own optimizers run),
+# the graph layers' three seams included (layers.py: the Concatenate axis, a BatchNormalization passed through,
+# the depthwise kernel's load order); the declaration rewrites come with GRAPH_KINDS (wrappers.base.implemented_faults)
 KERAS_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn_momentum_flipped", "bn_eps_keras",
                           "label_smoothing", "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double",
-                          "l2_not_decoupled"})
+                          "l2_not_decoupled"}) | GRAPH_LOWERING_FAULTS
+
+
+# the graph spec's kinds (issue 15), lowered through the functional API (layers.py); each Keras backend's step-0
+# probes of every kind alone and of the graph models agree with torch's (tests/test_graph_backends.py)
+GRAPH_KINDS = frozenset({"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu", "silu", "sigmoid",
+                         "relu6", "layernorm"})
 
 
 class _KerasEntry(Entry):
     module = "wrappers.keras.backend"
+    layer_kinds = BASE_LAYER_KINDS | GRAPH_KINDS
 
 
 class KerasTensorflowEntry(_KerasEntry):

@@ -111,8 +111,8 @@ class DuipaiModel(keras.Model):
         summed = grads if reduce is None else reduce(grads)
         grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in summed))
         if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p
-            wd = self.coupled_wd * self.wd_share
-            grads = [g + ops.cast(wd, g.dtype) * v for g, v in zip(grads, values)]
+            wd = self.coupled_wd * self.wd_share   # straight to g.dtype: TF casts a Python float via float32
+            grads = [g + ops.convert_to_tensor(wd, dtype=g.dtype) * v for g, v in zip(grads, values)]
         return grads, grad_norm
 
     def fault_grads(self, grads):
@@ -134,6 +134,7 @@ def _np(t) -> np.ndarray:
 class KerasBackend(Backend):
     framework = "keras"
     faults = REGISTRY[f"keras-{KBACKEND}"].faults
+    layer_kinds = REGISTRY[f"keras-{KBACKEND}"].layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
         super().__init__(model, hp, opts)
@@ -152,15 +153,18 @@ class KerasBackend(Backend):
         keras.utils.set_random_seed(hp.seed)
         self.seams = Seams(opts.fault)
         self.permute = self.seams.permute
+        self.channel_major = self.seams.depthwise_channel_major   # depthwise_multiplier_order: the load order
         with self.par.scope() if self.par else contextlib.nullcontext():
             self.low = lower(model, batch_size=hp.batch_size, fault=opts.fault,
                              native_dropout=opts.dropout == "native", seed=hp.seed,
-                             synchronized_bn=self.sync_bn and RT.SYNCHRONIZED_BN)
+                             synchronized_bn=self.sync_bn and RT.SYNCHRONIZED_BN,
+                             formula_kinds=RT.FLOAT64_FORMULA if opts.dtype == "float64" else frozenset())
             self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
             self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
             self.optimizer, coupled = optim.make_optimizer(self.hp, opts.fault)
             loss = (SmoothedSparseCrossentropy(model.num_classes, self.seams.label_smoothing)
-                    if self.seams.label_smoothing else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+                    if self.seams.label_smoothing
+                    else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
             self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
             self._jit = RT.jit_options(opts.jit, opts.extra)
             self.net.compile(optimizer=self.optimizer, loss=loss, **self._jit)
@@ -218,6 +222,13 @@ class KerasBackend(Backend):
         return out
 
     # ---- state
+    def _native(self, name: str, a: np.ndarray) -> np.ndarray:
+        """A canonical parameter-shaped array in Keras' layout (with the load-order faults' seams)."""
+        return to_native(self.model, name, a, self.permute, self.channel_major)
+
+    def _canonical(self, name: str, a: np.ndarray) -> np.ndarray:
+        return from_native(self.model, name, a, self.permute, self.channel_major)
+
     def _var(self, name: str):
         return self.low.variables[name]
 
@@ -242,7 +253,7 @@ class KerasBackend(Backend):
         self._sync()
         for q in self.model.params:
             var = self._var(q.name)
-            var.assign(to_native(self.model, q.name, np.asarray(params[q.name]), self.permute).astype(var.dtype))
+            var.assign(self._native(q.name, np.asarray(params[q.name])).astype(var.dtype))
         lr_var = self.optimizer._learning_rate
         for v in self.optimizer.variables:       # fresh optimizer state
             if v is not lr_var:
@@ -253,7 +264,7 @@ class KerasBackend(Backend):
         self._sync()
         if self._per_replica():   # the mirrored parameters must not have diverged
             self.par.check_in_sync({n: self._var(n) for n in self.trainable})
-        return {q.name: from_native(self.model, q.name, self._read(self._var(q.name)), self.permute)
+        return {q.name: self._canonical(q.name, self._read(self._var(q.name)))
                 for q in self.model.params}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
@@ -265,7 +276,7 @@ class KerasBackend(Backend):
         for n in self.trainable:
             for kind, slot in self._opt_slots(n).items():
                 a = optim.to_canonical(kind, self._read(slot), self.last_lr)
-                out[f"{kind}/{n}"] = from_native(self.model, n, a, self.permute)
+                out[f"{kind}/{n}"] = self._canonical(n, a)
         if self.hp.optimizer in ("adam", "adamw"):
             out["step"] = np.asarray(float(it))
         return out
@@ -277,7 +288,7 @@ class KerasBackend(Backend):
             for kind, slot in self._opt_slots(n).items():
                 if f"{kind}/{n}" not in state:
                     continue
-                a = optim.from_canonical(kind, to_native(self.model, n, np.asarray(state[f"{kind}/{n}"]), self.permute),
+                a = optim.from_canonical(kind, self._native(n, np.asarray(state[f"{kind}/{n}"])),
                                          lr_prev)
                 slot.assign(a.astype(slot.dtype))
         it = int(float(state["step"])) if "step" in state else (step if state else 0)
@@ -382,7 +393,7 @@ class KerasBackend(Backend):
 
             _, loss, grads = RT.value_and_grad(fn, tv)
         grads = self.net.fault_grads(list(grads))
-        return float(_np(loss)), {n: from_native(self.model, n, _np(g), self.permute) for n, g in zip(self.trainable, grads)}
+        return float(_np(loss)), {n: self._canonical(n, _np(g)) for n, g in zip(self.trainable, grads)}
 
 
 BACKEND = KerasBackend

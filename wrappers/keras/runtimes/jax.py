@@ -46,6 +46,11 @@ FLOAT64_NOTE = ""
 SYNCHRONIZED_BN = False        # BatchNormalization(synchronized=True) is TensorFlow-only (and not needed: GSPMD)
 REPLICA_GRADIENTS_SUMMED = False   # one program over the global batch: each gradient is already the global one
 AVGPOOL_SAME_REPLICATES = False
+# float64: the kinds lowered by the spec's formula (layers.py) because Keras' own op is not float64 here: Keras
+# 3.15's dtypes.result_type maps float64 to float32 on every backend but TensorFlow, and BatchNormalization.call,
+# ops.mean (LayerNormalization, GlobalAveragePooling2D) and ops.tanh compute in it (measured: 1e-7, 1e-7, 5e-8,
+# 1.8e-7 relative)
+FLOAT64_FORMULA = frozenset({"batchnorm2d", "layernorm", "global_avgpool2d", "tanh"})
 
 
 def enable_float64() -> None:

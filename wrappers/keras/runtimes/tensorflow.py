@@ -49,6 +49,10 @@ FLOAT64_NOTE = ("Keras' float64: the TF backend's ops.cast(python float, float64
 SYNCHRONIZED_BN = True         # --sync-bn: BatchNormalization(synchronized=True) under the strategy
 REPLICA_GRADIENTS_SUMMED = True    # the optimizer SUMs the replicas' gradients: each adds its share of the L2 term
 AVGPOOL_SAME_REPLICATES = False
+# float64: the kinds lowered by the spec's formula (layers.py) because Keras' own op is not float64 here:
+# tf.nn.gelu casts its constants (1/sqrt(2); 0.044715) through float32 (5e-10 / 9e-11 relative),
+# tf.nn.leaky_relu holds alpha in a float32 attribute (alpha 0.2: 3e-9 relative)
+FLOAT64_FORMULA = frozenset({"gelu", "leaky_relu"})
 
 
 def enable_float64() -> None:

@@ -18,6 +18,8 @@ SYNCHRONIZED_BN = False
 REPLICA_GRADIENTS_SUMMED = False
 # 'same' average pooling padded by replication where the TF padding is asymmetric (layers.torch_avgpool_replicates)
 AVGPOOL_SAME_REPLICATES = True
+# float64 is refused (FLOAT64_REFUSAL): no formula substitutes
+FLOAT64_FORMULA = frozenset()
 
 
 def enable_float64() -> None:
