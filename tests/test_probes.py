@@ -133,3 +133,25 @@ def _check(backend: str, model: str, results_root, cases: dict | None, steps: tu
         # and every key of the reference is probed
         missing = set(ref[case].arrays) - set(res.arrays)
         assert not missing, f"{backend} {model} {case}: probes missing {sorted(missing)[:5]}"
+
+
+def test_a_tensor_zero_in_exact_arithmetic_is_held_at_its_kinds_scale():
+    """The gradient of a conv bias right before a BatchNorm is zero in exact arithmetic: both float32 values
+    are cancellation noise (here the candidate's 5x the reference's), compared at the scale of the largest
+    gradient, not at their own 1e-6 floor; the same tensor off by 1e-3 of that scale is still a disagreement."""
+    from harness.probes import compare
+    rng = np.random.default_rng(0)
+    w64 = rng.normal(size=100) * 1e-2
+    ref64 = {"grad/conv.kernel": w64, "grad/conv.bias": rng.normal(size=8) * 1e-17}
+    ref32 = {"grad/conv.kernel": w64.astype(np.float32).astype(np.float64),
+             "grad/conv.bias": rng.normal(size=8) * 1e-7}
+    cand = dict(ref32, **{"grad/conv.bias": rng.normal(size=8) * 5e-7})
+    got = {d.key: d for d in compare(cand, ref32, ref64=ref64)}
+    assert got["grad/conv.bias"].ok and got["grad/conv.bias"].rel < 1e-4
+    bad = dict(cand, **{"grad/conv.bias": cand["grad/conv.bias"] + 1e-3 * np.abs(w64).max()})
+    assert not {d.key: d for d in compare(bad, ref32, ref64=ref64)}["grad/conv.bias"].ok
+    # a small but real value (the float64 value far above the float32 error) keeps its own scale
+    real64 = dict(ref64, **{"grad/conv.bias": np.full(8, 1e-5)})
+    real32 = dict(ref32, **{"grad/conv.bias": np.full(8, 1e-5) * (1 + 1e-7)})
+    off = dict(real32, **{"grad/conv.bias": np.full(8, 1e-5) * (1 + 1e-2)})
+    assert not {d.key: d for d in compare(off, real32, ref64=real64)}["grad/conv.bias"].ok
