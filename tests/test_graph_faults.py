@@ -133,7 +133,7 @@ def test_a_backend_claims_a_graph_fault_only_where_it_lowers_the_layers(backend)
         assert (f in faults) == (kind in kinds), (backend, f)
     if GRAPH_LOWERING_FAULTS & faults:
         assert {"add", "concat", "conv2d:groups"} <= kinds, backend
-    if backend in ("torch", "jax"):       # the two wrappers with the seams (layers.py, backend.py)
+    if backend in ("torch", "jax", "tensorflow"):   # the wrappers with the seams (layers.py, backend.py)
         assert set(GRAPH_FAULTS) <= faults
 
 
