@@ -1,4 +1,4 @@
-"""The graph models across backends: jax float64 against torch float64 step-0 probes (the lowering, with no
+"""The graph models across backends: jax and tensorflow float64 against torch float64 step-0 probes (the lowering, with no
 float32 kink noise), a short torch/numpy run compared by the harness, and the 32x32x3 data sources."""
 from __future__ import annotations
 
@@ -38,14 +38,15 @@ def float64_agreement(backend: str, model: str, root) -> dict[str, tuple[float, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
 @pytest.mark.parametrize("model", GRAPH_MODELS)
-def test_jax_float64_probes_match_torch_float64_on_graph_models(model, results_root):
+def test_float64_probes_match_torch_float64_on_graph_models(backend, model, results_root):
     """Every forward, eval, gradient, three updates, buffers and optimizer state: the lowering itself.
-    Slow: jax compiles three optimizer cases of each model."""
-    need("jax")
-    for case, (rel, key) in float64_agreement("jax", model, results_root).items():
+    Slow: jax compiles, and TensorFlow traces, three optimizer cases of each model."""
+    need(backend)
+    for case, (rel, key) in float64_agreement(backend, model, results_root).items():
         tol = GRAPH_ADAM_TOL if case.startswith("adam") else PROBE_TOL
-        assert rel < tol, f"jax {model} {case}: {key} relative error {rel:.3g} >= {tol}"
+        assert rel < tol, f"{backend} {model} {case}: {key} relative error {rel:.3g} >= {tol}"
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def test_a_backend_claims_a_graph_fault_only_where_it_lowers_the_layers(backend)
         assert (f in faults) == (kind in kinds), (backend, f)
     if GRAPH_LOWERING_FAULTS & faults:
         assert {"add", "concat", "conv2d:groups"} <= kinds, backend
-    if backend in ("torch", "jax", "keras-tensorflow", "keras-jax", "keras-torch"):   # the wrappers with the seams
+    if backend in ("torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "keras-torch"):   # the wrappers with the seams
         assert set(GRAPH_FAULTS) <= faults
 
 

@@ -483,3 +483,147 @@ def test_lowering_faults_make_the_probe_disagree_with_torch(fault, model, first,
     assert by_key[first].rel > 1e-2
     assert all(d.ok for d in compare(clean, ref, keys=keys)), "clean TF must agree with clean torch"
     assert all(d.ok for d in compare(bad, ref_f, keys=keys)), "TF and torch must inject the same fault"
+
+
+# --------------------------------------------------------------------------- graph kinds (issue 15)
+def _against_numpy(case: str, **opts):
+    """One graph kind alone (test_gradcheck.layer_model: a convolution before it, a dense head; merges read a
+    second branch from the input), float64, biases and affine parameters moved off their init: TF's training
+    and inference forward of every layer and its gradients against numpy's (the spec's formulas, its backward
+    checked by finite differences). Worst relative error per key."""
+    from wrappers.numpy.backend import NumpyBackend
+
+    from .test_gradcheck import _backend, layer_model
+    m = layer_model(case)
+    ref = _backend(m)                                 # numpy, float64, non-zero biases / gamma / beta
+    params = {k: np.asarray(v, np.float64) for k, v in ref.p.items()}
+    tfb = make(m, HP["sgd_l2"], params=params, dtype="float64", **opts)
+    assert isinstance(ref, NumpyBackend)
+    x, y = batch(m, n=6, seed=3)
+    x = x.astype(np.float64)
+    masks = masks_for(m, 0, 0, len(x), "harness")
+    got = {**{f"forward/{k}": v for k, v in tfb.forward_layers(x, masks).items()},
+           **{f"eval/{k}": v for k, v in tfb.eval_layers(x).items()}}
+    want = {**{f"forward/{k}": v for k, v in ref.forward_layers(x, masks).items()},
+            **{f"eval/{k}": v for k, v in ref.eval_layers(x).items()}}
+    (loss_t, g_t), (loss_n, g_n) = tfb.gradients(x, y, masks), ref.gradients(x, y, masks)
+    got.update({f"grad/{k}": v for k, v in g_t.items()}, loss=np.asarray(loss_t))
+    want.update({f"grad/{k}": v for k, v in g_n.items()}, loss=np.asarray(loss_n))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    out = {}
+    for k in want:
+        a, b = np.asarray(got[k], np.float64), np.asarray(want[k], np.float64)
+        assert a.shape == b.shape, f"{case} {k}: {a.shape} vs {b.shape}"
+        out[k] = float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-4)
+    return out
+
+
+GRAPH_KINDS = ["conv2d_grouped", "conv2d_depthwise_multiplier2_s2", "conv2d_dilated_same",
+               "conv2d_dilated_grouped_valid", "layernorm_spatial", "relu6_spatial", "add", "add_three", "concat",
+               "leaky_relu", "gelu_none", "gelu_tanh", "silu", "sigmoid", "relu6", "layernorm"]
+
+
+@pytest.mark.parametrize("case", GRAPH_KINDS)
+def test_graph_kinds_alone_match_numpy_float64(case):
+    """Every kind the graph spec added, alone, in the tf.function step's lowering (layers.forward): 1e-10."""
+    errs = _against_numpy(case)
+    bad = {k: v for k, v in errs.items() if v >= 1e-10}
+    assert not bad, f"{case}: relative error >= 1e-10: {bad}"
+
+
+@pytest.mark.parametrize("case", ["conv2d_depthwise_multiplier2_s2", "conv2d_dilated_grouped_valid",
+                                  "conv2d_dilated_same", "layernorm_spatial"])
+@pytest.mark.parametrize("mode", [{"jit": False}, {"extra": {"xla": True}}])
+def test_graph_convolutions_eager_and_xla_match_numpy_float64(case, mode):
+    """The grouped / depthwise / dilated formulations eagerly and under XLA (jit_compile) as well."""
+    errs = _against_numpy(case, **mode)
+    bad = {k: v for k, v in errs.items() if v >= 1e-10}
+    assert not bad, f"{case} {mode}: relative error >= 1e-10: {bad}"
+
+
+def test_depthwise_kernel_order_is_canonical_and_the_mult_major_order_is_not():
+    """Depthwise with multiplier 2: output channel o = c*M + m reads input channel o // M (the canonical
+    kernel reshaped to (kH, kW, C, M)); the same kernel read mult-major (m*C + c, the classic port bug)
+    gives another network, so the check can tell the two apart."""
+    from wrappers.tensorflow.layers import conv2d
+    m = build_model({"name": "dw", "input_shape": [5, 5, 3], "num_classes": 2, "layers": [
+        {"type": "conv2d", "name": "dw", "filters": 6, "kernel": 3, "groups": 3, "padding": "same"},
+        {"type": "flatten"}, {"type": "dense", "units": 2}]})
+    layer = m.layers[0]
+    from algorithms.faults import Seams
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 5, 3))
+    k = rng.normal(size=(3, 3, 1, 6))
+    got = conv2d(layer, Seams(None), tf.constant(x), tf.constant(k)).numpy()
+    xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    want = np.zeros((2, 5, 5, 6))
+    for o in range(6):
+        for i in range(3):
+            for j in range(3):
+                want[..., o] += xp[:, i:i + 5, j:j + 5, o // 2] * k[i, j, 0, o]
+    assert np.max(np.abs(got - want)) < 1e-12
+    mult_major = k.reshape(3, 3, 2, 3).transpose(0, 1, 3, 2).reshape(3, 3, 1, 6)   # channel m*C + c
+    bad = conv2d(layer, Seams(None), tf.constant(x), tf.constant(mult_major)).numpy()
+    assert np.max(np.abs(bad - want)) > 1e-1
+
+
+def test_graph_kinds_are_declared_and_lowered():
+    from wrappers.tensorflow import TensorflowEntry
+    for name in ("resnet_tiny", "mobilenet_tiny", "convnext_tiny"):
+        m = load_model(name)
+        assert m.required_features() <= TensorflowEntry.layer_kinds
+        assert TensorflowBackend.layer_kinds == TensorflowEntry.layer_kinds
+
+
+# --------------------------------------------------------------------------- the graph lowering seams (issue 15)
+SCENARIO_TOML = "algorithms/models/scenarios/graph_ops_tiny.toml"
+
+
+def test_graph_lowering_seams_change_exactly_their_layer():
+    """concat_wrong_axis, projection_without_bn and depthwise_multiplier_order in TF, in process (float64):
+    each leaves every layer before its own bit-identical to the clean lowering and changes its layer as the
+    catalogue says (the end-to-end BUG verdicts: tests/test_graph_faults.py's slow set, every backend)."""
+    from algorithms.layout import multiplier_major_perm
+    m = load_model(SCENARIO_TOML)
+    p = init_params(m, 0)
+    x, y = batch(m, n=8, seed=2)
+    x = x.astype(np.float64)
+    names = [l.name for l in m.layers]
+
+    def run(fault=None, params=p):
+        b = make(m, HP["sgd_l2"], params=params, dtype="float64", fault=fault)
+        return b, b.forward_layers(x, {})
+
+    clean_b, clean = run()
+
+    def same_before(rec, layer):
+        for n in names[:names.index(layer)]:
+            assert np.array_equal(rec[n], clean[n]), (layer, n)
+
+    # concat on the width (NHWC axis 2): the maps side by side, the same values
+    _, cat = run("concat_wrong_axis")
+    same_before(cat, "cat")
+    srcs = m.layer("cat").inputs
+    assert cat["cat"].shape != clean["cat"].shape
+    assert np.array_equal(cat["cat"], np.concatenate([clean[s] for s in srcs], axis=2))
+    # the projection's BatchNorm passed through: its output is its input; gamma/beta get no gradient and the
+    # running statistics do not move, while every other BatchNorm's do
+    bn = "proj_bn"
+    nobn_b, nobn = run("projection_without_bn")
+    same_before(nobn, bn)
+    assert np.array_equal(nobn[bn], nobn[m.layer(bn).inputs[0]]) and not np.array_equal(nobn[bn], clean[bn])
+    _, g = nobn_b.gradients(x, y, {})
+    assert not np.any(g[f"{bn}.gamma"]) and not np.any(g[f"{bn}.beta"]) and np.any(g["block_bn.gamma"])
+    run_steps(nobn_b, x, y, 1)
+    after = nobn_b.export_params()
+    assert np.array_equal(after[f"{bn}.running_mean"], p[f"{bn}.running_mean"])
+    assert not np.array_equal(after["block_bn.running_mean"], p["block_bn.running_mean"])
+    # the multiplied depthwise kernel read multiplier-major: the clean network with the kernel's outputs
+    # permuted, exported back in the canonical order it was given
+    dw_b, dw = run("depthwise_multiplier_order")
+    same_before(dw, "dw")
+    k = p["dw.kernel"]
+    permuted = dict(p, **{"dw.kernel": k[..., multiplier_major_perm(4, k.shape[-1] // 4)]})
+    _, want = run(None, permuted)
+    assert np.array_equal(dw["dw"], want["dw"]) and not np.allclose(dw["dw"], clean["dw"])
+    assert np.array_equal(dw_b.export_params()["dw.kernel"], k)

@@ -1,5 +1,7 @@
 """Native TensorFlow: tf.Module / tf.Variable, tf.nn ops in NHWC, GradientTape, tf.function, raw training kernels."""
-from ..base import DP_FAULTS, LOWERING_FAULTS, Entry
+from algorithms.spec import BASE_LAYER_KINDS
+
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry
 
 
 class TensorflowEntry(Entry):
@@ -8,7 +10,11 @@ class TensorflowEntry(Entry):
     module = "wrappers.tensorflow.backend"
     description = "native TensorFlow (not Keras): tf.nn, GradientTape, tf.function, tf.raw_ops.ResourceApply*"
     capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "xla", "onednn", "threads"})
-    faults = LOWERING_FAULTS | DP_FAULTS
+    faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
+    # the graph kinds (layers.py): grouped and dilated convolutions through exact formulations, since TF's
+    # CPU Conv2D has no gradient for either
+    layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
+                                      "silu", "sigmoid", "relu6", "layernorm"}
 
     _ports: dict[tuple[str, int], list[int]] = {}   # (job file, launcher port) -> the workers' ports
 

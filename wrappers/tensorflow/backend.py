@@ -64,6 +64,7 @@ def _outside_op_determinism(fn):
 class TensorflowBackend(NativeOptimizer, Backend):
     framework = "tensorflow"
     faults = TensorflowEntry.faults
+    layer_kinds = TensorflowEntry.layer_kinds
     PARALLEL_FAULTS = DP_FAULTS
 
     @classmethod
@@ -102,6 +103,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
         self.fault = opts.fault
         self.seams = Seams(opts.fault)
         self.permute = self.seams.permute
+        self.channel_major = self.seams.depthwise_channel_major   # depthwise_multiplier_order: the load order
         self.native_dropout = opts.dropout == "native"
         self.trainable: list[str] = [q.name for q in model.trainable]
         h = self.hp
@@ -166,10 +168,11 @@ class TensorflowBackend(NativeOptimizer, Backend):
 
     # ---- state
     def _canon(self, name: str, a: np.ndarray) -> np.ndarray:
-        return from_native(self.model, name, a, self.permute)
+        return from_native(self.model, name, a, self.permute, self.channel_major)
 
     def _native(self, name: str, a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(to_native(self.model, name, np.asarray(a), self.permute), self.np_dtype)
+        return np.ascontiguousarray(to_native(self.model, name, np.asarray(a), self.permute, self.channel_major),
+                                    self.np_dtype)
 
     def load_params(self, params: dict[str, np.ndarray]) -> None:
         for q in self.model.params:
