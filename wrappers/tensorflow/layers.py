@@ -106,7 +106,7 @@ def gelu(x: tf.Tensor, approximate: str) -> tf.Tensor:
 
 def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, eps: float) -> tf.Tensor:
     """The spec's layernorm: over the last (channel) axis per sample and position, biased variance, the
-    spec's eps (torch's F.layer_norm; Keras' LayerNormalization defaults to 1e-3). Written out, not
+    spec's eps (torch's F.layer_norm; Keras' LayerNormalization has its own default). Written out, not
     tf.nn.moments (which stops the gradient through the mean inside the variance)."""
     mean = tf.reduce_mean(x, axis=-1, keepdims=True)
     var = tf.reduce_mean(tf.math.square(x - mean), axis=-1, keepdims=True)
