@@ -182,23 +182,11 @@ GELU_CROSS_BACKEND = ("the tanh approximation moves gelu's output by 5.1e-5 RMS-
                       "the cross-backend rule: BUG, but localized at backward / ln.gamma (measured)")
 
 
-# keras-tensorflow's clean run of the scenario (measured, 12 steps): eval_loss 47x the envelope at step 6 (Keras'
-# biased running variance, declared running_var_biased), every resynced step agrees (worst 0.82x its calibrated
-# tolerance), but the declared difference's check, torch computing its formula (bn_running_var_biased) at step 0,
-# finds grad/stem.bias apart (rel 0.29): the gradient of a conv bias right before a BatchNorm, zero in exact
-# arithmetic, float32 rounding in both. The check has no calibration for such a tensor; the lowering agrees
-# (every layer's forward 1e-7, every other gradient 3e-7).
-KERAS_CLEAN_ZERO_GRADIENT = ("declared running_var_biased 'not explaining' grad/stem.bias, a structurally zero "
-                             "gradient (bias before BatchNorm) compared uncalibrated: BUG backward / stem (measured)")
-
-
 def _expect(backend: str, fault: str):
     """The pytest marks of one (backend, fault) case: the known cross-backend miss above, strict."""
     from harness.defaults import REFERENCE
     if fault == "gelu_tanh_approx" and backend != REFERENCE:
         return [pytest.mark.xfail(strict=True, reason=GELU_CROSS_BACKEND)]
-    if fault is None and backend == "keras-tensorflow":
-        return [pytest.mark.xfail(strict=True, reason=KERAS_CLEAN_ZERO_GRADIENT)]
     return []
 
 
