@@ -65,7 +65,8 @@ DIFFERENCES: dict[str, Difference] = {d.id: d for d in [
         "1 - b^t with b = float32(b) (0.999 -> 0.99900001287) and the power in float32, vs reference 1 - b^t in "
         "float64 from the exact b: sqrt(1 - b2^t) 6.4e-6 relative low at t = 1, every update about 50 float32 "
         "ULPs smaller with the same sign (a bias no rounding produces)",
-        "optimizer adam or adamw on keras-* in float32",
+        "optimizer adam or adamw on keras-* in float32, and on keras-tensorflow in float64 (its ops.cast of a "
+        "Python float to float64 goes through float32)",
         "update, update_norm, and every series after step 0",
         TRAINING + EVAL, r"^(update\d+|opt\d+|buffer[1-9]\d*)/", emulated_by="adam_float32_betas"),
     Difference(

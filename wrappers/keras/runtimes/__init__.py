@@ -2,7 +2,7 @@
 names: the custom `train_step`, the `Stepper` that runs it, `make_parallel` (its data-parallel strategy, a
 wrappers.keras.parallel.Parallel, or a refusal), `value_and_grad` and `no_grad` for probes, `setup` (threads and
 determinism), `versions`, `devices`, `jit_options`, `enable_float64`, and the constants that say how this
-Keras backend differs (FLOAT64_REFUSAL, FLOAT64_NOTE, FLOAT64_FORMULA, SYNCHRONIZED_BN,
+Keras backend differs (FLOAT64_REFUSAL, FLOAT64_NOTE, FLOAT64_FORMULA, FLOAT32_HYPERPARAMETERS, SYNCHRONIZED_BN,
 REPLICA_GRADIENTS_SUMMED, AVGPOOL_SAME_REPLICATES). The Keras wrapper imports the one module of the running Keras backend, once
 (`current()`), and never branches on the backend's name.
 """

@@ -43,6 +43,7 @@ from ..parallel import Parallel
 PARALLEL = "keras.distribution.DataParallel"
 FLOAT64_REFUSAL = ""           # float64 works (jax_enable_x64, switched on by `enable_float64`)
 FLOAT64_NOTE = ""
+FLOAT32_HYPERPARAMETERS = False
 SYNCHRONIZED_BN = False        # BatchNormalization(synchronized=True) is TensorFlow-only (and not needed: GSPMD)
 REPLICA_GRADIENTS_SUMMED = False   # one program over the global batch: each gradient is already the global one
 AVGPOOL_SAME_REPLICATES = False

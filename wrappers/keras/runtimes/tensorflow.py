@@ -46,6 +46,7 @@ PARALLEL = "tf.distribute.MirroredStrategy"
 FLOAT64_REFUSAL = ""
 FLOAT64_NOTE = ("Keras' float64: the TF backend's ops.cast(python float, float64) goes through float32, so SGD "
                 "momentum 0.9 acts as 0.89999998 (~3e-8 relative per momentum update)")
+FLOAT32_HYPERPARAMETERS = True   # ops.cast(python float, float64) goes through float32 (FLOAT64_NOTE): Adam's betas too
 SYNCHRONIZED_BN = True         # --sync-bn: BatchNormalization(synchronized=True) under the strategy
 REPLICA_GRADIENTS_SUMMED = True    # the optimizer SUMs the replicas' gradients: each adds its share of the L2 term
 AVGPOOL_SAME_REPLICATES = False

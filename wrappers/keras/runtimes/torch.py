@@ -14,6 +14,7 @@ from keras import ops
 FLOAT64_REFUSAL = ("keras-torch: float64 is not float64 in Keras 3.15 (ops.matmul computes float64 inputs in "
                    "float32 on the torch backend); use keras-tensorflow or keras-jax")
 FLOAT64_NOTE = ""
+FLOAT32_HYPERPARAMETERS = False
 SYNCHRONIZED_BN = False
 REPLICA_GRADIENTS_SUMMED = False
 # 'same' average pooling padded by replication where the TF padding is asymmetric (layers.torch_avgpool_replicates)
