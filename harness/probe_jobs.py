@@ -54,14 +54,15 @@ class ReplayProbes:
     """The probes of a replay's points, read from their files one point at a time while iterated: a
     32x32x3 graph model's probe is ~100 MB, and a resync of 12 points with its float64, nudged and
     emulating replays is tens of them (held at once, one compare needed 15 GB). Iterating yields
-    (step, candidate, reference compared against, its float64 probe or None, plain reference or None)."""
+    (step, candidate, reference compared against, its float64 probe or None, plain reference or None);
+    an entry given as probes already in memory is yielded as it is."""
 
-    def __init__(self, points: list[tuple[int, tuple[Path | None, ...]]]):
+    def __init__(self, points: list[tuple[int, tuple[Path | dict[str, np.ndarray] | None, ...]]]):
         self._points = points
 
     def __iter__(self):
         for t, files in self._points:
-            yield (t, *(load_npz(f) if f is not None else None for f in files))
+            yield (t, *(load_npz(f) if isinstance(f, Path) else f for f in files))
 
     def __len__(self) -> int:
         return len(self._points)
@@ -227,9 +228,7 @@ class ProbeJobs:
         rep = self._replays.get((ref.name, cand.name, change_tag(change or {})))
         if rep is None or not set(at) <= set(rep["at"]):
             return None
-        probes = rep["probes"]
-        return dict(rep, at=at, probes=probes.restricted(at) if isinstance(probes, ReplayProbes)
-                    else [p for p in probes if p[0] in at])
+        return dict(rep, at=at, probes=rep["probes"].restricted(at))
 
 
 __all__ = ["LazyProbeMap", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]

@@ -84,11 +84,8 @@ def _kind_scales(keys: list[str], ref: dict[str, np.ndarray]) -> dict[tuple[str,
     out: dict[tuple[str, int], float] = {}
     for k in keys:
         v = np.asarray(ref[k])
-        if v.size and np.isfinite(v).all():
-            kk = kind_of(k)
-            out[kk] = max(out.get(kk, 0.0), float(np.max(np.abs(v))))
-    for k in keys:
-        out.setdefault(kind_of(k), 0.0)
+        m = float(np.max(np.abs(v))) if v.size and np.isfinite(v).all() else 0.0
+        out[kind_of(k)] = max(out.get(kind_of(k), 0.0), m)
     return out
 
 
@@ -120,7 +117,7 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
     """
     out = []
     common = keys if keys is not None else [k for k in b if k in a]
-    kind_scale = _kind_scales(common, b if ref64 is None else {k: ref64.get(k, b[k]) for k in common})
+    kind_scales: dict[tuple[str, int], float] = {}   # filled on the first tensor that is zero in exact arithmetic
     for k in common:
         x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
         kind, step = kind_of(k)
@@ -132,7 +129,9 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
             if x.shape == y.shape == z.shape and _exactly_zero(y, z):
                 # zero in exact arithmetic (a conv bias right before a BatchNorm): both float32 values are
                 # rounding noise of a cancellation, with no scale of their own; held at their kind's scale
-                scale = max(kind_scale[(kind, step)], ABS_FLOOR)
+                if not kind_scales:
+                    kind_scales.update(_kind_scales(common, {k: ref64.get(k, b[k]) for k in common}))
+                scale = max(kind_scales[(kind, step)], ABS_FLOOR)
                 rel, tol = _rms(x - z) / scale, max(rel_tol, margin * _rms(y - z) / scale)
         else:
             d, scale, rel = _rel(x, y)

@@ -15,6 +15,7 @@ from algorithms.differences import DIFFERENCES
 from harness.compare import BUG, DECLARED, INCONCLUSIVE, check_pair, compare, resolve
 from harness.envelope import compute
 from harness.localize import Localizer
+from harness.probe_jobs import ReplayProbes
 from harness.runs import load_run, movable_keys
 
 from .synthetic import SPEC, base_eval, base_series, family, write_run
@@ -195,7 +196,8 @@ class ReplayLocalizer(FakeLocalizer):
         self.replay_calls.append((at, change))
         cand_p, plain, emulated = self.replays
         return {"checkpoint_step": at[0], "at": at, "reproduced": None, "emulated64": {},
-                "probes": [(t, cand_p, emulated if change else plain, None, plain if change else None) for t in at]}
+                "probes": ReplayProbes([(t, (cand_p, emulated if change else plain, None, plain if change else None))
+                                        for t in at])}
 
 
 def test_keras_momentum_boundary_is_verified_on_the_replayed_step_and_a_bug_there_is_a_bug(fam):

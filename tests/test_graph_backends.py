@@ -16,24 +16,39 @@ from .conftest import ROOT, need, probes_for
 from .test_gradcheck import FLOAT64_FLOOR, GRAPH_ADAM_TOL, GRAPH_MODELS, PROBE_TOL, graph_cases
 
 
-def float64_agreement(backend: str, model: str, root) -> dict[str, tuple[float, str]]:
-    """Per case: the worst relative error of `backend` against torch, both float64, over every probe key."""
-    ref = probes_for("torch", model, root, cases=graph_cases(), dtype="float64")
+def float64_agreement(backend: str, model: str, root, *, emulate_declared: bool = False,
+                      not_held: dict[str, str] | None = None) -> dict[str, tuple[float, str, float, str]]:
+    """Per case: (worst relative error over the held keys, its key, worst over every key, its key) of `backend`
+    against torch, both float64, over every probe key. `emulate_declared`: torch computes the differences
+    `backend` declares (their emulations); `not_held`: case -> a pattern of keys reported, not held."""
+    import re
+    from algorithms.differences import DIFFERENCES
+    from algorithms.faults import combine
     got = probes_for(backend, model, root, cases=graph_cases(), dtype="float64")
+    fault = None
+    if emulate_declared:
+        emulations = {DIFFERENCES[d].emulated_by for res in got.values() for d in res.declared}
+        assert None not in emulations, f"{backend} {model}: a declared difference without an emulation"
+        fault = combine(sorted(emulations))
+    ref = probes_for("torch", model, root, fault=fault, cases=graph_cases(), dtype="float64")
     out = {}
     for case in ref:
         a, b = got[case].arrays, ref[case].arrays
         assert set(a) == set(b), f"{backend} {model} {case}: keys differ: {sorted(set(a) ^ set(b))[:6]}"
         adam = "opt0/step" in b
         rounding_only = {k.split("/", 1)[1] for k in b if k.startswith("grad/") and float(np.max(np.abs(b[k]))) < 1e-12}
-        worst = (0.0, "")
+        unheld = re.compile((not_held or {}).get(case, r"^$^"))
+        held, every = (0.0, ""), (0.0, "")
         for k in b:
             if adam and k.startswith(("update", "opt")) and k.split("/")[-1] in rounding_only:
                 continue        # Adam on a structurally zero gradient: rounding amplified (see test_gradcheck)
             x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+            assert x.shape == y.shape, f"{backend} {model} {case} {k}: shape {x.shape} vs {y.shape}"
             rel = float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), FLOAT64_FLOOR) if y.size else 0.0
-            worst = max(worst, (rel, k))
-        out[case] = worst
+            every = max(every, (rel, k))
+            if not unheld.search(k):
+                held = max(held, (rel, k))
+        out[case] = (*held, *every)
     return out
 
 
@@ -44,7 +59,7 @@ def test_float64_probes_match_torch_float64_on_graph_models(backend, model, resu
     """Every forward, eval, gradient, three updates, buffers and optimizer state: the lowering itself.
     Slow: jax compiles, and TensorFlow traces, three optimizer cases of each model."""
     need(backend)
-    for case, (rel, key) in float64_agreement(backend, model, results_root).items():
+    for case, (rel, key, _, _) in float64_agreement(backend, model, results_root).items():
         tol = GRAPH_ADAM_TOL if case.startswith("adam") else PROBE_TOL
         assert rel < tol, f"{backend} {model} {case}: {key} relative error {rel:.3g} >= {tol}"
 
@@ -142,37 +157,6 @@ KERAS_FLOAT64_OPTIMIZER_ROUNDING = {
 }
 
 
-def keras_float64_agreement(backend: str, model: str, root) -> dict[str, tuple[float, str, float, str]]:
-    """Per case: (worst relative error over the held keys, its key, worst over every key, its key) of `backend`
-    float64 against torch float64 emulating the differences `backend` declares."""
-    import re
-    from algorithms.differences import DIFFERENCES
-    from algorithms.faults import combine
-    got = probes_for(backend, model, root, cases=graph_cases(), dtype="float64")
-    emulations = {DIFFERENCES[d].emulated_by for res in got.values() for d in res.declared}
-    assert None not in emulations, f"{backend} {model}: a declared difference without an emulation"
-    ref = probes_for("torch", model, root, fault=combine(sorted(emulations)), cases=graph_cases(), dtype="float64")
-    out = {}
-    for case in ref:
-        a, b = got[case].arrays, ref[case].arrays
-        assert set(a) == set(b), f"{backend} {model} {case}: keys differ: {sorted(set(a) ^ set(b))[:6]}"
-        adam = "opt0/step" in b
-        rounding_only = {k.split("/", 1)[1] for k in b if k.startswith("grad/") and float(np.max(np.abs(b[k]))) < 1e-12}
-        not_held = re.compile(KERAS_FLOAT64_OPTIMIZER_ROUNDING.get((backend, case), r"^$^"))
-        held, every = (0.0, ""), (0.0, "")
-        for k in b:
-            if adam and k.startswith(("update", "opt")) and k.split("/")[-1] in rounding_only:
-                continue        # Adam on a structurally zero gradient: rounding amplified (see test_gradcheck)
-            x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
-            assert x.shape == y.shape, f"{backend} {model} {case} {k}: shape {x.shape} vs {y.shape}"
-            rel = float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), FLOAT64_FLOOR) if y.size else 0.0
-            every = max(every, (rel, k))
-            if not not_held.search(k):
-                held = max(held, (rel, k))
-        out[case] = (*held, *every)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model", GRAPH_MODELS)
 @pytest.mark.parametrize("backend", KERAS_FLOAT64)
@@ -182,7 +166,9 @@ def test_keras_float64_probes_match_torch_float64_on_graph_models(backend, model
     three updates, buffers and optimizer state against torch float64 (emulating the declared differences).
     Slow: Keras compiles three optimizer cases of each model."""
     need(backend)
-    for case, (rel, key, rel_all, key_all) in keras_float64_agreement(backend, model, results_root).items():
+    not_held = {case: pat for (b, case), pat in KERAS_FLOAT64_OPTIMIZER_ROUNDING.items() if b == backend}
+    agreement = float64_agreement(backend, model, results_root, emulate_declared=True, not_held=not_held)
+    for case, (rel, key, rel_all, key_all) in agreement.items():
         print(f"{backend} {model} {case}: held {rel:.3g} ({key}); every key {rel_all:.3g} ({key_all})")
         tol = GRAPH_ADAM_TOL if case.startswith("adam") else PROBE_TOL
         assert rel < tol, f"{backend} {model} {case}: {key} relative error {rel:.3g} >= {tol}"

@@ -49,16 +49,22 @@ def _biased_running_var(x: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
         rv.copy_(rv * (1.0 - mom) + var * mom)
 
 
+def replica_mean_stats(p: dict[str, torch.Tensor], fault: str | None) -> list[str]:
+    """The running statistics the bn_replica_mean_running_stats emulation averages over the replicas
+    (tf.distribute's MEAN aggregation) instead of keeping replica 0's (DDP's); none without it."""
+    if "bn_replica_mean_running_stats" not in fault_parts(fault):
+        return []
+    return [name for name in p if name.endswith(("running_mean", "running_var"))]
+
+
 def fold_replica_buffers(replicas: list[dict[str, torch.Tensor]], fault: str | None) -> None:
     """After the emulated replicas' forward passes (replica 0 on the real buffers, the others on copies):
-    the bn_replica_mean_running_stats emulation keeps the mean of the replicas' running statistics
-    (tf.distribute's MEAN aggregation) instead of replica 0's (DDP's)."""
-    if "bn_replica_mean_running_stats" not in fault_parts(fault) or len(replicas) < 2:
+    replica_mean_stats' running statistics replaced by their mean over the replicas."""
+    if len(replicas) < 2:
         return
     with torch.no_grad():
-        for name, t in replicas[0].items():
-            if name.endswith(("running_mean", "running_var")):
-                t.copy_(torch.stack([r[name] for r in replicas]).mean(0))
+        for name in replica_mean_stats(replicas[0], fault):
+            replicas[0][name].copy_(torch.stack([r[name] for r in replicas]).mean(0))
 
 
 def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, train: bool,
@@ -169,4 +175,4 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
 
 
 __all__ = ["forward", "to_native", "from_native", "nhwc", "LAYOUT", "EMULATION_FAULTS", "fault_parts",
-           "fold_replica_buffers", "flat_sources", "flat_to_canonical", "flat_from_canonical"]
+           "fold_replica_buffers", "replica_mean_stats", "flat_sources", "flat_to_canonical", "flat_from_canonical"]

@@ -32,9 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base import Masks, UnsupportedError, shard_bounds
-from algorithms.faults import parts as fault_parts
-
-from .layers import fold_replica_buffers
+from .layers import fold_replica_buffers, replica_mean_stats
 
 DIST_TIMEOUT_S = 60      # gloo/NCCL collectives and the rendezvous: a lost peer fails the run, never hangs it
 # DDP's reducer warns when a gradient's strides differ from its bucket view's, which they do only in the
@@ -195,15 +193,12 @@ class DataParallel:
         return sum(losses) / len(losses), losses, sum(float(t[1]) for t in every) / len(x)
 
     def _fold_rank_buffers(self) -> None:
-        """The bn_replica_mean_running_stats emulation on DDP ranks: every rank's running statistics replaced
-        by their mean over the ranks (what fold_replica_buffers does to emulated replicas)."""
-        if "bn_replica_mean_running_stats" not in fault_parts(self.opts.fault):
-            return
+        """On DDP ranks: replica_mean_stats' running statistics replaced by their mean over the ranks (what
+        fold_replica_buffers does to emulated replicas)."""
         with torch.no_grad():
-            for name, t in self.p.items():
-                if name.endswith(("running_mean", "running_var")):
-                    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-                    t.div_(self.replicas)
+            for name in replica_mean_stats(self.p, self.opts.fault):
+                dist.all_reduce(self.p[name], op=dist.ReduceOp.SUM)
+                self.p[name].div_(self.replicas)
 
     def _grads_emulated(self, x, y, masks):
         """The N replicas one after another in this process, gradients combined as DDP combines them."""
