@@ -32,6 +32,9 @@ class ProbeDiff:
     rel: float         # the candidate's error (vs the float64 reference when one is given)
     ok: bool
     tol: float = REL_TOL   # the tolerance this key was held to
+    # the reference's own error on this key, on rel's scale: float32 vs float64, and its 1-ULP-nudged steps
+    # (0 without either); harness.resync pools it over the resynced steps to see where one step is discontinuous
+    own: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,24 +128,27 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
             z = np.asarray(ref64[k], np.float64)
             d, scale, _ = _rel(x, z)
             rel = _rms_rel(x, z)
-            tol = max(rel_tol, margin * _rms_rel(y, z))
+            own_err = _rms_rel(y, z)
+            tol = max(rel_tol, margin * own_err)
             if x.shape == y.shape == z.shape and _exactly_zero(y, z):
                 # zero in exact arithmetic (a conv bias right before a BatchNorm): both float32 values are
                 # rounding noise of a cancellation, with no scale of their own; held at their kind's scale
                 if not kind_scales:
                     kind_scales.update(_kind_scales(common, {k: ref64.get(k, b[k]) for k in common}))
                 scale = max(kind_scales[(kind, step)], ABS_FLOOR)
-                rel, tol = _rms(x - z) / scale, max(rel_tol, margin * _rms(y - z) / scale)
+                rel, own_err = _rms(x - z) / scale, _rms(y - z) / scale
+                tol = max(rel_tol, margin * own_err)
         else:
             d, scale, rel = _rel(x, y)
-            tol = rel_tol
+            tol, own_err = rel_tol, 0.0
         own = [_rms(np.asarray(n[k], np.float64) - y) / scale for n in (nudged or ())
                if k in n and np.shape(n[k]) == y.shape]
         if own:   # the reference's own 1-ULP sensitivity, on the scale `rel` is on
             tol = max(tol, margin * max(own))
+            own_err = max(own_err, max(own))
         if kind == "loss" and logits_key is not None:
             tol = max(tol, _loss_tol_from_logits(b, ref64, logits_key, rel_tol, margin) / scale)
-        out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= tol, tol))
+        out.append(ProbeDiff(k, kind, step, d, scale, rel, rel <= tol, tol, own_err))
     out.sort(key=lambda p: (KIND_ORDER.get(p.kind, 9), p.step))
     return out
 

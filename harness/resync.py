@@ -49,6 +49,9 @@ MIN_POINTS = 8
 # whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
 SEQ_DELTA = 8.0
 SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
+# a key's own error at a resynced step this many times its median over the steps: a discontinuity of the
+# reference's own step there (a kink flipped by rounding: 1e-5..1e-3 where rounding is 1e-7; judge)
+JUMP = 10.0
 
 
 def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
@@ -146,42 +149,88 @@ STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "upda
                  "buffer": "forward", "eval": "eval"}
 
 
+def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: float = JUMP) -> dict[str, dict[str, Any]]:
+    """Where the reference's own one step is discontinuous, from its own errors (`own` of every probe diff:
+    float32 vs float64 and the 1-ULP-nudged steps) over all resynced steps: per key, the largest own error,
+    its median over the steps, and the steps where it jumped (>= `jump` x the median). Only keys that jumped."""
+    by_key: dict[str, dict[int, float]] = {}
+    for t, diffs in per_point_diffs.items():
+        for d in diffs:
+            if math.isfinite(d.get("own", 0.0)):
+                by_key.setdefault(d["key"], {})[t] = float(d.get("own", 0.0))
+    out = {}
+    for k, own in by_key.items():
+        med, top = float(np.median(list(own.values()))), max(own.values())
+        if top > 0 and top >= jump * med:
+            out[k] = {"max": top, "median": med, "jumps": sorted(t for t, v in own.items() if v >= jump * med and v > 0)}
+    return out
+
+
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
           floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
     """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
     agree or not, the worst key and its factor over the tolerance, and the analysis of the first point that
     disagrees (stage, layer: Muffin's rule); the sequential test over every point; with `emulated`, the
     evidence (keys where the plain reference disagrees with the candidate). `analyse` is
-    harness.probe_analysis.analyse (passed in: localize imports this module)."""
-    points, devs, evidence = [], [], []
-    first_bad = None
+    harness.probe_analysis.analyse (passed in: localize imports this module).
+
+    A discontinuity (a ReLU input or a max-pool tie within rounding of its kink, flipped by the candidate's
+    rounding and by none of the reference's own float32, float64 and nudged steps at that point) moves the
+    gradients below it by far more than rounding; on a 32x32 model millions of such inputs make it a matter
+    of chance at which steps it happens. A point whose every disagreeing key is one where the reference's own
+    steps jumped at other resynced steps (`discontinuities`), and by no more than `margin` x the largest such
+    jump, agrees by discontinuity; only as many such points as the reference itself jumped at (a computation
+    that differs at every step does not pass as a flip at every step)."""
+    results, evidence, devs = [], [], []
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))
-        worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
-        agree = res["stage"] is None and not res["disagreeing_keys"]
-        points.append({"step": int(t), "agree": agree, "disagreeing": len(res["disagreeing_keys"]),
-                       "worst_key": worst["key"] if worst else None,
-                       "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
-                       "calibrated": z is not None})
-        if not agree and first_bad is None:
-            first_bad = dict(res, step=int(t))
+        results.append((int(t), res, z is not None))
         if plain is not None:
             evidence += [f"step {t}: {k}" for k in
                          analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
         devs.append(signed_deviations(pa, pb))
+    jumpy = discontinuities({t: res["diffs"] for t, res, _ in results})
+
+    def flip(res: dict[str, Any]) -> list[str] | None:
+        """The disagreeing keys, when every one is within margin x the reference's own largest jump there."""
+        if res["missing_keys"] or not res["disagreeing_keys"]:
+            return None
+        rel = {d["key"]: d["rel"] for d in res["diffs"]}
+        keys = res["disagreeing_keys"]
+        ok = all(k in jumpy and rel[k] <= margin * jumpy[k]["max"] for k in keys)
+        return keys if ok else None
+
+    flips = {t: flip(res) for t, res, _ in results}
+    flipped = [t for t, keys in flips.items() if keys]
+    ref_jumps = sorted({s for keys in flips.values() if keys for k in keys for s in jumpy[k]["jumps"]})
+    allow_flips = len(flipped) <= len(ref_jumps)
+    points = []
+    first_bad = None
+    for t, res, calibrated in results:
+        worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
+        agree = res["stage"] is None and not res["disagreeing_keys"]
+        by_flip = not agree and allow_flips and bool(flips[t])
+        points.append({"step": t, "agree": agree or by_flip, "disagreeing": len(res["disagreeing_keys"]),
+                       "worst_key": worst["key"] if worst else None,
+                       "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
+                       "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {})})
+        if not (agree or by_flip) and first_bad is None:
+            first_bad = dict(res, step=t)
     worst_pt = max(points, key=lambda p: p["worst_factor"] or 0.0, default=None)
     out = {"points": [p["step"] for p in points], "per_point": points, "n": len(points),
            "agree": first_bad is None, "margin": margin, "floor": floor,
            "worst": {k: worst_pt[k] for k in ("step", "worst_key", "worst_factor")} if worst_pt else None,
            "calibrated": all(p["calibrated"] for p in points),
            "sequential": sequential_test(devs), "first_disagreement": first_bad,
+           "discontinuities": {"flipped": flipped, "reference_jumps": ref_jumps, "allowed": allow_flips,
+                               "keys": {k: jumpy[k] for k in sorted({k for ks in flips.values() if ks for k in ks})}},
            "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
     if emulated:
         out["evidence"] = evidence
     return out
 
 
-__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "projection",
+__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "projection", "discontinuities",
            "MARGIN", "FLOOR", "SEQ_ALPHA"]

@@ -18,7 +18,20 @@ def resync_what(rs: dict[str, Any]) -> str:
     return (f"{rs['n']} resynced steps {rs['points'][0]}..{rs['points'][-1]}; worst {w.get('worst_key')} at step "
             f"{w.get('step')}, {fmt_factor(w.get('worst_factor'))} its calibrated tolerance; sequential test "
             + (f"min p {seq['min_p']:.3g} >= {seq['threshold']:.3g}" if seq.get("min_p") is not None
-               else "not run (fewer than 3 points)"))
+               else "not run (fewer than 3 points)") + flips_what(rs))
+
+
+def flips_what(rs: dict[str, Any]) -> str:
+    """The resynced steps that agree by a discontinuity (harness.resync.judge), said with their evidence."""
+    dc = rs.get("discontinuities") or {}
+    if not dc.get("flipped") or not dc.get("allowed"):
+        return ""
+    keys = dc["keys"]
+    k = max(keys, key=lambda k: keys[k]["max"])
+    return (f"; step(s) {', '.join(map(str, dc['flipped']))} agree by discontinuity ({len(keys)} key(s), e.g. {k}: "
+            f"within {rs['margin']:g}x the reference's own jump there, {keys[k]['max']:.2g} vs a median "
+            f"{keys[k]['median']:.2g}; the reference's own steps jumped at {len(dc['reference_jumps'])} of {rs['n']} "
+            f"resynced steps)")
 
 
 def apply_resync(p: Pair, requested: bool) -> None:

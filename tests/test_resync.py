@@ -119,6 +119,57 @@ def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
     assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
 
 
+def _kinked_rep(points: list[int], ref_jumps: list[int], cand_jumps: list[int], size: float = 1e-4) -> dict:
+    """A replay where one step is discontinuous in grad/conv1.kernel and update0/conv1.kernel (a ReLU input at
+    its kink): the float32 reference's own step jumps by `size` (relative) at `ref_jumps`, the candidate's at
+    `cand_jumps`; elsewhere both are rounding (1e-7, 2e-7)."""
+    rng = np.random.default_rng(1)
+    keys = ("grad/conv1.kernel", "update0/conv1.kernel")
+    out = []
+    for t in points:
+        p64 = probes(t)
+        ref, cand = _noisy(p64, 1e-7, rng), _noisy(p64, 2e-7, rng)
+        for side, jumps in ((ref, ref_jumps), (cand, cand_jumps)):
+            if t in jumps:
+                for k in keys:
+                    side[k] = side[k] + size * np.abs(p64[k]).max() * rng.standard_normal(p64[k].shape)
+        out.append((t, cand, ref, p64, None))
+    return {"at": points, "probes": out, "reproduced": None, "jobs": 3}
+
+
+def test_a_discontinuity_the_reference_shows_at_other_steps_agrees_but_not_at_every_step():
+    """Measured on a clean 32x32 resnet_tiny tensorflow run (docs/verdict.md): its BatchNorm beta gradients
+    were 1.9x their tolerance at one of 12 resynced steps, where torch's own float32 step had jumped by up to
+    7e-4 at 5 other steps (a ReLU kink flipped by rounding). The candidate's isolated jump agrees; the same
+    jump at more steps than the reference jumped at is a computation that differs."""
+    pts = list(range(0, 300, 25))
+    one = R.judge(_kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75]), LAYERS, analyse)
+    assert one["agree"], one["first_disagreement"]
+    assert one["discontinuities"]["flipped"] == [75] and one["discontinuities"]["reference_jumps"] == [0, 100, 150]
+    assert next(p for p in one["per_point"] if p["step"] == 75)["discontinuity"] == ["grad/conv1.kernel",
+                                                                                     "update0/conv1.kernel"]
+    # without the reference's own jumps the same candidate disagrees at step 75
+    alone = R.judge(_kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
+    assert not alone["agree"] and alone["first_disagreement"]["step"] == 75
+    # jumps at more steps than the reference's own: not a flip of chance
+    many = R.judge(_kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[25, 50, 75]), LAYERS, analyse)
+    assert not many["agree"] and many["first_disagreement"]["step"] == 25
+    # a jump far beyond margin x the reference's own largest one disagrees
+    rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
+    t, cand, ref, p64, _ = rep["probes"][3]
+    cand = dict(cand, **{"grad/conv1.kernel": cand["grad/conv1.kernel"] + 1e-2 * np.abs(p64["grad/conv1.kernel"]).max()})
+    rep["probes"][3] = (t, cand, ref, p64, None)
+    far = R.judge(rep, LAYERS, analyse)
+    assert not far["agree"] and far["first_disagreement"]["step"] == 75
+
+
+def test_discontinuities_name_the_keys_whose_own_error_jumps():
+    diffs = {t: [{"key": "grad/a", "own": 1e-7 if t != 2 else 1e-4}, {"key": "forward/b", "own": 1e-7 * (1 + t)}]
+             for t in range(6)}
+    d = R.discontinuities(diffs)
+    assert list(d) == ["grad/a"] and d["grad/a"]["jumps"] == [2] and d["grad/a"]["max"] == 1e-4
+
+
 # --------------------------------------------------------------------------- the verdict
 def _saturating_family(root):
     """A reference whose envelope saturates at step 30 (its members' loss moves O(1) from there)."""
