@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -214,7 +215,8 @@ def run_cases(backend: str, model: str, cases: dict, out_root, *, fault: str | N
     from .runner import RunConfig, execute
     names = list(cases)
     cfg = RunConfig(model=model, backend=backend, hparams=cases[names[0]], data=data, fault=fault, **cfg_kw)
-    folder = execute(cfg, out_root, f"probe__{model}__{backend}__{fault or 'clean'}__{cfg.dtype}", mode="probe",
+    label = Path(model).stem if model.endswith(".toml") else model   # a spec file's path names no folder
+    folder = execute(cfg, out_root, f"probe__{label}__{backend}__{fault or 'clean'}__{cfg.dtype}", mode="probe",
                      probe_steps=probe_steps, cases=[cases[n] for n in names])
     return {n: ProbeResult(load_npz(folder / f"probe-{i}.npz"),
                            json.loads((folder / f"probe-{i}.json").read_text())["declared_differences"])
