@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("/tmp/duipai-mde"))
+    ap.add_argument("--knobs", nargs="+", default=None, choices=[k.split()[0] for k in KNOBS],
+                    help="only these knobs (by their first word: lr momentum weight BatchNorm); the other rows "
+                         "of bench/results/mde.json are kept, with the commit and load they were measured at")
     a = ap.parse_args()
     out = a.out.resolve()
     t0 = time.time()
@@ -75,7 +78,7 @@ def main() -> int:
         members, _ = envelope_runs(ref, envelope_seeds(3, set()), jobs=a.jobs)
         member_paths = [m.path for m in members]
         for knob, (target, mode, needs) in KNOBS.items():
-            if needs and not load_model(model).has(needs):
+            if (needs and not load_model(model).has(needs)) or (a.knobs and knob.split()[0] not in a.knobs):
                 continue
             quiet = 0
             for x in EXPONENTS:
@@ -84,7 +87,8 @@ def main() -> int:
                 cand = train(runner.RunConfig(model=model, backend=a.backend, hparams=hp, fault=fault), folder)
                 old = verdict(ref.path, cand, member_paths, 0, a.jobs)
                 new = verdict(ref.path, cand, member_paths, DEFAULT_RESYNC_EVERY, a.jobs)
-                rows.append({"model": model, "knob": knob, "e": e, "fault": fault, "envelope": old, "resync": new})
+                rows.append({"model": model, "knob": knob, "e": e, "fault": fault, "envelope": old, "resync": new,
+                             "commit": _commit(), "load": "%.1f" % os.getloadavg()[0]})
                 print(f"{model} {knob} e={e:.0e}: envelope {old['verdict']} @ {old['step']}, "
                       f"resync {new['verdict']} @ {new['step']}", file=sys.stderr, flush=True)
                 quiet = quiet + 1 if old["verdict"] != "BUG" and new["verdict"] != "BUG" else 0
@@ -107,8 +111,25 @@ def smallest(rows: list[dict], rule: str) -> str:
     return f"{best['e']:.0e} (step {best[rule]['step']})"
 
 
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def kept_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the last bench/results/mde.json for the (model, knob) pairs not measured in this run."""
+    old = HERE / "results" / "mde.json"
+    if not old.is_file():
+        return []
+    doc = json.loads(old.read_text())
+    done = {(r["model"], r["knob"]) for r in rows}
+    return [dict(r, commit=r.get("commit", doc["meta"]["commit"]), load=r.get("load", doc["meta"]["load"].split()[0]))
+            for r in doc["rows"] if (r["model"], r["knob"]) not in done]
+
+
 def write(rows: list[dict], a: argparse.Namespace, t0: float) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = _commit()
+    if a.knobs:
+        rows = kept_rows(rows) + rows
     meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load": "%.1f %.1f %.1f" % os.getloadavg(),
             "commit": commit, "command": "python bench/mde.py " + " ".join(sys.argv[1:]), "seconds": time.time() - t0,
@@ -122,10 +143,11 @@ def write(rows: list[dict], a: argparse.Namespace, t0: float) -> str:
         for knob in dict.fromkeys(r["knob"] for r in rows if r["model"] == model):
             sub = [r for r in rows if r["model"] == model and r["knob"] == knob]
             lines.append(f"| {model} | {knob} | {smallest(sub, 'envelope')} | {smallest(sub, 'resync')} |")
-    lines += ["", "Every run: `e`, the verdict and first step of each rule.", "", "| model | knob | e | envelope | resync |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Every run: `e`, the verdict and first step of each rule, the commit and the load (1 min) it ran at.", "",
+              "| model | knob | e | envelope | resync | commit | load |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['knob']} | {r['e']:.0e} | {r['envelope']['verdict']} @ {r['envelope']['step']} | "
-              f"{r['resync']['verdict']} @ {r['resync']['step']} |" for r in rows]
+              f"{r['resync']['verdict']} @ {r['resync']['step']} | {r.get('commit', commit)} | {r.get('load', '')} |"
+              for r in rows]
     text = "\n".join(lines) + "\n"
     dest = HERE / "results"
     dest.mkdir(parents=True, exist_ok=True)
