@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from algorithms.params import load_npz
+from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import runner
 from .errors import BackendFailed
@@ -43,7 +43,8 @@ def checkpoints(run: Run) -> dict[int, Path]:
 def _at_tag(at: list[int]) -> str:
     """A job-name part for the replayed steps; hashed when there are many (file names stay short)."""
     text = "-".join(map(str, at))
-    return f"at{text}" if len(at) <= 4 else f"at{at[0]}-{at[-1]}-n{len(at)}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    head = f"at{text}" if len(at) <= 4 else f"at{at[0]}-{at[-1]}-n{len(at)}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    return f"{head}-rows{REPLAY_ACTIVATION_ROWS}"   # a cache of replays written with other rows is not mixed in
 
 
 def _tag(run: Run) -> str:

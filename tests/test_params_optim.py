@@ -105,3 +105,19 @@ def test_reference_adamw_is_decoupled():
     p, g = {"w": np.array([2.0])}, {"w": np.array([0.0])}
     p1, _ = reference_update(h, 0, p, g, reference_init(h, p))
     np.testing.assert_allclose(p1["w"], 2.0 * (1 - 0.1 * 0.5))       # zero gradient: only the decay moves it
+
+
+def test_replay_probes_keep_a_strided_sample_of_every_feature_map():
+    """A replay's feature maps keep REPLAY_ACTIVATION_ROWS rows spread over the batch (both shards of a
+    dp=2 batch); dense activations, logits and everything else stay whole."""
+    from algorithms.params import REPLAY_ACTIVATION_ROWS, thin_activations
+    x = np.arange(64 * 4 * 4 * 2, dtype=np.float32).reshape(64, 4, 4, 2)
+    p = {"forward/conv1": x, "eval/conv1": x, "forward/fc": np.ones((64, 10)), "grad/conv1.kernel": np.ones((3, 3, 1, 2)),
+         "forward/small": x[:4], "loss": np.asarray(1.0)}
+    t = thin_activations(p)
+    assert t["forward/conv1"].shape == (REPLAY_ACTIVATION_ROWS, 4, 4, 2)
+    np.testing.assert_array_equal(t["forward/conv1"], x[::64 // REPLAY_ACTIVATION_ROWS])
+    assert t["forward/conv1"][REPLAY_ACTIVATION_ROWS // 2 :, 0, 0, 0].min() >= x[32, 0, 0, 0]   # the second shard
+    np.testing.assert_array_equal(t["eval/conv1"], t["forward/conv1"])
+    for k in ("forward/fc", "grad/conv1.kernel", "forward/small", "loss"):
+        assert np.shape(t[k]) == np.shape(p[k])

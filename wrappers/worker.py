@@ -19,7 +19,7 @@ import numpy as np
 
 from algorithms import data as D
 from algorithms.optim import HParams
-from algorithms.params import load_npz, perturb_ulp, save_npz
+from algorithms.params import load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
@@ -168,7 +168,8 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     each step of `at`; the state there is saved as state_<step>.npz (a step with a checkpoint of its own
     uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
-    probe-<i>.npz = probe(batch t, start_step=t) from the state at t."""
+    probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
+    REPLAY_ACTIVATION_ROWS samples (thin_activations)."""
     r = job["replay"]
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job["data"])
@@ -231,7 +232,7 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
         load(state, t)
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
-        save_npz(out_dir / f"probe-{i}.npz", backend.probe(x, y, masks, start_step=t))
+        save_npz(out_dir / f"probe-{i}.npz", thin_activations(backend.probe(x, y, masks, start_step=t)))
         (out_dir / f"probe-{i}.json").write_text(json.dumps(
             {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
     return {"replay_at": at, "replayed": replayed, "states": {str(t): p for t, p in states.items()}}
