@@ -149,21 +149,32 @@ STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "upda
                  "buffer": "forward", "eval": "eval"}
 
 
-def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: float = JUMP) -> dict[str, dict[str, Any]]:
+# the probe kinds a discontinuity of one step moves while the forward pass agrees: a ReLU (or ReLU6, or a
+# max-pool tie) is continuous in its input, so a flip of its derivative changes the gradients below it and
+# what follows from them (the update, the optimizer state), never an activation, the loss or a buffer
+BACKWARD_KINDS = ("grad", "update", "opt")
+
+
+def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: float = JUMP) -> dict[str, Any]:
     """Where the reference's own one step is discontinuous, from its own errors (`own` of every probe diff:
-    float32 vs float64 and the 1-ULP-nudged steps) over all resynced steps: per key, the largest own error,
-    its median over the steps, and the steps where it jumped (>= `jump` x the median). Only keys that jumped."""
+    float32 vs float64 and the 1-ULP-nudged steps) over all resynced steps: per key of BACKWARD_KINDS, its
+    median over the steps; a step where it is at least `jump` x that median is a jump of the reference's
+    own step there. Returns the steps with a jump on some key, per kind the largest jump (relative to the
+    key's scale, as `rel` is), and per key its jumps."""
     by_key: dict[str, dict[int, float]] = {}
     for t, diffs in per_point_diffs.items():
         for d in diffs:
-            if math.isfinite(d.get("own", 0.0)):
+            if d["kind"] in BACKWARD_KINDS and math.isfinite(d.get("own", 0.0)):
                 by_key.setdefault(d["key"], {})[t] = float(d.get("own", 0.0))
-    out = {}
+    keys, largest = {}, {}
     for k, own in by_key.items():
-        med, top = float(np.median(list(own.values()))), max(own.values())
-        if top > 0 and top >= jump * med:
-            out[k] = {"max": top, "median": med, "jumps": sorted(t for t, v in own.items() if v >= jump * med and v > 0)}
-    return out
+        med = float(np.median(list(own.values())))
+        jumps = {t: v for t, v in own.items() if v > 0 and v >= jump * med}
+        if jumps:
+            keys[k] = {"median": med, "jumps": sorted(jumps), "max": max(jumps.values())}
+            kind = kind_of(k)[0]
+            largest[kind] = max(largest.get(kind, 0.0), keys[k]["max"])
+    return {"points": sorted({t for v in keys.values() for t in v["jumps"]}), "largest": largest, "keys": keys}
 
 
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
@@ -174,13 +185,14 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     evidence (keys where the plain reference disagrees with the candidate). `analyse` is
     harness.probe_analysis.analyse (passed in: localize imports this module).
 
-    A discontinuity (a ReLU input or a max-pool tie within rounding of its kink, flipped by the candidate's
-    rounding and by none of the reference's own float32, float64 and nudged steps at that point) moves the
-    gradients below it by far more than rounding; on a 32x32 model millions of such inputs make it a matter
-    of chance at which steps it happens. A point whose every disagreeing key is one where the reference's own
-    steps jumped at other resynced steps (`discontinuities`), and by no more than `margin` x the largest such
-    jump, agrees by discontinuity; only as many such points as the reference itself jumped at (a computation
-    that differs at every step does not pass as a flip at every step)."""
+    A discontinuity (a ReLU or ReLU6 input, or a max-pool tie, within rounding of its kink, flipped by the
+    candidate's rounding and by none of the reference's own float32, float64 and nudged steps at that point)
+    moves the gradients below it by far more than rounding while every activation agrees; on a 32x32 model
+    millions of such inputs make it chance at which steps it happens. A point whose every disagreeing key
+    is a gradient, an update or optimizer state (BACKWARD_KINDS: the forward, the loss, the buffers and the
+    evaluation agree), each by no more than `margin` x the largest jump of the reference's own steps on
+    that kind (`discontinuities`), agrees by discontinuity; at no more points than the reference's own
+    steps jumped at (a computation that differs at every step is not a flip at every step)."""
     results, evidence, devs = [], [], []
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
@@ -191,20 +203,22 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             evidence += [f"step {t}: {k}" for k in
                          analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
         devs.append(signed_deviations(pa, pb))
-    jumpy = discontinuities({t: res["diffs"] for t, res, _ in results})
+    jumps = discontinuities({t: res["diffs"] for t, res, _ in results})
 
     def flip(res: dict[str, Any]) -> list[str] | None:
-        """The disagreeing keys, when every one is within margin x the reference's own largest jump there."""
+        """The disagreeing keys, when every one is of BACKWARD_KINDS and within margin x the reference's own
+        largest jump on its kind."""
         if res["missing_keys"] or not res["disagreeing_keys"]:
             return None
-        rel = {d["key"]: d["rel"] for d in res["diffs"]}
+        diffs = {d["key"]: d for d in res["diffs"]}
         keys = res["disagreeing_keys"]
-        ok = all(k in jumpy and rel[k] <= margin * jumpy[k]["max"] for k in keys)
+        ok = all(diffs[k]["kind"] in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][diffs[k]["kind"]]
+                 for k in keys)
         return keys if ok else None
 
     flips = {t: flip(res) for t, res, _ in results}
     flipped = [t for t, keys in flips.items() if keys]
-    ref_jumps = sorted({s for keys in flips.values() if keys for k in keys for s in jumpy[k]["jumps"]})
+    ref_jumps = jumps["points"]
     allow_flips = len(flipped) <= len(ref_jumps)
     points = []
     first_bad = None
@@ -225,7 +239,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
            "calibrated": all(p["calibrated"] for p in points),
            "sequential": sequential_test(devs), "first_disagreement": first_bad,
            "discontinuities": {"flipped": flipped, "reference_jumps": ref_jumps, "allowed": allow_flips,
-                               "keys": {k: jumpy[k] for k in sorted({k for ks in flips.values() if ks for k in ks})}},
+                               "largest": jumps["largest"],
+                               "keys": sorted({k for ks in flips.values() if ks for k in ks})},
            "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
     if emulated:
         out["evidence"] = evidence

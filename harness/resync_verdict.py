@@ -26,12 +26,11 @@ def flips_what(rs: dict[str, Any]) -> str:
     dc = rs.get("discontinuities") or {}
     if not dc.get("flipped") or not dc.get("allowed"):
         return ""
-    keys = dc["keys"]
-    k = max(keys, key=lambda k: keys[k]["max"])
-    return (f"; step(s) {', '.join(map(str, dc['flipped']))} agree by discontinuity ({len(keys)} key(s), e.g. {k}: "
-            f"within {rs['margin']:g}x the reference's own jump there, {keys[k]['max']:.2g} vs a median "
-            f"{keys[k]['median']:.2g}; the reference's own steps jumped at {len(dc['reference_jumps'])} of {rs['n']} "
-            f"resynced steps)")
+    largest = ", ".join(f"{kd} {v:.2g}" for kd, v in sorted(dc["largest"].items()))
+    return (f"; step(s) {', '.join(map(str, dc['flipped']))} agree by discontinuity (only gradients and what "
+            f"follows from them disagree, {len(dc['keys'])} key(s) such as {dc['keys'][0]}, each within "
+            f"{rs['margin']:g}x the largest jump of the reference's own steps: {largest}; the reference's own "
+            f"steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
 
 def apply_resync(p: Pair, requested: bool) -> None:

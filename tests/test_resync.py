@@ -9,6 +9,7 @@ import pytest
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
 from harness.probe_analysis import analyse
+from harness.resync_verdict import resync_what
 from harness.runs import load_run
 
 from .synthetic import SPEC, base_eval, base_series, write_run
@@ -146,6 +147,7 @@ def test_a_discontinuity_the_reference_shows_at_other_steps_agrees_but_not_at_ev
     one = R.judge(_kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75]), LAYERS, analyse)
     assert one["agree"], one["first_disagreement"]
     assert one["discontinuities"]["flipped"] == [75] and one["discontinuities"]["reference_jumps"] == [0, 100, 150]
+    assert "agree by discontinuity" in resync_what(one)
     assert next(p for p in one["per_point"] if p["step"] == 75)["discontinuity"] == ["grad/conv1.kernel",
                                                                                      "update0/conv1.kernel"]
     # without the reference's own jumps the same candidate disagrees at step 75
@@ -163,11 +165,30 @@ def test_a_discontinuity_the_reference_shows_at_other_steps_agrees_but_not_at_ev
     assert not far["agree"] and far["first_disagreement"]["step"] == 75
 
 
-def test_discontinuities_name_the_keys_whose_own_error_jumps():
-    diffs = {t: [{"key": "grad/a", "own": 1e-7 if t != 2 else 1e-4}, {"key": "forward/b", "own": 1e-7 * (1 + t)}]
-             for t in range(6)}
+def test_discontinuities_are_the_reference_s_own_jumps_of_backward_kinds():
+    diffs = {t: [{"key": "grad/a", "kind": "grad", "own": 1e-7 if t != 2 else 1e-4},
+                 {"key": "update0/a", "kind": "update", "own": 1e-7 if t != 4 else 3e-5},
+                 {"key": "forward/b", "kind": "forward", "own": 1e-7 if t != 3 else 1e-3}] for t in range(6)}
     d = R.discontinuities(diffs)
-    assert list(d) == ["grad/a"] and d["grad/a"]["jumps"] == [2] and d["grad/a"]["max"] == 1e-4
+    assert d["points"] == [2, 4] and d["largest"] == {"grad": 1e-4, "update": 3e-5} and list(d["keys"]) == ["grad/a", "update0/a"]
+
+
+def test_a_flip_on_another_key_than_the_reference_s_jumps_agrees_but_not_a_forward_disagreement():
+    """mobilenet_tiny tensorflow (momentum, 300 steps, 2026-12-01): torch's own steps jumped on stem_bn's
+    gradients (1e-4 relative) at 4 of 14 points; tensorflow's flipped a ReLU6 deeper, ir3_dw_bn.beta 3.2e-4
+    at step 2, where the reference's own never jumped. The forward agreeing, that is a discontinuity too.
+    A disagreeing activation is not."""
+    pts = list(range(0, 300, 25))
+    rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
+    t, cand, ref, p64, _ = rep["probes"][3]
+    for k in ("grad/fc1.kernel", "update0/fc1.kernel"):
+        cand = dict(cand, **{k: cand[k] + 1e-4 * np.abs(p64[k]).max() * np.sign(p64[k])})
+    rep["probes"][3] = (t, cand, ref, p64, None)
+    assert R.judge(rep, LAYERS, analyse)["agree"]
+    fw = f"forward/{LAYERS[1]}"
+    rep["probes"][3] = (t, dict(cand, **{fw: cand[fw] * (1 + 1e-4)}), ref, p64, None)
+    bad = R.judge(rep, LAYERS, analyse)
+    assert not bad["agree"] and bad["first_disagreement"]["step"] == 75
 
 
 # --------------------------------------------------------------------------- the verdict
