@@ -33,6 +33,23 @@ def flips_what(rs: dict[str, Any]) -> str:
             f"steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
 
+def later_probe_steps_only(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str | None:
+    """When a localization from the step-0 probes (several optimizer steps, the candidate's own state after the
+    first) disagrees only on the updates and optimizer state of steps after the first, each of which the
+    resync computed from the reference's own state (points 1..k): a short description of those keys; else None."""
+    from .probes import kind_of
+    keys = (loc or {}).get("disagreeing_keys") or []
+    if not keys or (loc or {}).get("missing_keys") or "resync" in str((loc or {}).get("method", "")):
+        return None
+    kinds = [kind_of(k) for k in keys]
+    if not all(kd in ("update", "opt") and i >= 1 for kd, i in kinds):
+        return None
+    last = max(i for _, i in kinds)
+    if not all(t in rs.get("points", ()) for t in range(1, last + 1)):
+        return None
+    return f"{len(keys)} key(s) such as {keys[0]}, rel {(loc or {}).get('rel') or 0:.2g}"
+
+
 def apply_resync(p: Pair, requested: bool) -> None:
     """The shared-state step comparison's part of the verdict, after the free-running one (`resolve`).
 
@@ -105,6 +122,19 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
+    later = later_probe_steps_only(p.localization, rs)
+    if was == BUG and later:
+        # the resync computed those steps from the reference's own state, calibrated; the step-0 probes'
+        # later steps start from the candidate's own state after its first step, uncalibrated
+        p.notes.append(f"the step-0 probes disagreed only at their own later optimizer step(s) ({later}), which the "
+                       f"resynced steps compute from the reference's own state and agree on: a discontinuity of the "
+                       f"candidate's own later step, not a different computation; decided by the resynced steps")
+        old = p.localization or {}
+        p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
+                          "summary": "no different computation: the step-0 probes' later steps disagreed by a "
+                                     "discontinuity the resynced steps do not show", "lines": [],
+                          "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary")}}
+        was = p.verdict = INCONCLUSIVE
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])

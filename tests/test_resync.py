@@ -306,3 +306,17 @@ def test_a_dropout_pair_is_decided_over_seeds_automatically(tmp_path, monkeypatc
     assert asked["seeds"] == [0, 1, 2, 3, 4]
     assert p.verdict == want and p.stat["verdict"] == want, p.notes
     assert "decided statistically over 5 data-order seeds" in p.notes[-1]
+
+
+def test_later_probe_steps_only_names_a_localization_the_resynced_steps_supersede():
+    from harness.resync_verdict import later_probe_steps_only
+    rs = {"points": [0, 1, 2, 25, 50]}
+    loc = {"disagreeing_keys": ["update1/stem.kernel", "opt1/momentum/stem.kernel"], "rel": 2.2e-4,
+           "method": "step-0 probes"}
+    assert "2 key(s) such as update1/stem.kernel" in later_probe_steps_only(loc, rs)
+    # the first step's update, a gradient, a forward or a buffer of any step: a computation, not superseded
+    for k in ("update0/stem.kernel", "grad/stem.kernel", "forward/stem", "buffer1/bn.running_mean"):
+        assert later_probe_steps_only(dict(loc, disagreeing_keys=loc["disagreeing_keys"] + [k]), rs) is None
+    # a later step the resync did not compute
+    assert later_probe_steps_only(dict(loc, disagreeing_keys=["update2/stem.kernel"]), {"points": [0, 1, 25]}) is None
+    assert later_probe_steps_only(dict(loc, method="resync of step 25 from the reference's state"), rs) is None
