@@ -227,8 +227,6 @@ def render(c: Comparison, verbose: bool = False) -> str:
         where = ""
         if p.verdict in (BUG, DECLARED) and loc:
             where = loc.get("summary", "")
-        elif p.verdict == DECLARED:
-            where = ", ".join(p.declared)
         if p.verdict == DECLARED:
             where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
         rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
