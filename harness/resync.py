@@ -195,7 +195,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     moves the gradients below it by far more than rounding while every activation agrees; on a 32x32 model
     millions of such inputs make it chance at which steps it happens. A point whose every disagreeing key
     is a gradient, an update or optimizer state (BACKWARD_KINDS: the forward, the loss, the buffers and the
-    evaluation agree), each by no more than `margin` x the largest jump of the reference's own steps on
+    evaluation agree), some gradient among them (an update that disagrees where every gradient agrees is
+    the optimizer's doing: a late learning-rate or momentum bug is not a flip), each by no more than `margin` x the largest jump of the reference's own steps on
     that kind (`discontinuities`), agrees by discontinuity; at no more points than the reference's own
     steps jumped at (a computation that differs at every step is not a flip at every step)."""
     results, evidence, devs = [], [], []
@@ -217,6 +218,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
         keys = res["disagreeing_keys"]
+        if not any(diffs[k]["kind"] == "grad" for k in keys):
+            return None   # gradients agree: the optimizer computed something else (it has no kink of its own)
         ok = all(diffs[k]["kind"] in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][diffs[k]["kind"]]
                  for k in keys)
         return keys if ok else None

@@ -185,6 +185,13 @@ def test_a_flip_on_another_key_than_the_reference_s_jumps_agrees_but_not_a_forwa
         cand = dict(cand, **{k: cand[k] + 1e-4 * np.abs(p64[k]).max() * np.sign(p64[k])})
     rep["probes"][3] = (t, cand, ref, p64, None)
     assert R.judge(rep, LAYERS, analyse)["agree"]
+    # the update alone off by as much, every gradient agreeing: the optimizer's doing (a late lr bug), not a flip
+    only_update = dict(cand, **{"grad/fc1.kernel": ref["grad/fc1.kernel"]})
+    rep2 = dict(rep, probes=list(rep["probes"]))
+    rep2["probes"][3] = (t, only_update, ref, p64, None)
+    late = R.judge(rep2, LAYERS, analyse)
+    assert not late["agree"] and late["first_disagreement"]["step"] == 75
+    assert late["first_disagreement"]["stage"] == "optimizer"
     fw = f"forward/{LAYERS[1]}"
     rep["probes"][3] = (t, dict(cand, **{fw: cand[fw] * (1 + 1e-4)}), ref, p64, None)
     bad = R.judge(rep, LAYERS, analyse)
