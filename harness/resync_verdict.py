@@ -33,19 +33,22 @@ def flips_what(rs: dict[str, Any]) -> str:
             f"steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
 
-def later_probe_steps_only(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str | None:
-    """When a localization from the step-0 probes (several optimizer steps, the candidate's own state after the
-    first) disagrees only on the updates and optimizer state of steps after the first, each of which the
-    resync computed from the reference's own state (points 1..k): a short description of those keys; else None."""
+def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str | None:
+    """When a localization from the step-0 probes disagrees only on gradients, updates and optimizer state
+    (BACKWARD_KINDS: every activation, the loss and the buffers agree), at steps the resync computed from the
+    reference's own state (the gradients: step 0; update<i>/opt<i>: step i; the probes' later steps start
+    from the candidate's own state after its first), and the resync agreed there: a short description of
+    those keys; else None. The resync's steps are the better instrument: calibrated at each state, with the
+    reference's own 1-ULP-nudged steps, where a ReLU kink flipped by rounding shows (harness/resync.py)."""
     from .probes import kind_of
+    from .resync import BACKWARD_KINDS
     keys = (loc or {}).get("disagreeing_keys") or []
     if not keys or (loc or {}).get("missing_keys") or "resync" in str((loc or {}).get("method", "")):
         return None
     kinds = [kind_of(k) for k in keys]
-    if not all(kd in ("update", "opt") and i >= 1 for kd, i in kinds):
+    if not all(kd in BACKWARD_KINDS for kd, _ in kinds):
         return None
-    last = max(i for _, i in kinds)
-    if not all(t in rs.get("points", ()) for t in range(1, last + 1)):
+    if not all(i in rs.get("points", ()) for i in range(0, max(i for _, i in kinds) + 1)):
         return None
     return f"{len(keys)} key(s) such as {keys[0]}, rel {(loc or {}).get('rel') or 0:.2g}"
 
@@ -122,16 +125,17 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
-    later = later_probe_steps_only(p.localization, rs)
+    later = superseded_by_resync(p.localization, rs)
     if was == BUG and later:
         # the resync computed those steps from the reference's own state, calibrated; the step-0 probes'
         # later steps start from the candidate's own state after its first step, uncalibrated
-        p.notes.append(f"the step-0 probes disagreed only at their own later optimizer step(s) ({later}), which the "
-                       f"resynced steps compute from the reference's own state and agree on: a discontinuity of the "
-                       f"candidate's own later step, not a different computation; decided by the resynced steps")
+        p.notes.append(f"the step-0 probes disagreed only on gradients and what follows from them ({later}), at steps "
+                       f"the resync computed from the reference's own state, calibrated there, and found agreeing: "
+                       f"a discontinuity (a kink flipped by rounding), not a different computation; decided by the "
+                       f"resynced steps")
         old = p.localization or {}
         p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
-                          "summary": "no different computation: the step-0 probes' later steps disagreed by a "
+                          "summary": "no different computation: the step-0 probes' gradients disagreed by a "
                                      "discontinuity the resynced steps do not show", "lines": [],
                           "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary")}}
         was = p.verdict = INCONCLUSIVE
