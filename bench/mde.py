@@ -83,6 +83,8 @@ def main() -> int:
             quiet = 0
             for x in EXPONENTS:
                 e = 10.0 ** -x
+                if target == "momentum" and hp.momentum + e >= 1.0:
+                    continue   # momentum 0.9 + 0.1 is no momentum SGD (HParams refuses it)
                 fault = perturbation_name(target, mode, e)
                 cand = train(runner.RunConfig(model=model, backend=a.backend, hparams=hp, fault=fault), folder)
                 old = verdict(ref.path, cand, member_paths, 0, a.jobs)
