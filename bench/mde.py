@@ -70,6 +70,7 @@ def main() -> int:
     a = ap.parse_args()
     out = a.out.resolve()
     t0 = time.time()
+    commit = _commit()
     rows = []
     for model in a.models:
         hp = HParams(optimizer="momentum", lr=0.05, steps=a.steps, eval_every=50, checkpoint_every=50)
@@ -90,7 +91,7 @@ def main() -> int:
                 old = verdict(ref.path, cand, member_paths, 0, a.jobs)
                 new = verdict(ref.path, cand, member_paths, DEFAULT_RESYNC_EVERY, a.jobs)
                 rows.append({"model": model, "knob": knob, "e": e, "fault": fault, "envelope": old, "resync": new,
-                             "commit": _commit(), "load": "%.1f" % os.getloadavg()[0]})
+                             "commit": commit, "load": "%.1f" % os.getloadavg()[0]})
                 print(f"{model} {knob} e={e:.0e}: envelope {old['verdict']} @ {old['step']}, "
                       f"resync {new['verdict']} @ {new['step']}", file=sys.stderr, flush=True)
                 quiet = quiet + 1 if old["verdict"] != "BUG" and new["verdict"] != "BUG" else 0

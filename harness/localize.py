@@ -39,28 +39,24 @@ import numpy as np
 from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
 from algorithms.faults import combine
 
-from . import probes
+from . import probes, runner
 from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
 from .errors import BackendFailed, BadInput
 from .probe_jobs import ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, movable_keys
 
 
-# the optimizer steps a step-0 probe job runs (harness.runner.execute's default probe_steps)
-PROBE_STEPS = 3
-
-
 def divergent_steps(pair) -> list[int]:
     """The steps a divergence of the pair's free-running curves asks to replay: the first divergent step of
     the training series (of any series when only the evaluation diverges), the one before it, and the later
-    steps the step-0 probes run (PROBE_STEPS: so that the resync computes, calibrated, every step the
+    steps the step-0 probes run (runner.PROBE_STEPS: so that the resync computes, calibrated, every step the
     localization's probes hold; harness.resync_verdict.superseded_by_resync); none for a pair that does not
     diverge or is fed a different batch."""
     if pair.first is None or pair.first.get("series") in ("batch_checksum", None):
         return []
     train = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
     d = min(train) if train else int(pair.first["step"])
-    return sorted({max(d - 1, 0), *(d + i for i in range(PROBE_STEPS))})
+    return sorted({max(d - 1, 0), *(d + i for i in range(runner.PROBE_STEPS))})
 
 
 class Localizer(ProbeJobs):

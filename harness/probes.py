@@ -131,7 +131,8 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
     """
     out = []
     common = keys if keys is not None else [k for k in b if k in a]
-    kind_scales: dict[tuple[str, int], float] = {}   # filled on the first tensor with a float64 reference
+    # the largest magnitude of each kind: the scale of a tensor that has none of its own (_exactly_zero)
+    kind_scales = _kind_scales(common, {k: ref64.get(k, b[k]) for k in common}) if ref64 is not None else {}
     for k in common:
         x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
         kind, step = kind_of(k)
@@ -141,8 +142,6 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
             rel = _rms_rel(x, z)
             own_err = _rms_rel(y, z)
             tol = max(rel_tol, margin * own_err)
-            if x.shape == y.shape == z.shape and not kind_scales:
-                kind_scales.update(_kind_scales(common, {k: ref64.get(k, b[k]) for k in common}))
             if x.shape == y.shape == z.shape and _exactly_zero(y, z, kind_scales[(kind, step)]):
                 # zero in exact arithmetic (a conv bias right before a BatchNorm), or at float32's resolution
                 # of its kind: both float32 values are rounding noise, with no scale of their own; held at

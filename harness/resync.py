@@ -196,9 +196,10 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     millions of such inputs make it chance at which steps it happens. A point whose every disagreeing key
     is a gradient, an update or optimizer state (BACKWARD_KINDS: the forward, the loss, the buffers and the
     evaluation agree), some gradient among them (an update that disagrees where every gradient agrees is
-    the optimizer's doing: a late learning-rate or momentum bug is not a flip), each by no more than `margin` x the largest jump of the reference's own steps on
-    that kind (`discontinuities`), agrees by discontinuity; at no more points than the reference's own
-    steps jumped at (a computation that differs at every step is not a flip at every step)."""
+    the optimizer's doing: a late learning-rate or momentum bug is not a flip), each by no more than
+    `margin` x the largest jump of the reference's own steps on that kind (`discontinuities`), agrees by
+    discontinuity; at no more points than the reference's own steps jumped at (a computation that differs
+    at every step is not a flip at every step)."""
     results, evidence, devs = [], [], []
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
@@ -212,8 +213,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     jumps = discontinuities({t: res["diffs"] for t, res, _ in results})
 
     def flip(res: dict[str, Any]) -> list[str] | None:
-        """The disagreeing keys, when every one is of BACKWARD_KINDS and within margin x the reference's own
-        largest jump on its kind."""
+        """The disagreeing keys, when some is a gradient and every one is of BACKWARD_KINDS, within margin x
+        the reference's own largest jump on its kind."""
         if res["missing_keys"] or not res["disagreeing_keys"]:
             return None
         diffs = {d["key"]: d for d in res["diffs"]}

@@ -125,11 +125,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
-    later = superseded_by_resync(p.localization, rs)
-    if was == BUG and later:
-        # the resync computed those steps from the reference's own state, calibrated; the step-0 probes'
-        # later steps start from the candidate's own state after its first step, uncalibrated
-        p.notes.append(f"the step-0 probes disagreed only on gradients and what follows from them ({later}), at steps "
+    superseded = superseded_by_resync(p.localization, rs)
+    if was == BUG and superseded:
+        p.notes.append(f"the step-0 probes disagreed only on gradients and what follows from them ({superseded}), at steps "
                        f"the resync computed from the reference's own state, calibrated there, and found agreeing: "
                        f"a discontinuity (a kink flipped by rounding), not a different computation; decided by the "
                        f"resynced steps")

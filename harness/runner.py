@@ -203,8 +203,12 @@ def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, 
     return last
 
 
+# the optimizer steps a probe job runs from its state (the localization's step-0 probes)
+PROBE_STEPS = 3
+
+
 def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
-            probe_steps: int = 3, cases: list[HParams] | None = None, timeout: float | None = None,
+            probe_steps: int = PROBE_STEPS, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
             job_extra: dict[str, Any] | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
     """Run one job; returns the published folder (absolute). Raises BadInput or BackendFailed.
