@@ -185,7 +185,8 @@ class Localizer(ProbeJobs):
         summary, lines = describe(res, method)
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
-            lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g}, or 3x the "
+            lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g} for "
+                     f"derivatives, {probes.CONTINUOUS_TOL:g} for activations, loss, buffers and eval, or 3x the "
                      "reference's own error against its float64 probe for another code path)"
                      + ("" if change is None else f", against the reference computing the declared formula "
                                                   f"({change_text(change)})")]

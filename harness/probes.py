@@ -16,6 +16,15 @@ import numpy as np
 # Measured cross-framework errors at step 0 on the built-in models are ~1e-7..1e-6 (see README);
 # every lowering bug in the catalogue is >= 1e-2.
 REL_TOL = 1e-4
+# The kinds that are continuous functions of the parameters and the batch (activations, the loss, running
+# statistics, the evaluation): rounding moves them by rounding, never by a flipped ReLU kink or max-pool tie
+# (those move derivatives: gradients, updates, optimizer state). With a float64 reference their floor is
+# CONTINUOUS_TOL, not REL_TOL's room for derivatives: measured clean step-0 errors against float64, every
+# built-in model x every backend configuration, are <= 4.6e-7 RMS-relative and at most 1.2x the reference's
+# own float32 error (bench/forward_floor.py, docs/verdict.md), so 3e-5 (the resync's floor) keeps >= 65x headroom
+# and sees a GELU tanh approximation (5.1e-5) where it happens, not one layer early in the backward pass.
+CONTINUOUS_KINDS = frozenset({"forward", "loss", "buffer", "eval"})
+CONTINUOUS_TOL = 3e-5
 ABS_FLOOR = 1e-6   # scale floor for tensors that are (nearly) all zero
 EPS32 = float(np.finfo(np.float32).eps)
 # a tensor whose float64 values are all below this many float32 ULPs of its kind's largest magnitude is
@@ -112,8 +121,9 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
     Without `ref64`: relative error max|a - b| / max(max|b|, ABS_FLOOR) <= rel_tol.
     With `ref64` (the reference run in float64), the PyTorch-Inductor rule on RMS errors: the
     candidate's RMS error against float64 may be `margin` times the float32 reference's own RMS
-    error against float64 (never less than rel_tol; errors over the tensor's scale max|ref64|). This is
-    what keeps ill-conditioned probes honest: Adam's first update lr * g / (|g| + eps) amplifies float32
+    error against float64 (never less than rel_tol, CONTINUOUS_TOL for CONTINUOUS_KINDS; errors over the
+    tensor's scale max|ref64|). This is what keeps ill-conditioned probes honest: Adam's first update
+    lr * g / (|g| + eps) amplifies float32
     rounding of near-zero gradients ~1e3-fold, so a fixed tolerance either fails every framework there or
     is too loose everywhere else.
 
@@ -131,6 +141,7 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
     """
     out = []
     common = keys if keys is not None else [k for k in b if k in a]
+    continuous_tol = min(rel_tol, CONTINUOUS_TOL)
     # the largest magnitude of each kind: the scale of a tensor that has none of its own (_exactly_zero)
     kind_scales = _kind_scales(common, {k: ref64.get(k, b[k]) for k in common}) if ref64 is not None else {}
     for k in common:
@@ -141,14 +152,15 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
             d, scale, _ = _rel(x, z)
             rel = _rms_rel(x, z)
             own_err = _rms_rel(y, z)
-            tol = max(rel_tol, margin * own_err)
+            floor = continuous_tol if kind in CONTINUOUS_KINDS else rel_tol
+            tol = max(floor, margin * own_err)
             if x.shape == y.shape == z.shape and _exactly_zero(y, z, kind_scales[(kind, step)]):
                 # zero in exact arithmetic (a conv bias right before a BatchNorm), or at float32's resolution
                 # of its kind: both float32 values are rounding noise, with no scale of their own; held at
                 # their kind's
                 scale = max(kind_scales[(kind, step)], ABS_FLOOR)
                 rel, own_err = _rms(x - z) / scale, _rms(y - z) / scale
-                tol = max(rel_tol, margin * own_err)
+                tol = max(floor, margin * own_err)
         else:
             d, scale, rel = _rel(x, y)
             tol, own_err = rel_tol, 0.0
