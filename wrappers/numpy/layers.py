@@ -22,7 +22,7 @@ import numpy as np
 from algorithms.layout import crop_padding, dilated_windows, pad_hw, scatter_windows, windows
 from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
-from .parallel import bn_backward, bn_moments
+from .parallel import bn_backward, bn_moments, channel_sum
 
 Params = dict[str, np.ndarray]
 
@@ -55,7 +55,7 @@ def conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) -> 
     d2 = dy.reshape(-1, co)
     grads = {f"{layer.name}.kernel": (cols.T @ d2).reshape(kern.shape)}
     if f"{layer.name}.bias" in p:
-        grads[f"{layer.name}.bias"] = d2.sum(axis=0)
+        grads[f"{layer.name}.bias"] = channel_sum(d2)
     dcols = (d2 @ kern.reshape(-1, co).T).reshape(*dy.shape[:3], k, k, c).transpose(0, 1, 2, 5, 3, 4)
     return crop_padding(scatter_windows(dcols, k, s, padded), layer), grads
 
@@ -94,7 +94,7 @@ def grouped_conv2d_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndar
     dk = np.matmul(cols.transpose(0, 2, 1), d2)                                   # (g, k*k*cg, C_out/g)
     grads = {f"{layer.name}.kernel": dk.transpose(1, 0, 2).reshape(kern.shape)}
     if f"{layer.name}.bias" in p:
-        grads[f"{layer.name}.bias"] = dy.reshape(-1, co).sum(axis=0)
+        grads[f"{layer.name}.bias"] = channel_sum(dy)
     dcols = np.matmul(d2, _group_kernels(kern, g).transpose(0, 2, 1))             # (g, M, k*k*cg)
     dwin = dcols.reshape(g, n, oh, ow, k, k, cg).transpose(1, 2, 3, 0, 6, 4, 5).reshape(n, oh, ow, g * cg, k, k)
     return crop_padding(scatter_windows(dwin, k, s, padded, d), layer), grads
@@ -171,8 +171,7 @@ def layernorm_backward(layer: LayerInfo, p: Params, cache: Any, dy: np.ndarray) 
     xhat, inv = cache
     dxhat = dy * p[f"{layer.name}.gamma"]
     dx = inv * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    axes = tuple(range(dy.ndim - 1))
-    return dx, {f"{layer.name}.gamma": (dy * xhat).sum(axis=axes), f"{layer.name}.beta": dy.sum(axis=axes)}
+    return dx, {f"{layer.name}.gamma": channel_sum(dy * xhat), f"{layer.name}.beta": channel_sum(dy)}
 
 
 # ----------------------------------------------------------------------------- merges
@@ -316,7 +315,8 @@ def _one_forward(layer: LayerInfo, p: Params, x: np.ndarray, masks: dict[str, np
     if k == "flatten":
         return x.reshape(x.shape[0], -1), x.shape               # NHWC reshape: (H, W, C) order
     if k == "global_avgpool2d":
-        return x.mean(axis=(1, 2)), x.shape
+        n, h, w, c = x.shape   # per sample, the H x W sum innermost (channel_sum's reason)
+        return np.ascontiguousarray(x.reshape(n, h * w, c).transpose(0, 2, 1)).sum(axis=2) / (h * w), x.shape
     if k == "dense":
         y = x @ p[f"{layer.name}.kernel"]
         if f"{layer.name}.bias" in p:

@@ -15,18 +15,30 @@ from ..base import Masks, shard_bounds
 Params = dict[str, np.ndarray]
 
 
+def channel_sum(x: np.ndarray) -> np.ndarray:
+    """Sum over every axis but the last (channels), pairwise. NumPy sums pairwise only along a contiguous
+    innermost axis; over N, H, W of an NHWC array it adds one row after another: ~1e-5 relative on a
+    64x32x32 map, where a framework's blocked float32 sums err ~1e-7 (measured; it made clean graph-model
+    runs BUG at resynced steps). The channels-first copy puts the summed axis innermost."""
+    return np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T).sum(axis=1)
+
+
+def channel_mean(x: np.ndarray) -> np.ndarray:
+    return channel_sum(x) / (x.size // x.shape[-1])
+
+
 def bn_moments(xs: list[np.ndarray], sync: bool) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """(mean, biased var, count) per replica: over its own shard, or over every shard (sync: the
     explicit all-reduce of the per-replica sums, then of the squared deviations)."""
     if not sync:
         out = []
         for x in xs:
-            m = x.mean(axis=(0, 1, 2))
-            out.append((m, ((x - m) ** 2).mean(axis=(0, 1, 2)), x.shape[0] * x.shape[1] * x.shape[2]))
+            m = channel_mean(x)
+            out.append((m, channel_mean((x - m) ** 2), x.shape[0] * x.shape[1] * x.shape[2]))
         return out
     n = sum(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
-    mean = sum(x.sum(axis=(0, 1, 2)) for x in xs) / n
-    var = sum(((x - mean) ** 2).sum(axis=(0, 1, 2)) for x in xs) / n
+    mean = sum(channel_sum(x) for x in xs) / n
+    var = sum(channel_sum((x - mean) ** 2) for x in xs) / n
     return [(mean, var, n)] * len(xs)
 
 
@@ -35,14 +47,14 @@ def bn_backward(layer: LayerInfo, p: Params, caches: list[Any], dys: list[np.nda
     """Training-mode BatchNorm backward per replica: dx = inv/n (n dxhat - sum dxhat - xhat sum(dxhat xhat)),
     the sums over the replica's shard or (sync) all-reduced over every replica."""
     gamma = p[f"{layer.name}.gamma"]
-    s1 = [(dy * gamma).sum(axis=(0, 1, 2)) for dy in dys]
-    s2 = [(dy * gamma * c[0]).sum(axis=(0, 1, 2)) for dy, c in zip(dys, caches)]
+    s1 = [channel_sum(dy * gamma) for dy in dys]
+    s2 = [channel_sum(dy * gamma * c[0]) for dy, c in zip(dys, caches)]
     if sync:
         s1, s2 = [sum(s1)] * len(dys), [sum(s2)] * len(dys)
     dxs, grads = [], []
     for dy, (xhat, inv), a, b, n in zip(dys, caches, s1, s2, ns):
         dxs.append(inv / n * (n * dy * gamma - a - xhat * b))
-        grads.append({f"{layer.name}.gamma": (dy * xhat).sum(axis=(0, 1, 2)), f"{layer.name}.beta": dy.sum(axis=(0, 1, 2))})
+        grads.append({f"{layer.name}.gamma": channel_sum(dy * xhat), f"{layer.name}.beta": channel_sum(dy)})
     return dxs, grads
 
 
