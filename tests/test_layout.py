@@ -6,7 +6,9 @@
 * no import cycle between the files of harness/, algorithms/ and wrappers/, within a package or across them
   (every import counts, those inside functions too; `from pkg import name` is an import of pkg/__init__.py);
 * no harness module names a backend (as an identifier, or as a string value) outside the matrix
-  defaults in harness/matrices/*.toml: backends declare what they are and can do, the harness asks.
+  defaults in harness/matrices/*.toml: backends declare what they are and can do, the harness asks;
+* no source file is over MAX_LINES lines (a reader holds one concern at a time), unless it is listed in
+  KNOWN_LONG with its one concern.
 
 A rule broken by code that someone else owns right now is listed below as a known exception with the
 reason; the rule itself stays as strict for every other module. Remove an entry when its code is fixed.
@@ -27,6 +29,8 @@ BACKEND_IN_VALUE = re.compile(r"(?<![A-Za-z])(" + "|".join(BACKEND_WORDS) + r")(
 # Known exceptions: (module, what) -> why it is not fixed here.
 KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
+MAX_LINES = 400
+KNOWN_LONG: dict[str, str] = {}
 KNOWN_BACKEND_NAMES: dict[tuple[str, str], str] = {
     # fault catalogue keys (algorithms/faults.py) that carry the framework whose practice the bug imitates; the
     # self-test's per-fault scenario table keys on them. The table belongs in the catalogue itself (issue 12,
@@ -243,3 +247,9 @@ def test_backend_name_check_sees_values_and_identifiers():
         assert sorted(backend_names(name)) == sorted(["jax", "'keras-torch'", "tensorflow"])
     finally:
         del MODULES[name], TREES[name]
+
+
+def test_no_source_file_is_over_max_lines():
+    long = {name: n for name, path in MODULES.items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES and name not in KNOWN_LONG}
+    assert not long, f"over {MAX_LINES} lines (split by concern, or list in KNOWN_LONG with its one concern): {long}"

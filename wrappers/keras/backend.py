@@ -18,13 +18,12 @@ Conventions and conversions (canonical <-> Keras):
 * learning rate: the value of the optimizer's learning_rate variable, set before every step (assigned,
   or on keras-jax written into the optimizer state): a schedule never retraces.
 * dropout: harness masks live in a non-trainable variable of a small layer, set before each step.
-* data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow
-  tf.distribute.MirroredStrategy, both with the harness's contiguous shards (parallel.py, runtimes/jax.py and
-  runtimes/tensorflow.py); keras-torch refuses (Keras has none on torch); --hosts is refused.
+* data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow MirroredStrategy,
+  contiguous shards (parallel.py, runtimes/); keras-torch refuses (Keras has none on torch), as --hosts.
 * probes: forward_layers/gradients use model.stateless_call (BatchNorm's moving statistics untouched)
   with the backend's own autodiff (runtimes/<backend>.value_and_grad).
-* float64: keras-tensorflow and keras-jax (jax_enable_x64 switched on before the model exists);
-  refused on keras-torch, where Keras 3.15 computes float64 matmuls in float32.
+* float64: keras-tensorflow and keras-jax (jax_enable_x64 on before the model exists); refused on
+  keras-torch, where Keras 3.15 computes float64 matmuls in float32.
 """
 from __future__ import annotations
 
