@@ -147,13 +147,17 @@ def resolve(p: Pair, localized: bool) -> None:
         return
     sa = loc.get("set_aside") or {}
     if loc.get("stage") is not None and not sa.get("all"):
+        note = None
         if chk.get("verified"):
-            p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])} do not explain probe "
-                           f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with the reference "
-                           f"computing their formula ({change_of(chk)})")
+            note = (f"declared difference(s) {', '.join(chk['emulated'])} do not explain probe "
+                    f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with the reference "
+                    f"computing their formula ({change_of(chk)})")
         elif decl:
-            p.notes.append(f"declared difference(s) {', '.join(decl)} do not explain probe "
-                           f"{loc.get('probe') or (loc.get('disagreeing_keys') or ['?'])[0]}")
+            note = (f"declared difference(s) {', '.join(decl)} do not explain probe "
+                    f"{loc.get('probe') or (loc.get('disagreeing_keys') or ['?'])[0]}")
+        if note:   # the localization's own conclusion: withdrawn with it when the resync supersedes it
+            p.notes.append(note)
+            loc["note"] = note
         return
     if sa.get("all"):   # every disagreeing probe is one an unverified difference may move
         if sa.get("statistical"):

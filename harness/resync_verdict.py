@@ -132,10 +132,12 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"a discontinuity (a kink flipped by rounding), not a different computation; decided by the "
                        f"resynced steps")
         old = p.localization or {}
+        if old.get("note") in p.notes:   # what the superseded localization concluded goes with it
+            p.notes.remove(old["note"])
         p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
                           "summary": "no different computation: the step-0 probes' gradients disagreed by a "
                                      "discontinuity the resynced steps do not show", "lines": [],
-                          "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary")}}
+                          "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}}
         was = p.verdict = INCONCLUSIVE
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):

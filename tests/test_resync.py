@@ -331,3 +331,23 @@ def test_a_step0_localization_on_backward_kinds_is_superseded_by_the_resynced_st
     assert superseded_by_resync(dict(loc, disagreeing_keys=["update2/stem.kernel"]), {"points": [0, 1, 25]}) is None
     assert superseded_by_resync(dict(loc, disagreeing_keys=["grad/stem.kernel"]), {"points": [25, 50]}) is None
     assert superseded_by_resync(dict(loc, method="resync of step 25 from the reference's state"), rs) is None
+
+
+def test_a_superseded_localization_takes_its_conclusion_with_it():
+    """mobilenet_tiny numpy dp2 (2026-12-01): the verdict was DECLARED by the resynced steps, yet the notes still
+    led with the superseded step-0 localization's 'declared difference(s) ... do not explain probe
+    grad/ir2_expand_bn.beta', contradicting it. The localization's own note goes when it is superseded (kept
+    under localization.superseded); the resync's reason stays."""
+    from harness.pair import Pair
+    from harness.resync_verdict import apply_resync
+    note = "declared difference(s) per_replica_batchnorm do not explain probe grad/ir2_expand_bn.beta: it disagrees"
+    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict="BUG",
+             localization={"stage": "backward", "probe": "grad/ir2_expand_bn.beta", "rel": 3e-4, "method": "step-0 probes",
+                           "disagreeing_keys": ["grad/ir2_expand_bn.beta"], "note": note},
+             notes=["step 0 loss: ...", note])
+    rs = {"points": [0, 1, 2, 25], "agree": True, "n": 4, "sequential": {"min_p": 0.9, "threshold": 0.002},
+          "worst": {"worst_key": "grad/stem.kernel", "step": 0, "worst_factor": 0.3}}
+    p.resync = rs
+    apply_resync(p, requested=True)
+    assert p.verdict == "DRIFT" and note not in p.notes, p.notes
+    assert p.localization["superseded"]["note"] == note and "discontinuity" in p.notes[-2]
