@@ -185,8 +185,8 @@ def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: floa
 def below_an_agreeing_layer(keys: list[str], diffs: dict[str, dict[str, Any]], layers: list[str]) -> bool:
     """Whether every disagreeing key is an update or optimizer state of a layer before some layer whose updates
     agree: a kink flipped in the candidate's training step moves the gradients of the layers below it and
-    nothing above, and a backend whose gradient probes run another program than its training step
-    (keras-jax: stateless_call under jax.value_and_grad) shows such a flip in the updates only; a learning-rate,
+    nothing above, and a backend whose gradient probes run another program than its training step (a
+    stateless call under the framework's autodiff) shows such a flip in the updates only; a learning-rate,
     momentum or weight-decay bug moves every layer's update, the last layer's too."""
     rank = {l: i for i, l in enumerate(layers)}
 
