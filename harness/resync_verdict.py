@@ -28,9 +28,9 @@ def flips_what(rs: dict[str, Any]) -> str:
         return ""
     largest = ", ".join(f"{kd} {v:.2g}" for kd, v in sorted(dc["largest"].items()))
     return (f"; step(s) {', '.join(map(str, dc['flipped']))} agree by discontinuity (only gradients and what "
-            f"follows from them disagree, or the updates of the layers below a kink only, {len(dc['keys'])} key(s) such as {dc['keys'][0]}, each within "
-            f"{rs['margin']:g}x the largest jump of the reference's own steps: {largest}; the reference's own "
-            f"steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
+            f"follows from them disagree, or the updates of the layers below a kink only, {len(dc['keys'])} key(s) "
+            f"such as {dc['keys'][0]}, each within {rs['margin']:g}x the largest jump of the reference's own steps: "
+            f"{largest}; the reference's own steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
 
 def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str | None:
