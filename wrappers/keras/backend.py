@@ -20,8 +20,8 @@ Conventions and conversions (canonical <-> Keras):
 * dropout: harness masks live in a non-trainable variable of a small layer, set before each step.
 * data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow MirroredStrategy,
   contiguous shards (parallel.py, runtimes/); keras-torch refuses (Keras has none on torch), as --hosts.
-* probes: forward_layers/gradients use model.stateless_call (BatchNorm's moving statistics untouched)
-  with the backend's own autodiff (runtimes/<backend>.value_and_grad).
+* probes: layer outputs by model.stateless_call (moving statistics untouched); gradients from the training
+  step's own body, compiled as the step is, its writes undone (runtimes/<backend>.Stepper.gradients).
 * float64: keras-tensorflow and keras-jax (jax_enable_x64 on before the model exists); refused on
   keras-torch, where Keras 3.15 computes float64 matmuls in float32.
 """
@@ -378,21 +378,7 @@ class KerasBackend(Backend):
         x, y, masks = self._arrange(x, y, masks)
         self._set_masks(masks)
         x, y = self._xy(x, y)
-        if self._per_replica():
-            loss, grads = self.par.gradients(self.net, x, y)
-        else:
-            xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
-            tv, ntv = self._state_values(self.net)
-            net = self.net
-
-            def fn(values):
-                logits, _ = net.stateless_call(values, ntv, xt, training=True)
-                loss = net.data_loss(yt, logits)
-                if net.replicas > 1 and net.sum_replicas:    # fault grad_sum_replicas (keras-jax)
-                    return ops.sum(net.replica_losses(yt, logits)), loss
-                return loss, loss
-
-            _, loss, grads = RT.value_and_grad(fn, tv)
+        loss, grads = self.stepper.gradients(x, y)      # the training step's own (its program, its replicas)
         grads = self.net.fault_grads(list(grads))
         return float(_np(loss)), {n: self._canonical(n, _np(g)) for n, g in zip(self.trainable, grads)}
 

@@ -8,7 +8,8 @@ the backend, the harness's sharding of the global batch, and the choice of strat
   keras-torch       none: Keras has no data parallelism on its torch backend (refused, runtimes/torch.py)
 
 A strategy whose replicas run their own programs (`replica_programs`) reads, evaluates, records and
-differentiates per replica; one whose program spans the global batch uses the single-device paths.
+differentiates per replica (the gradient probe: the step itself, Stepper.gradients); one whose program spans
+the global batch uses the single-device paths.
 Each runtime's `make_parallel(replicas, hosts, sync_bn, fault, extra)` gives its strategy (None for one device).
 """
 from __future__ import annotations

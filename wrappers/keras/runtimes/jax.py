@@ -1,7 +1,7 @@
 """keras-jax: the custom stateless `train_step(state, data)` (the documented way to customise fit on
 the JAX backend), the Stepper that runs it the way `fit` does, data parallelism with
-keras.distribution.DataParallel, a stateless value-and-gradient for probes, and the JAX/XLA
-determinism record.
+keras.distribution.DataParallel, the step's own gradients for probes (Stepper.gradients), and the
+JAX/XLA determinism record.
 
 The Stepper (why not train_on_batch): `train_on_batch` reads every Keras variable into a state tuple,
 runs the model's compiled `train_function` and assigns every variable back, on every call (about
@@ -35,6 +35,7 @@ import os
 from typing import Any, Callable
 
 import jax
+import keras
 import numpy as np
 from keras import ops
 
@@ -62,9 +63,18 @@ def enable_float64() -> None:
 def train_step(self, state, data):
     """One jitted step: value_and_grad of THIS batch's data loss through stateless_call, then
     optimizer.stateless_apply. BatchNorm's moving statistics come back in non_trainable_variables."""
+    self.traces += 1                                    # Python: counts traces, not steps
+    logs, new_state, _ = step_with_gradients(self, state, data)
+    return logs, new_state
+
+
+def step_with_gradients(self, state, data):
+    """The training step's body, also returning the gradients of the data loss (before the fault seam
+    and the coupled L2 term): the step trains with it, the probes compile it with the same jit options
+    (Stepper.gradients), so a probe's gradient is the program that trained, not an eager re-derivation
+    (eager op-by-op and XLA-fused kernels round differently: a ReLU6 kink can flip in one and not the other)."""
     trainable, non_trainable, opt_vars, metric_vars = state
     x, y = data[0], data[1]
-    self.traces += 1                                    # Python: counts traces, not steps
 
     def loss_fn(tv):
         logits, ntv = self.stateless_call(tv, non_trainable, x, training=True)
@@ -73,13 +83,13 @@ def train_step(self, state, data):
         objective = ops.sum(reps) if self.sum_replicas else loss   # fault grad_sum_replicas: N x the gradient
         return objective, (loss, logits, ntv, reps)
 
-    (_, (loss, logits, non_trainable, reps)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-    grads, grad_norm = self.prepare_grads(grads, trainable)
+    (_, (loss, logits, non_trainable, reps)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    grads, grad_norm = self.prepare_grads(raw_grads, trainable)
     new_trainable, opt_vars = self.optimizer.stateless_apply(opt_vars, grads, trainable)
     logs = self.step_logs(loss, logits, y, grad_norm, trainable, new_trainable)
     if reps is not None:
         logs["replica_losses"] = reps
-    return logs, (new_trainable, non_trainable, opt_vars, metric_vars)
+    return logs, (new_trainable, non_trainable, opt_vars, metric_vars), raw_grads
 
 
 class Stepper:
@@ -96,6 +106,7 @@ class Stepper:
                           if parallel is not None else None)
         self.state: list[list[Any]] | None = None      # None: the Keras variables hold the state
         self.written: dict[int, np.ndarray] = {}       # the value last written into each slot (since the pull)
+        self.probe: Callable | None = None             # the step with its gradients, compiled as the step is
 
     def step(self, x: np.ndarray, y: np.ndarray, values: list[tuple[Any, np.ndarray]]) -> dict[str, np.ndarray]:
         """One batch; `values`: (Keras variable, new value) written into the state first."""
@@ -117,6 +128,26 @@ class Stepper:
         logs, state = net.train_function(tuple(self.state), iter([(x, y, None)]))
         self.state = [list(s) for s in state]
         return jax.device_get(logs)
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, list]:
+        """(data loss, gradients) of one batch from the training step's own program (step_with_gradients,
+        jitted as make_train_function jits train_step: same out_shardings, no donation), on the state the
+        Keras variables hold (call after sync); the stepped state is discarded."""
+        net = self.net
+        if self.probe is None:
+            def probe(state, data):
+                return step_with_gradients(net, state, data)
+            if not net.run_eagerly and net.jit_compile:
+                shardings = None
+                if keras.distribution.distribution() is not None:
+                    shardings = (None, net._get_state_sharding_spec(), None)
+                probe = jax.jit(probe, out_shardings=shardings)
+            self.probe = probe
+        state = tuple([v.value for v in vs] for vs in self.groups)
+        if self.parallel is not None:
+            x, y = self.parallel.distribute(x), self.parallel.distribute(y)
+        logs, _, grads = self.probe(state, (x, y, None))
+        return logs["loss"], list(grads)
 
     def sync(self) -> None:
         """The state into the Keras variables (fit's jax_state_sync); they hold it again afterwards."""
@@ -195,12 +226,6 @@ def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, e
         keras.distribution.set_distribution(None)     # a process may build backends one after another
         return None
     return JaxDataParallel(replicas, hosts, sync_bn, fault, extra)
-
-
-def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:
-    """fn(values) -> (loss, aux); returns (loss, aux, d loss / d values), no state change."""
-    (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(list(values))
-    return loss, aux, grads
 
 
 def no_grad():

@@ -1,6 +1,6 @@
 """keras-tensorflow: the custom `train_step` (GradientTape, the documented way to customise fit on
-the TensorFlow backend), the Stepper that runs it, data parallelism with tf.distribute, a stateless
-value-and-gradient for probes, and TF's determinism switches.
+the TensorFlow backend), the Stepper that runs it (and its body, for the gradient probes), data
+parallelism with tf.distribute, and TF's determinism switches.
 
 Data parallel (`--devices N`): tf.distribute.MirroredStrategy over N logical CPU devices (configured
 before TF's runtime starts) or the first N GPUs; the model, its variables and the optimizer are
@@ -64,9 +64,17 @@ _STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}
 def train_step(self, data):
     """One step inside Keras' tf.function (inside strategy.run under data parallelism): gradients of
     THIS batch's (this replica's shard's) data loss, then optimizer.apply."""
+    self.traces += 1                                    # Python: counts traces, not steps
+    return step_with_gradients(self, data)[0]
+
+
+def step_with_gradients(self, data):
+    """The training step's body, also returning the gradients of the (scaled) data loss before the fault
+    seam and the coupled L2 term: the step trains with it, the probe compiles it as Keras compiles the step
+    (Stepper.gradients), so the probe's gradient is the step's (an eager GradientTape runs other
+    kernels than the step's graph: 5.6e-7 relative on a small conv net)."""
     x, y = data[0], data[1]
     tv = self.trainable_variables
-    self.traces += 1                                    # Python: counts traces, not steps
     n = self.replicas
     with tf.GradientTape() as tape:
         logits = self(x, training=True)
@@ -74,7 +82,7 @@ def train_step(self, data):
         # Keras' scaling of a replica's loss under a strategy (scale_loss_for_distribution): x 1/N
         objective = loss if (n == 1 or self.sum_replicas) else loss * tf.cast(1.0 / n, loss.dtype)
     grads = tape.gradient(objective, tv)
-    grads = [tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, tv)]  # unused parameter
+    raw_grads = grads = [tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, tv)]  # unused parameter
     before = [tf.identity(v.value) for v in tv]          # ordered before the update by tf.function's ACD
     ctx = tf.distribute.get_replica_context() if n > 1 else None
     grads, grad_norm = self.prepare_grads(grads, before, reduce=(lambda g: ctx.all_reduce("sum", g)) if ctx else None)
@@ -84,7 +92,7 @@ def train_step(self, data):
     if ctx is not None:
         rid = ctx.replica_id_in_sync_group
         logs["replica_losses"] = ctx.all_reduce("sum", tf.one_hot(rid, n, dtype=loss.dtype) * loss)
-    return logs
+    return logs, raw_grads
 
 
 class Stepper:
@@ -95,7 +103,32 @@ class Stepper:
     batch as the replicas' shards (see the module docstring)."""
 
     def __init__(self, net, optimizer, parallel: "MirroredDataParallel | None" = None) -> None:
-        self.net, self.parallel = net, parallel
+        self.net, self.optimizer, self.parallel = net, optimizer, parallel
+        self.probe = None             # the step with its gradients, compiled as the step is
+
+    def gradients(self, x: np.ndarray, y: np.ndarray):
+        """(data loss, gradients) of one batch from the training step's own body (step_with_gradients) in a
+        tf.function made as Keras' _make_function makes the step's (reduce_retracing, the model's
+        jit_compile); the step's writes (parameters, optimizer state, moving statistics) are undone."""
+        net, par = self.net, self.parallel
+        if self.probe is None:
+            def probe(data):
+                if par is None:
+                    return step_with_gradients(net, data)
+                # each replica's step on its shard; the gradients SUMmed as the optimizer's all-reduce sums them
+                logs, grads = par.strategy.run(step_with_gradients, args=(net, data))
+                return ({"loss": par.strategy.reduce("MEAN", logs["loss"], axis=None)},
+                        [par.strategy.reduce("SUM", g, axis=None) for g in grads])
+            self.probe = probe if net.run_eagerly else tf.function(probe, reduce_retracing=True,
+                                                                   jit_compile=net.jit_compile)
+        written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
+        saved = [tf.identity(v.value) for v in written]
+        try:
+            logs, grads = self.probe((x, y) if par is None else par.distribute(x, y))
+        finally:
+            for v, value in zip(written, saved):
+                v.assign(value)
+        return logs["loss"], list(grads)
 
     def step(self, x, y, values):
         for var, val in values:
@@ -220,11 +253,6 @@ class MirroredDataParallel(Parallel):
         per = self.strategy.run(fn, args=self.distribute(*arrays))
         return tf.nest.map_structure(lambda v: tf.concat(self.strategy.experimental_local_results(v), 0), per)
 
-    def run_reduced(self, fn: Callable, *arrays: np.ndarray):
-        """fn(*shards) in every replica; the outputs SUM-reduced over the replicas."""
-        per = self.strategy.run(fn, args=self.distribute(*arrays))
-        return tf.nest.map_structure(lambda v: self.strategy.reduce("SUM", v, axis=None), per)
-
     def _replica_state(self, model) -> tuple[list, list]:
         """In a replica: this replica's components of the model's variables, as tensors."""
         return ([tf.identity(v.value) for v in model.trainable_variables],
@@ -239,24 +267,6 @@ class MirroredDataParallel(Parallel):
             return list(outs)
         with self.strategy.scope():
             return self.run_gathered(replica, x)
-
-    def gradients(self, net, x: np.ndarray, y: np.ndarray):
-        """(global mean loss, the gradient the optimizer applies): each replica's scaled loss differentiated
-        on its shard, SUM over the replicas (as train_step and the optimizer's all-reduce)."""
-        n = self.replicas
-
-        def replica(xs, ys):
-            tv, ntv = self._replica_state(net)
-            with tf.GradientTape() as tape:
-                tape.watch(tv)
-                logits, _ = net.stateless_call(tv, ntv, xs, training=True)
-                loss = net.data_loss(ys, logits)
-                objective = loss if net.sum_replicas else loss * tf.cast(1.0 / n, loss.dtype)
-            grads = tape.gradient(objective, tv)
-            return loss * tf.cast(1.0 / n, loss.dtype), [tf.zeros_like(v) if g is None else g
-                                                        for g, v in zip(grads, tv)]
-        with self.strategy.scope():
-            return self.run_reduced(replica, x, y)
 
     def info(self, fault: str | None, has_bn: bool) -> dict[str, Any]:
         return {
@@ -282,16 +292,6 @@ class MirroredDataParallel(Parallel):
 
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
     return MirroredDataParallel(replicas, hosts, sync_bn, fault, extra) if replicas > 1 else None
-
-
-def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:
-    """fn(values) -> (loss, aux); returns (loss, aux, d loss / d values), no state change."""
-    values = [tf.convert_to_tensor(v) for v in values]
-    with tf.GradientTape() as tape:
-        tape.watch(values)
-        loss, aux = fn(values)
-    grads = tape.gradient(loss, values)
-    return loss, aux, [tf.zeros_like(v) if g is None else g for g, v in zip(grads, values)]
 
 
 def no_grad():

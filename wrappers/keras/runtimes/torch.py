@@ -1,11 +1,13 @@
 """keras-torch: the custom `train_step` (loss.backward(), the documented way to customise fit on the
-torch backend), a stateless value-and-gradient for probes, and torch's determinism switches."""
+torch backend), the Stepper that runs it (and its body, for the gradient probes), and torch's determinism
+switches."""
 from __future__ import annotations
 
 import os
 import platform
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from keras import ops
 
@@ -29,6 +31,13 @@ def enable_float64() -> None:
 
 def train_step(self, data):
     """One eager step: backward of THIS batch's data loss, then optimizer.apply under no_grad."""
+    return step_with_gradients(self, data)[0]
+
+
+def step_with_gradients(self, data):
+    """The training step's body, also returning the gradients of the data loss before the fault seam and
+    the coupled L2 term: the step trains with it, the probe runs it (Stepper.gradients), so the probe's
+    gradient is the step's own (and torch.compile'd like the step's when the run asks for it)."""
     x, y = data[0], data[1]
     x, y = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
     tv = self.trainable_variables
@@ -37,12 +46,12 @@ def train_step(self, data):
     loss = self.data_loss(y, logits)
     loss.backward()
     with torch.no_grad():
-        grads = [torch.zeros_like(v.value) if v.value.grad is None else v.value.grad for v in tv]
+        raw_grads = [torch.zeros_like(v.value) if v.value.grad is None else v.value.grad.clone() for v in tv]
         before = [v.value.detach().clone() for v in tv]
-        grads, grad_norm = self.prepare_grads(grads, before)
+        grads, grad_norm = self.prepare_grads(raw_grads, before)
         self.optimizer.apply(grads, tv)
         after = [v.value.detach() for v in tv]
-        return self.step_logs(loss.detach(), logits.detach(), y, grad_norm, before, after)
+        return self.step_logs(loss.detach(), logits.detach(), y, grad_norm, before, after), raw_grads
 
 
 class Stepper:
@@ -50,12 +59,32 @@ class Stepper:
     masks are assigned to their variables first (an assign: no retrace)."""
 
     def __init__(self, net, optimizer, distribution=None) -> None:
-        self.net = net
+        self.net, self.optimizer = net, optimizer
+        self.probe: Callable | None = None      # the step with its gradients, compiled as the step is
 
     def step(self, x, y, values):
         for var, val in values:
             var.assign(val)
         return self.net.train_on_batch(x, y, return_dict=True)
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, list]:
+        """(data loss, gradients) of one batch from the training step's own body (step_with_gradients,
+        torch.compile'd where make_train_function compiles the step); the step's writes are undone."""
+        net = self.net
+        if self.probe is None:
+            def probe(data):
+                return step_with_gradients(net, data)
+            self.probe = torch.compile(probe) if (net.jit_compile and not net.run_eagerly) else probe
+        written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
+        saved = [v.value.detach().clone() for v in written]
+        try:
+            logs, grads = self.probe((x, y))
+        finally:
+            with torch.no_grad():
+                for v, value in zip(written, saved):
+                    v.assign(value)
+            net.zero_grad()
+        return logs["loss"], grads
 
     def sync(self) -> None:
         """Nothing to do: the variables are the state."""
@@ -69,14 +98,6 @@ def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, e
         raise UnsupportedError(f"keras-torch: {KerasTorchEntry.no_data_parallel} (--devices {replicas}"
                                f"{f', --hosts {hosts}' if hosts > 1 else ''})")
     return None
-
-
-def value_and_grad(fn: Callable, values: list) -> tuple[Any, Any, list]:
-    """fn(values) -> (loss, aux); returns (loss, aux, d loss / d values), no state change."""
-    values = [v.detach().clone().requires_grad_(True) for v in values]
-    loss, aux = fn(values)
-    grads = torch.autograd.grad(loss, values, allow_unused=True)
-    return loss.detach(), aux, [torch.zeros_like(v) if g is None else g for g, v in zip(grads, values)]
 
 
 def no_grad():
