@@ -311,15 +311,20 @@ class DataParallel:
         self.has_state = True
         return StepStats(*(float(v) for v in out[:5]), replica_losses=[float(v) for v in out[5:]])
 
+    def _probe_impl(self, x, y, masks, seed):
+        """The gradient probe: every replica's _replica_step and the step's own all-reduce, compiled as the
+        step is (no state change)."""
+        s = self.strategy
+        grads, stats, _ = s.run(self._replica_step, args=(x, y, masks, seed))
+        reduced = s.extended.batch_reduce_to(SUM, list(zip(grads, [self.v[k] for k in self.trainable])))
+        return s.reduce(SUM, stats, axis=None)[self.replicas], [s.experimental_local_results(g)[0] for g in reduced]
+
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         """The all-reduced gradient, as train_step applies it (no state change)."""
         xs, ys, ms = self._distribute(x, y, masks)
-        s = self.strategy
-        with s.scope():
-            grads, stats, _ = s.run(self._replica_step, args=(xs, ys, ms, self._seed(self.hp.seed, 0)))
-            g = [s.reduce(SUM, gi, axis=None) for gi in grads]
-            tot = s.reduce(SUM, stats, axis=None)
-        return float(tot[self.replicas].numpy()), {k: self._canon(k, gi.numpy()) for k, gi in zip(self.trainable, g)}
+        with self.strategy.scope():
+            loss, g = self._probe(xs, ys, ms, self._seed(self.hp.seed, 0))
+        return float(loss.numpy()), {k: self._canon(k, gi.numpy()) for k, gi in zip(self.trainable, g)}
 
     def _replica_record(self, x, masks, seed):
         rec: dict[str, tf.Tensor] = {}
