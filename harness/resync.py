@@ -182,24 +182,6 @@ def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: floa
     return {"points": sorted({t for v in keys.values() for t in v["jumps"]}), "largest": largest, "keys": keys}
 
 
-def below_an_agreeing_layer(keys: list[str], diffs: dict[str, dict[str, Any]], layers: list[str]) -> bool:
-    """Whether every disagreeing key is an update or optimizer state of a layer before some layer whose updates
-    agree: a kink flipped in the candidate's training step moves the gradients of the layers below it and
-    nothing above, and a backend whose gradient probes run another program than its training step (a
-    stateless call under the framework's autodiff) shows such a flip in the updates only; a learning-rate,
-    momentum or weight-decay bug moves every layer's update, the last layer's too."""
-    rank = {l: i for i, l in enumerate(layers)}
-
-    def layer_of(key: str) -> int | None:
-        return rank.get(key.rsplit("/", 1)[-1].rsplit(".", 1)[0])
-
-    bad = [layer_of(k) for k in keys]
-    if not bad or any(i is None for i in bad) or any(diffs[k]["kind"] not in ("update", "opt") for k in keys):
-        return False
-    last = max(bad)
-    return any(d["kind"] in ("update", "opt") and (i := layer_of(k)) is not None and i > last for k, d in diffs.items())
-
-
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
           floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
     """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
@@ -213,9 +195,9 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     moves the gradients below it by far more than rounding while every activation agrees; on a 32x32 model
     millions of such inputs make it chance at which steps it happens. A point whose every disagreeing key
     is a gradient, an update or optimizer state (BACKWARD_KINDS: the forward, the loss, the buffers and the
-    evaluation agree), some gradient among them or, where every gradient agrees, only the updates of layers
-    below one whose updates agree (`below_an_agreeing_layer`: an update that disagrees in every layer is the
-    optimizer's doing, a late learning-rate or momentum bug is not a flip), each by no more than
+    evaluation agree), some gradient among them (the gradient probes are the training step's own gradient,
+    so a flip in the step shows there; updates off with every gradient agreeing are the optimizer's doing,
+    a late learning-rate, momentum or per-layer bug, not a flip), each by no more than
     `margin` x the largest jump of the reference's own steps on that kind (`discontinuities`), agrees by
     discontinuity; at no more points than the reference's own steps jumped at (a computation that differs
     at every step is not a flip at every step)."""
@@ -238,8 +220,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
         keys = res["disagreeing_keys"]
-        if not any(diffs[k]["kind"] == "grad" for k in keys) and not below_an_agreeing_layer(keys, diffs, layers):
-            return None   # gradients agree and so do no later layers: the optimizer computed something else
+        if not any(diffs[k]["kind"] == "grad" for k in keys):
+            return None   # the gradients (the step's own) agree: the optimizer computed something else
         ok = all(diffs[k]["kind"] in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][diffs[k]["kind"]]
                  for k in keys)
         return keys if ok else None

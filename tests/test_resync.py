@@ -353,22 +353,21 @@ def test_a_superseded_localization_takes_its_conclusion_with_it():
     assert p.localization["superseded"]["note"] == note and "discontinuity" in p.notes[-2]
 
 
-def test_updates_off_below_a_layer_that_agrees_are_a_flip_the_gradient_probes_missed():
+def test_updates_off_with_every_gradient_agreeing_are_no_flip():
     """mobilenet_tiny keras-jax (momentum, 300 steps, 2026-12-01): at resynced step 275 the momentum of every
-    parameter from stem to ir2_dw was ~1e-4 off and of every later one within rounding, while every gradient
-    probe agreed: keras-jax's gradient probes run another program (stateless_call under jax.value_and_grad)
-    than its training step, whose ReLU6 kink flipped. Updates off in the first layers only, the last layer's
-    agreeing: a flip. Off in the last layer too (a learning-rate bug moves every layer): not one."""
+    parameter from stem to ir2_dw was ~1e-4 off, every gradient probe agreeing: the gradient probes ran another
+    program (stateless_call under an eager jax.value_and_grad) than the training step, whose ReLU6 kink flipped.
+    A rule excused updates off below a layer whose updates agreed (dcbc6d2); since every backend's gradient
+    probe is its training step's own gradient, bit for bit (tests/test_probe_is_the_step.py,
+    tests/test_keras_backend.py), a flip shows in the gradients, and updates off with every gradient agreeing
+    are the optimizer's doing: BUG, in the first layers alone as in every layer (a bug confined to some
+    layers' updates -- a frozen or differently scheduled backbone -- is a real porting bug)."""
     pts = list(range(0, 300, 25))
     rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
     t, cand, ref, p64, _ = rep["probes"][3]
     first = dict(cand, **{"update0/conv1.kernel": cand["update0/conv1.kernel"] + 1e-4 * np.abs(p64["update0/conv1.kernel"]).max()})
-    rep["probes"][3] = (t, first, ref, p64, None)
-    got = R.judge(rep, LAYERS, analyse)
-    assert got["agree"] and got["discontinuities"]["flipped"] == [75], got["first_disagreement"]
-    assert R.below_an_agreeing_layer(["update0/conv1.kernel"], {"update0/conv1.kernel": {"kind": "update"},
-                                                                "update0/fc1.kernel": {"kind": "update"}}, LAYERS)
-    every = dict(first, **{"update0/fc1.kernel": first["update0/fc1.kernel"] + 1e-4 * np.abs(p64["update0/fc1.kernel"]).max()})
-    rep["probes"][3] = (t, every, ref, p64, None)
-    late = R.judge(rep, LAYERS, analyse)
-    assert not late["agree"] and late["first_disagreement"]["step"] == 75
+    for probe in (first, dict(first, **{"update0/fc1.kernel": first["update0/fc1.kernel"]
+                                        + 1e-4 * np.abs(p64["update0/fc1.kernel"]).max()})):
+        rep["probes"][3] = (t, probe, ref, p64, None)
+        got = R.judge(rep, LAYERS, analyse)
+        assert not got["agree"] and got["first_disagreement"]["step"] == 75
