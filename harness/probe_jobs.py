@@ -22,6 +22,7 @@ from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import runner
 from .errors import BackendFailed
+from .matrix import run_key, up_to_date
 from .runs import Run, check_reproduces, config_of
 
 def same_path(a: Run, b: Run) -> bool:
@@ -115,15 +116,20 @@ class ProbeJobs:
             return self._job_once(run, name, mode, job_extra, **change)
 
     def _job_once(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+        """The job's folder, run unless a complete one with the same content key is there: the key covers
+        the backend's sources and framework versions (matrix.run_key), so a job cached before a change of
+        the wrapper's code or an upgrade is run again, not reused."""
         folder = self.jobs / name
-        if (folder / "manifest.json").is_file() and (folder / "worker.json").is_file():
-            return folder
         cfg = config_of(run.manifest, self.root, **change)
         prep = runner.prepare(cfg, self.root)
+        key = hashlib.sha256(json.dumps([run_key(cfg, prep), mode, job_extra], sort_keys=True,
+                                        default=str).encode()).hexdigest()[:20]
+        if (folder / "worker.json").is_file() and up_to_date(folder, key):
+            return folder
         check_reproduces(run.manifest, cfg, prep, f"the {mode} job")
         self.log(f"localize: {mode} {cfg.backend} ({name})")
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
-                              job_extra=job_extra)
+                              job_extra=job_extra, manifest_extra={"run_key": key})
 
     def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
         tag = "__" + change_tag(change) if change else ""

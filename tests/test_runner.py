@@ -164,3 +164,24 @@ def test_a_framework_rng_dropout_run_is_named_apart_from_the_harness_masked_one(
     from harness.runner import RunConfig
     assert RunConfig(backend="jax").default_name("m") == "m__jax__momentum-constant__s0"
     assert RunConfig(backend="jax", dropout="native").default_name("m") == "m__jax__momentum-constant__s0__dropout-native"
+
+
+def test_a_cached_probe_job_is_reused_only_for_the_same_code(torch_run, tmp_path, monkeypatch):
+    """Probe and replay jobs are cached under RESULTS/.localize. A job cached before the wrapper's code (or a
+    framework version) changed must run again: a re-compare after a fix once reused stale replays (mobilenet_tiny
+    keras-jax, 2026-12-01) and reported the old computation. The job's manifest carries the content key
+    (matrix.run_key: the backend's sources and versions, with the mode and the job's own extra)."""
+    import harness.probe_jobs as PJ
+    from harness.runs import load_run
+    run = load_run(torch_run / NAME)
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    first = jobs.probe0(run)
+    folder = next((tmp_path / ".localize").iterdir())
+    stamp = (folder / "manifest.json").stat().st_mtime_ns
+    again = jobs.probe0(run)                                  # same code: the cached folder, not re-run
+    assert (folder / "manifest.json").stat().st_mtime_ns == stamp
+    assert set(first) == set(again)
+    real = PJ.run_key
+    monkeypatch.setattr(PJ, "run_key", lambda cfg, prep: real(cfg, prep) + "-changed-sources")
+    jobs.probe0(run)                                          # the wrapper's sources changed: run again
+    assert (folder / "manifest.json").stat().st_mtime_ns != stamp
