@@ -28,7 +28,7 @@ def flips_what(rs: dict[str, Any]) -> str:
         return ""
     largest = ", ".join(f"{kd} {v:.2g}" for kd, v in sorted(dc["largest"].items()))
     return (f"; step(s) {', '.join(map(str, dc['flipped']))} agree by discontinuity (only gradients and what "
-            f"follows from them disagree, or the updates of the layers below a kink only, {len(dc['keys'])} key(s) "
+            f"follows from them disagree, {len(dc['keys'])} key(s) "
             f"such as {dc['keys'][0]}, each within {rs['margin']:g}x the largest jump of the reference's own steps: "
             f"{largest}; the reference's own steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
