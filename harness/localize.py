@@ -42,7 +42,7 @@ from algorithms.faults import combine
 from . import probes, runner
 from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
 from .errors import BackendFailed, BadInput
-from .probe_jobs import ProbeJobs, change_tag, checkpoints, same_path
+from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, movable_keys
 
 
@@ -97,6 +97,13 @@ class Localizer(ProbeJobs):
             return {"error": rep["error"], "points": at}
         self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
         out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+        if R.wants_more_sensitivity(out):
+            # a step that differs in the backward pass only, where the reference's own two nudges never jumped:
+            # ask the reference harder, at every point alike, whether its own rounding flips kinks there too
+            rep = self.more_sensitivity(ref, rep)
+            self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
+            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+        out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))
         out["every"] = every
         if change is not None:
             out["against"] = {"emulated": chk.get("emulated"), "change": change}

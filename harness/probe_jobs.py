@@ -88,9 +88,18 @@ class LazyProbeMap:
     def __bool__(self) -> bool:
         return bool(self._files)
 
+    def extended(self, more: dict[int, list[Path]]) -> "LazyProbeMap":
+        """This map with more files per step (lists joined)."""
+        out = {t: list(f) if isinstance(f, list) else [f] for t, f in self._files.items()}
+        for t, fs in more.items():
+            out.setdefault(t, []).extend(fs)
+        return LazyProbeMap(out)
 
-# seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity
+
+# seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity; when a resynced
+# step disagrees in the backward pass only, MORE_SENSITIVITY_SEEDS more at every point (ProbeJobs.more_sensitivity)
 SENSITIVITY_SEEDS = (1, 2)
+MORE_SENSITIVITY_SEEDS = (3, 4, 5, 6, 7, 8)
 
 
 class ProbeJobs:
@@ -183,19 +192,9 @@ class ProbeJobs:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
                 return None
 
-        # the reference's own sensitivity at each state (params moved by one ULP, SENSITIVITY_SEEDS seeds): at a
-        # ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's rounding flips it
-        def nudged_job(seed: int) -> Path | None:
-            try:
-                return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{tag}", "replay",
-                                 {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
-            except BackendFailed as e:
-                self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
-                return None
-
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
-            f_nudged = [pool.submit(nudged_job, seed) for seed in SENSITIVITY_SEEDS]
+            f_nudged = [pool.submit(self._nudged, ref, at, states, seed) for seed in SENSITIVITY_SEEDS]
             cf, r64 = f_cand.result(), f_64.result()
             nudged = [f.result() for f in f_nudged]
         sens = LazyProbeMap({t: [sf / f"probe-{i}.npz" for sf in nudged if sf is not None] for i, t in enumerate(at)})
@@ -221,7 +220,7 @@ class ProbeJobs:
             want = np.stack([ref.values[c][idx] for c in cols], axis=1)
             repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
                      "max_abs_diff": float(np.max(np.abs(got - want)))}
-        return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf),
+        return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf), "states": states,
                 "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
@@ -229,6 +228,29 @@ class ProbeJobs:
                 "probes": ReplayProbes([(t, (cf / f"probe-{i}.npz", (emu or rf) / f"probe-{i}.npz",
                                               r64 / f"probe-{i}.npz" if r64 else None,
                                               rf / f"probe-{i}.npz" if emu else None)) for i, t in enumerate(at)])}
+
+    def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seed: int) -> Path | None:
+        """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP
+        (seed `seed`). At a ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's
+        rounding flips it; so does, now and then, the reference's own 1-ULP nudge."""
+        try:
+            return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{_at_tag(at)}", "replay",
+                             {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
+        except BackendFailed as e:
+            self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
+            return None
+
+    def more_sensitivity(self, ref: Run, rep: dict[str, Any]) -> dict[str, Any]:
+        """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point: asked when a
+        resynced step disagrees in the backward pass only and the reference's own two nudges never jumped.
+        Every point gets the same search, so the count of the reference's own jumps stays a fair yardstick
+        for the count of the candidate's flips."""
+        at = list(rep["at"])
+        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+            found = list(pool.map(lambda seed: self._nudged(ref, at, rep["states"], seed), MORE_SENSITIVITY_SEEDS))
+        more = {t: [sf / f"probe-{i}.npz" for sf in found if sf is not None] for i, t in enumerate(at)}
+        return dict(rep, sensitivity=rep["sensitivity"].extended(more),
+                    sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(sf is not None for sf in found))
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""
@@ -238,4 +260,4 @@ class ProbeJobs:
         return dict(rep, at=at, probes=rep["probes"].restricted(at))
 
 
-__all__ = ["LazyProbeMap", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]
+__all__ = ["LazyProbeMap", "MORE_SENSITIVITY_SEEDS", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]

@@ -182,6 +182,20 @@ def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: floa
     return {"points": sorted({t for v in keys.values() for t in v["jumps"]}), "largest": largest, "keys": keys}
 
 
+def wants_more_sensitivity(out: dict[str, Any]) -> bool:
+    """Whether a judged resync disagrees at a step whose disagreement is the backward pass's only (some gradient
+    among BACKWARD_KINDS: what a flipped kink moves). Two 1-ULP nudges of the reference miss a kink the
+    candidate's rounding hit often enough (on
+    cnn2d_3conv_3fc sgd the tensorflow runs' step 63: conv1-conv3 gradients 1.4e-4 off, every activation and
+    the neighbouring steps agreeing, the reference's own steps jumping nowhere) that the answer must come from
+    more of the reference's own nudges, not from the absence of two."""
+    bad = out.get("first_disagreement")
+    if out.get("agree") or not bad or bad.get("missing_keys"):
+        return False
+    kinds = {kind_of(k)[0] for k in bad.get("disagreeing_keys") or []}
+    return bool(kinds) and "grad" in kinds and kinds <= set(BACKWARD_KINDS)
+
+
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
           floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
     """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
@@ -257,5 +271,5 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "projection", "discontinuities",
+__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
            "MARGIN", "FLOOR", "SEQ_ALPHA"]

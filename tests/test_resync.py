@@ -371,3 +371,36 @@ def test_updates_off_with_every_gradient_agreeing_are_no_flip():
         rep["probes"][3] = (t, probe, ref, p64, None)
         got = R.judge(rep, LAYERS, analyse)
         assert not got["agree"] and got["first_disagreement"]["step"] == 75
+
+
+def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_path):
+    """cnn2d_3conv_3fc sgd constant (2026-12-01): the tensorflow and keras-tensorflow runs (dp 1 and 2) were BUG at
+    resynced step 63, conv1-conv3 gradients 1.4e-4 off, every activation and the neighbouring steps agreeing,
+    the reference's own two 1-ULP nudges jumping nowhere. A step that disagrees in the backward pass only
+    (some gradient among the keys) asks for MORE_SENSITIVITY_SEEDS more nudged reference steps at every point
+    alike; with 8 the reference's own steps jumped at 63 and 115 (5.5e-4) and every pair was DRIFT."""
+    import harness.probe_jobs as PJ
+    pts = list(range(0, 300, 25))
+    alone = R.judge(_kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
+    assert R.wants_more_sensitivity(alone)
+    assert not R.wants_more_sensitivity(R.judge(_kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[75]), LAYERS, analyse))
+    for keys in (["forward/conv1", "grad/conv1.kernel"], ["update0/conv1.kernel"], ["loss"]):
+        assert not R.wants_more_sensitivity(dict(alone, first_disagreement=dict(alone["first_disagreement"],
+                                                                                disagreeing_keys=keys)))
+    # the extra nudged replays cover every point, and are added to each point's own sensitivity
+    asked = []
+
+    def fake_nudged(ref, at, states, seed):
+        asked.append((tuple(at), seed))
+        folder = tmp_path / f"nudge{seed}"
+        folder.mkdir()
+        for i, _ in enumerate(at):
+            np.savez(folder / f"probe-{i}.npz", loss=np.float64(seed))
+        return folder
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    jobs._nudged = fake_nudged
+    first = PJ.LazyProbeMap({t: [tmp_path / "none"] for t in pts[:0]})
+    rep = jobs.more_sensitivity(None, {"at": pts, "states": {}, "sensitivity": first})
+    assert sorted(s for _, s in asked) == list(PJ.MORE_SENSITIVITY_SEEDS) and {a for a, _ in asked} == {tuple(pts)}
+    assert rep["sensitivity_seeds"] == len(PJ.SENSITIVITY_SEEDS) + len(PJ.MORE_SENSITIVITY_SEEDS)
+    assert [float(p["loss"]) for p in rep["sensitivity"].get(75)] == [float(s) for s in PJ.MORE_SENSITIVITY_SEEDS]
