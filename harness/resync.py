@@ -229,15 +229,22 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
 
     def flip(res: dict[str, Any]) -> list[str] | None:
         """The disagreeing keys, when some is a gradient and every one is of BACKWARD_KINDS, within margin x
-        the reference's own largest jump on its kind."""
+        the reference's own largest jump on its kind, or the update or optimizer state of a parameter whose
+        gradient disagrees within it."""
         if res["missing_keys"] or not res["disagreeing_keys"]:
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
         keys = res["disagreeing_keys"]
         if not any(diffs[k]["kind"] == "grad" for k in keys):
             return None   # the gradients (the step's own) agree: the optimizer computed something else
-        ok = all(diffs[k]["kind"] in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][diffs[k]["kind"]]
-                 for k in keys)
+        def within(k: str) -> bool:
+            kind = diffs[k]["kind"]
+            return kind in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][kind]
+
+        # an update or optimizer state of a parameter whose gradient disagrees follows from that gradient (Adam's
+        # moments move with it by a factor the optimizer sets, not the reference's largest jump on that kind)
+        off = {k.rsplit("/", 1)[-1] for k in keys if diffs[k]["kind"] == "grad" and within(k)}
+        ok = all(within(k) or (diffs[k]["kind"] in ("update", "opt") and k.rsplit("/", 1)[-1] in off) for k in keys)
         return keys if ok else None
 
     flips = {t: flip(res) for t, res, _ in results}

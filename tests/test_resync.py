@@ -404,3 +404,29 @@ def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_pat
     assert sorted(s for _, s in asked) == list(PJ.MORE_SENSITIVITY_SEEDS) and {a for a, _ in asked} == {tuple(pts)}
     assert rep["sensitivity_seeds"] == len(PJ.SENSITIVITY_SEEDS) + len(PJ.MORE_SENSITIVITY_SEEDS)
     assert [float(p["loss"]) for p in rep["sensitivity"].get(75)] == [float(s) for s in PJ.MORE_SENSITIVITY_SEEDS]
+
+
+def test_the_optimizer_state_of_a_flipped_gradient_follows_from_it():
+    """cnn2d_hard adamw warmup (2026-12-01): at a resynced step where conv1's gradient flipped within 3x the
+    reference's own largest gradient jump, Adam's moments of conv1 moved too, by more than the reference's own
+    largest jump on the optimizer state (taken at other steps, from other gradients). An update or optimizer
+    state of a parameter whose gradient disagrees within the flip allowance follows from that gradient; one of
+    a parameter whose gradient agrees does not."""
+    pts = list(range(0, 300, 25))
+
+    def with_moments(jumping: str | None) -> dict:
+        rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75])
+        rng = np.random.default_rng(3)
+        out = []
+        for t, cand, ref, p64, plain in rep["probes"]:
+            moments = {f"opt0/exp_avg/{q}": rng.standard_normal(6) * 1e-3 for q in PARAMS}
+            p64, ref, cand = dict(p64, **moments), dict(ref, **_noisy(moments, 1e-7, rng)), dict(cand, **_noisy(moments, 2e-7, rng))
+            if t == 75 and jumping:
+                k = f"opt0/exp_avg/{jumping}"
+                cand[k] = cand[k] + 1e-2 * np.abs(p64[k]).max()
+            out.append((t, cand, ref, p64, plain))
+        return dict(rep, probes=out)
+    follows = R.judge(with_moments("conv1.kernel"), LAYERS, analyse)
+    assert follows["agree"] and "opt0/exp_avg/conv1.kernel" in follows["discontinuities"]["keys"], follows["first_disagreement"]
+    other = R.judge(with_moments("fc1.kernel"), LAYERS, analyse)
+    assert not other["agree"] and other["first_disagreement"]["step"] == 75
