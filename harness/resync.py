@@ -185,10 +185,10 @@ def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: floa
 def wants_more_sensitivity(out: dict[str, Any]) -> bool:
     """Whether a judged resync disagrees at a step whose disagreement is the backward pass's only (some gradient
     among BACKWARD_KINDS: what a flipped kink moves). Two 1-ULP nudges of the reference miss a kink the
-    candidate's rounding hit often enough (on
-    cnn2d_3conv_3fc sgd the tensorflow runs' step 63: conv1-conv3 gradients 1.4e-4 off, every activation and
-    the neighbouring steps agreeing, the reference's own steps jumping nowhere) that the answer must come from
-    more of the reference's own nudges, not from the absence of two."""
+    candidate's rounding hit often enough (cnn2d_3conv_3fc sgd, step 63: conv1-conv3 gradients 1.4e-4 off,
+    every activation and the neighbouring steps agreeing, the reference's own steps jumping nowhere;
+    docs/verdict.md) that the answer must come from more of the reference's own nudges, not from the
+    absence of two."""
     bad = out.get("first_disagreement")
     if out.get("agree") or not bad or bad.get("missing_keys"):
         return False

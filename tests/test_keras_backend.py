@@ -222,7 +222,7 @@ def collect(backend: str, path: str) -> None:
     # the gradient probe vs the step's own gradient: momentum SGD at lr 1 from a zero velocity makes the first
     # step's velocity exactly -g, exported as the momentum buffer b = -v / lr = g, bit for bit
     res["step_gradient"] = {}
-    for name in ("cnn2d_hard", "mobilenet_tiny"):
+    for name in ("cnn2d_hard",):
         m = load_model(name)
         hp = HParams(optimizer="momentum", lr=1.0, **{**BASE, "steps": 1})
         bg = cls(m, hp, b.opts)
@@ -487,13 +487,13 @@ def test_optimizer_state_round_trip(backend, case, root):
 
 
 @pytest.mark.parametrize("backend", KERAS)
-@pytest.mark.parametrize("model", ["cnn2d_hard", "mobilenet_tiny"])
+@pytest.mark.parametrize("model", ["cnn2d_hard"])
 def test_the_gradient_probe_is_the_training_steps_gradient(backend, model, root):
     """The probe's gradient is the one the training step computes, bit for bit: the step's own body, compiled as
     the step is (Stepper.gradients). With momentum SGD at lr 1 the first velocity is exactly -g, so the exported
     momentum buffer after step 0 is the step's gradient. An eager re-derivation (GradientTape / jax.value_and_grad
-    outside the step's program) matched 0 of 35 tensors on mobilenet_tiny on keras-jax and keras-tensorflow
-    (worst 1.2 relative: a ReLU6 kink flipped), so a flip in training was invisible to the probes."""
+    outside the step's program) matched 0 of 12 tensors on cnn2d_hard on keras-jax and keras-tensorflow (0 of 35
+    on mobilenet_tiny, worst 1.2 relative: a ReLU6 kink flipped), so a flip in training was invisible to the probes."""
     r = collected(backend, root)["step_gradient"][model]
     assert r["probe"]
     for k, g in r["probe"].items():

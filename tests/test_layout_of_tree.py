@@ -62,7 +62,7 @@ def top_level_names(path: Path) -> set[str]:
 
 def test_keras_runtimes_offer_the_same_names():
     """What the Keras backend asks of its runtime (the module of the running Keras backend)."""
-    asked = {"train_step", "Stepper", "make_parallel", "value_and_grad", "no_grad", "setup", "versions", "devices",
+    asked = {"train_step", "step_with_gradients", "Stepper", "make_parallel", "no_grad", "setup", "versions", "devices",
              "jit_options", "enable_float64", "FLOAT64_REFUSAL", "FLOAT64_NOTE", "SYNCHRONIZED_BN",
              "REPLICA_GRADIENTS_SUMMED", "AVGPOOL_SAME_REPLICATES"}
     for path in sorted((WRAPPERS / "keras" / "runtimes").glob("*.py")):

@@ -5,7 +5,7 @@ another program than the training step (an eager GradientTape beside a tf.functi
 compiled function), a kink that flipped in training (a ReLU6 at its clip) would be invisible to the
 probes, and a disagreeing update would look like a bug with agreeing gradients. Before the probe went
 through the step's compiled forward and backward, native TensorFlow's probe matched its step in 0 of
-35 gradients on mobilenet_tiny (one 1.2 relative off). The Keras backends are checked in
+12 gradients on cnn2d_hard (0 of 35 on mobilenet_tiny, one 1.2 relative off). The Keras backends are checked in
 tests/test_keras_backend.py (the same construction, in their collector).
 
 How the step's gradient is read: momentum SGD at lr 1 from a zero buffer makes the first step's
@@ -26,7 +26,7 @@ import pytest
 
 from .conftest import ROOT, need
 
-MODELS = ["cnn2d_hard", "mobilenet_tiny"]
+MODELS = ["cnn2d_hard"]   # measured too: every backend on mobilenet_tiny, jax on resnet_tiny and convnext_tiny
 NATIVE = ["torch", "jax", "tensorflow", "numpy"]
 
 
