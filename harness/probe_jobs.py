@@ -242,7 +242,7 @@ class ProbeJobs:
 
     def more_sensitivity(self, ref: Run, rep: dict[str, Any]) -> dict[str, Any]:
         """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point: asked when a
-        resynced step disagrees in the backward pass only and the reference's own two nudges never jumped.
+        resynced step disagrees in the backward pass only (harness.resync.wants_more_sensitivity).
         Every point gets the same search, so the count of the reference's own jumps stays a fair yardstick
         for the count of the candidate's flips."""
         at = list(rep["at"])
