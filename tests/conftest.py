@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,25 @@ def need(backend: str) -> None:
     """Skip (saying why) when a backend's framework is not installed; CI installs all of them."""
     if INFO[backend]["missing"]:
         pytest.skip(f"{backend}: not installed ({', '.join(INFO[backend]['missing'])})")
+
+
+def collected_in_subprocess(module: str, backend: str, path: Path, cache: dict, timeout: float) -> dict:
+    """What `python -m MODULE BACKEND PATH` pickled into PATH, once per backend (a framework that must be set
+    up before import, or a Keras backend, needs a process of its own). A failed collector is remembered and
+    reported once per test, not re-run."""
+    need(backend)
+    if backend not in cache:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        r = subprocess.run([sys.executable, "-m", module, backend, str(path)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            cache[backend] = {"error": f"collector for {backend} failed:\n{r.stderr[-4000:]}"}
+        else:
+            with open(path, "rb") as f:
+                cache[backend] = pickle.load(f)
+    if "error" in cache[backend]:
+        pytest.fail(cache[backend]["error"])
+    return cache[backend]
 
 
 _PROBES: dict = {}

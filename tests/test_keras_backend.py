@@ -10,9 +10,7 @@ what the assertions need. The torch reference for the fault checks is collected 
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,6 @@ import pytest
 
 from algorithms.optim import HParams, lr_at, reference_init, reference_update
 
-ROOT = Path(__file__).resolve().parent.parent
 KERAS = ["keras-tensorflow", "keras-jax", "keras-torch"]
 BASE = dict(steps=3, batch_size=16, eval_every=1, checkpoint_every=1)
 HP = {
@@ -273,21 +270,9 @@ _CACHE: dict[str, dict] = {}
 
 
 def collected(backend: str, tmp_root: Path) -> dict:
-    from .conftest import need
-    need(backend)
-    if backend not in _CACHE:
-        out = tmp_root / f"collect-{backend}.pkl"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        r = subprocess.run([sys.executable, "-m", "tests.test_keras_backend", backend, str(out)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=1800)
-        if r.returncode != 0:     # remembered: one failed collector is reported once per test, not re-run
-            _CACHE[backend] = {"error": f"collector for {backend} failed:\n{r.stderr[-4000:]}"}
-        else:
-            with open(out, "rb") as f:
-                _CACHE[backend] = pickle.load(f)
-    if "error" in _CACHE[backend]:
-        pytest.fail(_CACHE[backend]["error"])
-    return _CACHE[backend]
+    from .conftest import collected_in_subprocess
+    return collected_in_subprocess("tests.test_keras_backend", backend, tmp_root / f"collect-{backend}.pkl", _CACHE,
+                                   timeout=1800)
 
 
 @pytest.fixture(scope="module")

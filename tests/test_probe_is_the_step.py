@@ -15,16 +15,14 @@ BACKEND OUT.pkl`, this file's __main__).
 """
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .conftest import ROOT, need
+from .conftest import collected_in_subprocess
 
 MODELS = ["cnn2d_hard"]   # measured too: every backend on mobilenet_tiny, jax on resnet_tiny and convnext_tiny
 NATIVE = ["torch", "jax", "tensorflow", "numpy"]
@@ -62,20 +60,8 @@ _CACHE: dict[str, dict] = {}
 
 
 def collected(backend: str, tmp: Path) -> dict:
-    need(backend)
-    if backend not in _CACHE:
-        path = tmp / f"probe-step-{backend}.pkl"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        r = subprocess.run([sys.executable, "-m", "tests.test_probe_is_the_step", backend, str(path)], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            _CACHE[backend] = {"error": f"collector for {backend} failed:\n{r.stderr[-4000:]}"}
-        else:
-            with open(path, "rb") as f:
-                _CACHE[backend] = pickle.load(f)
-    if "error" in _CACHE[backend]:
-        pytest.fail(_CACHE[backend]["error"])
-    return _CACHE[backend]
+    return collected_in_subprocess("tests.test_probe_is_the_step", backend, tmp / f"probe-step-{backend}.pkl", _CACHE,
+                                   timeout=900)
 
 
 @pytest.mark.parametrize("backend", NATIVE)

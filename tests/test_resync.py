@@ -399,8 +399,7 @@ def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_pat
         return folder
     jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
     jobs._nudged = fake_nudged
-    first = PJ.LazyProbeMap({t: [tmp_path / "none"] for t in pts[:0]})
-    rep = jobs.more_sensitivity(None, {"at": pts, "states": {}, "sensitivity": first})
+    rep = jobs.more_sensitivity(None, {"at": pts, "states": {}, "sensitivity": PJ.LazyProbeMap({})})
     assert sorted(s for _, s in asked) == list(PJ.MORE_SENSITIVITY_SEEDS) and {a for a, _ in asked} == {tuple(pts)}
     assert rep["sensitivity_seeds"] == len(PJ.SENSITIVITY_SEEDS) + len(PJ.MORE_SENSITIVITY_SEEDS)
     assert [float(p["loss"]) for p in rep["sensitivity"].get(75)] == [float(s) for s in PJ.MORE_SENSITIVITY_SEEDS]

@@ -167,7 +167,6 @@ class JaxDataParallel(Parallel):
                      "not wired for Keras")
 
     def __init__(self, replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]) -> None:
-        import keras
         from ...base import UnsupportedError
         super().__init__(replicas, hosts, sync_bn, fault)
         have = jax.devices()
@@ -185,7 +184,6 @@ class JaxDataParallel(Parallel):
 
     def distribute(self, a: np.ndarray):
         """A global batch on the mesh with the distribution's data layout (batch axis sharded)."""
-        import keras
         out = keras.distribution.distribute_tensor(a, self.dist.get_data_layout(a.shape))
         if not self.checked:      # once: the layout gives mesh device r the rows [r B/N, (r+1) B/N)
             n = len(a) // self.replicas
@@ -222,7 +220,6 @@ class JaxDataParallel(Parallel):
 
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
     if replicas <= 1:
-        import keras
         keras.distribution.set_distribution(None)     # a process may build backends one after another
         return None
     return JaxDataParallel(replicas, hosts, sync_bn, fault, extra)
