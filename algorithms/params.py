@@ -107,12 +107,13 @@ REPLAY_ACTIVATION_ROWS = 8
 
 def thin_activations(probes: dict[str, np.ndarray], rows: int = REPLAY_ACTIVATION_ROWS) -> dict[str, np.ndarray]:
     """`forward/` and `eval/` feature maps (batch, H, W, C) of more than `rows` samples: every
-    (batch // rows)-th sample. Everything else (dense activations, logits, loss, gradients, updates,
-    buffers, optimizer state) is kept whole: the loss's tolerance reads the whole logits."""
+    (batch // rows)-th sample; `rows` 0: every sample (a kink witness reads every ReLU input and max-pool
+    window of the batch). Everything else (dense activations, logits, loss, gradients, updates, buffers,
+    optimizer state) is kept whole: the loss's tolerance reads the whole logits."""
     out = {}
     for k, v in probes.items():
         v = np.asarray(v)
-        if k.startswith(("forward/", "eval/")) and v.ndim >= 4 and v.shape[0] > rows:
+        if rows > 0 and k.startswith(("forward/", "eval/")) and v.ndim >= 4 and v.shape[0] > rows:
             v = np.ascontiguousarray(v[:: v.shape[0] // rows][:rows])
         out[k] = v
     return out

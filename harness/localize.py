@@ -38,12 +38,13 @@ import numpy as np
 
 from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
 from algorithms.faults import combine
+from algorithms.spec import load_model
 
-from . import probes, runner
+from . import kinks, probes, runner
 from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
 from .errors import BackendFailed, BadInput
 from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
-from .runs import EVAL_SERIES, Run, movable_keys
+from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 
 def divergent_steps(pair) -> list[int]:
@@ -102,6 +103,15 @@ class Localizer(ProbeJobs):
             # ask the reference harder, at every point alike, whether its own rounding flips kinks there too
             rep = self.more_sensitivity(ref, rep)
             self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
+            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+        # a backward-only disagreement beyond what the reference's own nudges flipped: look for the crossing in
+        # the candidate's own activations at that step (every sample), point after point while each is explained
+        crossings: dict[int, list[dict[str, Any]] | None] = {}
+        while R.wants_more_sensitivity(out) and out["first_disagreement"]["step"] not in crossings:
+            t = int(out["first_disagreement"]["step"])
+            got = self.every_sample(ref, cand, rep, t, change)
+            crossings[t] = None if got is None else kinks.crossed(load_model(model_ref(ref.manifest, self.root)), *got)
+            rep = dict(rep, crossings=crossings)
             out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))
         out["every"] = every

@@ -252,6 +252,28 @@ class ProbeJobs:
         return dict(rep, sensitivity=rep["sensitivity"].extended(more),
                     sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(sf is not None for sf in found))
 
+    def every_sample(self, ref: Run, cand: Run, rep: dict[str, Any], t: int,
+                     change: dict[str, Any] | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """Step `t` of a replay probed again by the candidate and by the float64 reference (computing the
+        candidate's declared formulas, with `change`), every sample's activations kept: the evidence of a kink
+        the candidate's rounding crossed there (harness.kinks). None where there is no float64 reference
+        (a float64 or same-path reference) or a job failed."""
+        if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+            return None
+        extra = {"replay": {"at": [t], "states": {str(t): rep["states"][str(t)]}, "probe_steps": 1,
+                            "activation_rows": 0}}
+        tag, wide = f"at{t}-rows-all", dict(change or {}, dtype="float64")
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+                fc = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}",
+                                 "replay", extra)
+                fz = pool.submit(self._job, ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(wide)}__{tag}",
+                                 "replay", extra, **wide)
+                return load_npz(fc.result() / "probe-0.npz"), load_npz(fz.result() / "probe-0.npz")
+        except BackendFailed as e:
+            self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
+            return None
+
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""
         rep = self._replays.get((ref.name, cand.name, change_tag(change or {})))

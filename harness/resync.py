@@ -214,7 +214,10 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     a late learning-rate, momentum or per-layer bug, not a flip), each by no more than
     `margin` x the largest jump of the reference's own steps on that kind (`discontinuities`), agrees by
     discontinuity; at no more points than the reference's own steps jumped at (a computation that differs
-    at every step is not a flip at every step)."""
+    at every step is not a flip at every step). A point where the candidate's own activations crossed a kink
+    (`rep["crossings"]`, harness.kinks: every sample probed again at that step) agrees *by the crossing*
+    when every disagreeing key is of BACKWARD_KINDS, some gradient among them, each a parameter upstream of
+    a crossed kink: evidence at that point, so neither bounded by the reference's jumps nor counted."""
     results, evidence, devs = [], [], []
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
@@ -247,7 +250,24 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         ok = all(within(k) or (diffs[k]["kind"] in ("update", "opt") and k.rsplit("/", 1)[-1] in off) for k in keys)
         return keys if ok else None
 
-    flips = {t: flip(res) for t, res, _ in results}
+    crossings = rep.get("crossings") or {}
+
+    def crossed(t: int, res: dict[str, Any]) -> list[str] | None:
+        """The disagreeing keys, when the candidate's own activations crossed a kink at step t (harness.kinks,
+        from every sample) upstream of each: all of BACKWARD_KINDS, some gradient among them, every one a
+        parameter of a layer the crossed kink's derivative reaches."""
+        found = crossings.get(t)
+        keys = res["disagreeing_keys"]
+        if not found or res["missing_keys"] or not keys:
+            return None
+        kinds = {d["key"]: d["kind"] for d in res["diffs"]}
+        if "grad" not in {kinds[k] for k in keys} or any(kinds[k] not in BACKWARD_KINDS for k in keys):
+            return None
+        reach = set().union(*(c["upstream"] for c in found))
+        return keys if all(k.rsplit("/", 1)[-1].rsplit(".", 1)[0] in reach for k in keys) else None
+
+    seen = {t: crossed(t, res) for t, res, _ in results}
+    flips = {t: None if seen[t] else flip(res) for t, res, _ in results}
     flipped = [t for t, keys in flips.items() if keys]
     ref_jumps = jumps["points"]
     allow_flips = len(flipped) <= len(ref_jumps)
@@ -257,11 +277,13 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
         agree = res["stage"] is None and not res["disagreeing_keys"]
         by_flip = not agree and allow_flips and bool(flips[t])
-        points.append({"step": t, "agree": agree or by_flip, "disagreeing": len(res["disagreeing_keys"]),
+        by_crossing = not agree and bool(seen[t])
+        points.append({"step": t, "agree": agree or by_flip or by_crossing, "disagreeing": len(res["disagreeing_keys"]),
                        "worst_key": worst["key"] if worst else None,
                        "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
-                       "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {})})
-        if not (agree or by_flip) and first_bad is None:
+                       "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {}),
+                       **({"crossed": crossings[t]} if by_crossing else {})})
+        if not (agree or by_flip or by_crossing) and first_bad is None:
             first_bad = dict(res, step=t)
     worst_pt = max(points, key=lambda p: p["worst_factor"] or 0.0, default=None)
     out = {"points": [p["step"] for p in points], "per_point": points, "n": len(points),
@@ -271,7 +293,10 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
            "sequential": sequential_test(devs), "first_disagreement": first_bad,
            "discontinuities": {"flipped": flipped, "reference_jumps": ref_jumps, "allowed": allow_flips,
                                "largest": jumps["largest"],
-                               "keys": sorted({k for ks in flips.values() if ks for k in ks})},
+                               "keys": sorted({k for ks in flips.values() if ks for k in ks}),
+                               # the points whose every sample was probed again for a kink the candidate crossed
+                               "looked_for_crossings": sorted(crossings),
+                               "crossed": {t: crossings[t] for t in sorted(crossings) if seen.get(t)}},
            "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
     if emulated:
         out["evidence"] = evidence

@@ -24,6 +24,23 @@ def resync_what(rs: dict[str, Any]) -> str:
 def flips_what(rs: dict[str, Any]) -> str:
     """The resynced steps that agree by a discontinuity (harness.resync.judge), said with their evidence."""
     dc = rs.get("discontinuities") or {}
+    return _flipped_what(rs, dc) + _crossed_what(dc)
+
+
+def _crossed_what(dc: dict[str, Any]) -> str:
+    crossed = dc.get("crossed") or {}
+    if not crossed:
+        return ""
+    said = "; ".join(f"step {t}: " + ", ".join(
+        f"{c['layer']} ({c['kind']}, {c['crossed']} of {c['of']} outputs, float64 margin {c['margin_min']:.2g}"
+        + (f"..{c['margin_max']:.2g}" if c["margin_max"] > c["margin_min"] else "") + ")" for c in cs)
+        for t, cs in crossed.items())
+    return (f"; step(s) {', '.join(map(str, crossed))} agree by a kink the candidate's own activations crossed "
+            f"(only gradients upstream of it and what follows from them disagree; every sample compared with "
+            f"the float64 reference's): {said}")
+
+
+def _flipped_what(rs: dict[str, Any], dc: dict[str, Any]) -> str:
     if not dc.get("flipped") or not dc.get("allowed"):
         return ""
     largest = ", ".join(f"{kd} {v:.2g}" for kd, v in sorted(dc["largest"].items()))

@@ -19,7 +19,7 @@ import numpy as np
 
 from algorithms import data as D
 from algorithms.optim import HParams
-from algorithms.params import load_npz, perturb_ulp, save_npz, thin_activations
+from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
@@ -169,7 +169,7 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
-    REPLAY_ACTIVATION_ROWS samples (thin_activations)."""
+    REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample)."""
     r = job["replay"]
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job["data"])
@@ -222,6 +222,7 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
             st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
             states[t] = f"state_{t:07d}.npz"
             save_npz(out_dir / states[t], st)
+    rows = int(r.get("activation_rows", REPLAY_ACTIVATION_ROWS))
     nudge = r.get("perturb_state_ulp")   # the reference's own sensitivity at each state: params moved 1 ULP
     for i, t in enumerate(at):
         state = load_npz(out_dir / states[t])   # an absolute path stays itself
@@ -232,7 +233,7 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
         load(state, t)
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
-        save_npz(out_dir / f"probe-{i}.npz", thin_activations(backend.probe(x, y, masks, start_step=t)))
+        save_npz(out_dir / f"probe-{i}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
         (out_dir / f"probe-{i}.json").write_text(json.dumps(
             {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
     return {"replay_at": at, "replayed": replayed, "states": {str(t): p for t, p in states.items()}}

@@ -1,0 +1,93 @@
+"""Kinks a candidate's own activations crossed (harness/kinks.py) and what the resync makes of them
+(harness.resync.judge): a backward-only disagreement upstream of a crossed kink agrees at that point; one
+that reaches past the kink, or touches an activation, or has no crossing to show, does not."""
+from __future__ import annotations
+
+import numpy as np
+
+from algorithms.spec import load_model
+from harness import kinks
+from harness import resync as R
+from harness.probe_analysis import analyse
+from harness.resync_verdict import resync_what
+
+from .test_resync import LAYERS, _kinked_rep
+
+HARD = load_model("cnn2d_hard")   # conv1 bn1 relu_1 conv2 bn2 relu_2 pool1 (avg) pool2 (max 3x3 same) conv3 ...
+
+
+def _forward(seed: int = 0) -> dict[str, np.ndarray]:
+    """float64 forward probes of cnn2d_hard's kink inputs for a batch of 4, with no input within 1e-3 of a kink."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in ("bn1", "bn2", "pool1", "conv3"):
+        shape = HARD.layer(name).out_shape
+        x = rng.standard_normal((4, *shape))
+        out[f"forward/{name}"] = np.where(np.abs(x) < 1e-3, 1e-3, x)
+    pool1 = out["forward/pool1"]
+    out["forward/pool1"] = pool1 + np.arange(pool1.size).reshape(pool1.shape) * 1e-2   # no near-ties either
+    return out
+
+
+def test_a_max_pool_pick_and_a_relu_side_crossed_by_rounding_are_found_with_what_they_reach():
+    """cnn2d_hard adamw warmup, resynced step 23 (2026-12-01): a window of pool2 (max 3x3, stride 1, same)
+    whose two largest inputs are 1.3e-7 apart in float64, picked the other way by keras-jax."""
+    z = _forward()
+    assert kinks.crossed(HARD, {k: v.astype(np.float32) for k, v in z.items()}, z) == []
+    z["forward/pool1"][2, :, :, 5] = -1 - np.arange(16).reshape(4, 4) * 1e-2
+    z["forward/pool1"][2, 1, 1:3, 5] = [1 + 1e-7, 1.0]      # float64 picks (1, 1) in every window holding both
+    c = {k: v.copy() for k, v in z.items()}
+    c["forward/pool1"][2, 1, 1:3, 5] = [1.0, 1 + 1e-7]      # the candidate's rounding picks (1, 2)
+    found = kinks.crossed(HARD, c, z)
+    assert [f["layer"] for f in found] == ["pool2"] and found[0]["kind"] == "maxpool2d"
+    assert found[0]["crossed"] == 6 and found[0]["of"] == 4 * 4 * 4 * 32   # the 3x3 windows holding both
+    assert found[0]["margin_min"] < 1e-6
+    assert set(found[0]["upstream"]) == {"conv1", "bn1", "relu_1", "conv2", "bn2", "relu_2", "pool1"}
+    c = {k: v.copy() for k, v in z.items()}
+    z["forward/bn1"][0, 3, 3, 7] = 2e-8
+    c["forward/bn1"][0, 3, 3, 7] = -1e-8
+    assert [(f["layer"], f["crossed"], f["upstream"]) for f in kinks.crossed(HARD, c, z)] == \
+        [("relu_1", 1, ["bn1", "conv1"])]
+
+
+def test_relu6_decides_on_both_kinks():
+    z = {"forward/a": np.array([[0.5, 5.9999999, 3.0]])}
+    layer = type("L", (), {"kind": "relu6"})()
+    assert kinks.decisions(layer, z["forward/a"]).tolist() == [[1, 1, 1]]
+    assert kinks.decisions(layer, np.array([[0.5, 6.0, -1e-9]])).tolist() == [[1, 2, 0]]
+    assert np.allclose(kinks.margins(layer, z["forward/a"]), [[0.5, 1e-7, 3.0]])
+
+
+def _with_crossing(upstream: list[str], at: int = 75) -> dict:
+    """A candidate that jumps at step `at` in grad/conv1.kernel and update0/conv1.kernel where the reference's
+    own steps never jumped, with a crossing seen there whose derivative reaches `upstream`."""
+    rep = _kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[at], size=5e-3)
+    return dict(rep, crossings={at: [{"layer": "k", "kind": "maxpool2d", "crossed": 1, "of": 4096,
+                                      "margin_min": 1.3e-7, "margin_max": 1.3e-7, "upstream": upstream}]})
+
+
+def test_a_backward_disagreement_upstream_of_a_crossed_kink_agrees_at_that_point_only():
+    plain = _with_crossing(["conv1"])
+    plain.pop("crossings")
+    assert not R.judge(plain, LAYERS, analyse)["agree"]          # no evidence: the disagreement stands
+    got = R.judge(_with_crossing(["conv1"]), LAYERS, analyse)
+    assert got["agree"], got["first_disagreement"]
+    assert got["discontinuities"]["looked_for_crossings"] == [75] and list(got["discontinuities"]["crossed"]) == [75]
+    assert next(p for p in got["per_point"] if p["step"] == 75)["crossed"][0]["layer"] == "k"
+    assert "agree by a kink the candidate's own activations crossed" in resync_what(got)
+    # a kink whose derivative does not reach conv1 explains nothing of conv1's gradient
+    assert not R.judge(_with_crossing(["fc1"]), LAYERS, analyse)["agree"]
+    # a crossing at another step explains nothing at this one
+    other = _with_crossing(["conv1"])
+    other["crossings"] = {50: other["crossings"][75]}
+    assert not R.judge(other, LAYERS, analyse)["agree"]
+
+
+def test_an_activation_that_disagrees_is_not_explained_by_a_crossing():
+    rep = _with_crossing(["conv1", "fc1"])
+    i = rep["at"].index(75)
+    t, cand, ref, p64, plain = rep["probes"][i]
+    key = f"forward/{LAYERS[1]}"
+    rep["probes"][i] = (t, dict(cand, **{key: cand[key] * (1 + 1e-3)}), ref, p64, plain)
+    got = R.judge(rep, LAYERS, analyse)
+    assert not got["agree"] and got["first_disagreement"]["step"] == 75
