@@ -91,3 +91,34 @@ def test_an_activation_that_disagrees_is_not_explained_by_a_crossing():
     rep["probes"][i] = (t, dict(cand, **{key: cand[key] * (1 + 1e-3)}), ref, p64, plain)
     got = R.judge(rep, LAYERS, analyse)
     assert not got["agree"] and got["first_disagreement"]["step"] == 75
+
+
+def test_every_sample_probes_the_step_again_in_the_candidate_and_the_float64_reference(tmp_path):
+    """The evidence jobs: step t only, from the reference's own state there, every sample's activations kept;
+    the reference in float64 computing the candidate's declared formulas (the change); none for a candidate on
+    the reference's own code path (its correct probes are bitwise equal: nothing to cross)."""
+    from types import SimpleNamespace
+
+    import harness.probe_jobs as PJ
+    asked = []
+
+    def fake_job(run, name, mode, job_extra=None, **change):
+        asked.append((run.backend, name, mode, job_extra, change))
+        folder = tmp_path / name
+        folder.mkdir()
+        np.savez(folder / "probe-0.npz", loss=np.float64(len(asked)))
+        return folder
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    jobs._job = fake_job
+    def run(backend: str, name: str) -> SimpleNamespace:   # what the jobs read of a Run
+        return SimpleNamespace(backend=backend, name=name, options={}, manifest={"run": name})
+    ref, cand = run("torch", "ref"), run("tensorflow", "cand")
+    got = jobs.every_sample(ref, cand, {"states": {"23": "/s/state_23.npz", "24": "/s/state_24.npz"}}, 23,
+                            {"fault": "adam_eps_hat"})
+    assert got is not None and len(got) == 2
+    by = {b: (extra, change) for b, _, mode, extra, change in asked}
+    for extra, _ in by.values():
+        assert extra == {"replay": {"at": [23], "states": {"23": "/s/state_23.npz"}, "probe_steps": 1,
+                                    "activation_rows": 0}}
+    assert by["tensorflow"][1] == {} and by["torch"][1] == {"fault": "adam_eps_hat", "dtype": "float64"}
+    assert jobs.every_sample(ref, run("torch", "ref-dp1-again"), {"states": {"23": "x"}}, 23, None) is None
