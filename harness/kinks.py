@@ -6,11 +6,10 @@ Why: a kink is continuous in its input, so when rounding moves an input across i
 loss still agree, while the derivative there changes, and with it the gradients of every parameter upstream
 of that layer (and what follows from them: the updates, the optimizer state). Two float32 programs that sum
 in different orders cross different kinks now and then (cnn2d_hard adamw, resynced step 23: a max-pool
-window of `pool2` whose two largest inputs are 1.3e-7 apart in float64, picked one way by torch and the
-other by keras-jax, tensorflow and keras-tensorflow; conv1, bn1 and conv2's gradients 4-5e-3 off, the
-reference's own eight 1-ULP-nudged steps all on torch's side). Seeing the crossing in the candidate's own
-activations is evidence that the backward disagreement is that flip, not another computation
-(harness.resync.judge).
+window of `pool2` whose two largest inputs are 1.3e-7 apart in float64, picked one way by the reference and
+the other by three candidates; conv1, bn1 and conv2's gradients 4-5e-3 off, the reference's own eight
+1-ULP-nudged steps all on its side; docs/verdict.md). Seeing the crossing in the candidate's own activations
+is evidence that the backward disagreement is that flip, not another computation (harness.resync.judge).
 """
 from __future__ import annotations
 

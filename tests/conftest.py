@@ -35,17 +35,34 @@ def need(backend: str) -> None:
         pytest.skip(f"{backend}: not installed ({', '.join(INFO[backend]['missing'])})")
 
 
-def collected_in_subprocess(module: str, backend: str, path: Path, cache: dict, timeout: float) -> dict:
-    """What `python -m MODULE BACKEND PATH` pickled into PATH, once per backend (a framework that must be set
-    up before import, or a Keras backend, needs a process of its own). A failed collector is remembered and
-    reported once per test, not re-run."""
+def across_workers(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this test run shares (the parent of their base temps), so that
+    a result two workers need is made once: `make test` hands a module's tests to both workers now and then,
+    and each worker's own session made the Keras collectors twice (measured: 456 s and 300 s for keras-jax)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict, timeout: float) -> dict:
+    """What `python -m MODULE BACKEND PATH` pickled into PATH, once per backend and test run: PATH is in
+    `folder` (across_workers), under a file lock, so the worker that comes second reads the first one's (a
+    framework that must be set up before import, or a Keras backend, needs a process of its own). A failed
+    collector is remembered and reported once per test, not re-run."""
+    from filelock import FileLock
     need(backend)
     if backend not in cache:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        r = subprocess.run([sys.executable, "-m", module, backend, str(path)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0:
-            cache[backend] = {"error": f"collector for {backend} failed:\n{r.stderr[-4000:]}"}
+        path = Path(folder) / f"collect-{module.rsplit('.', 1)[-1]}-{backend}.pkl"
+        failed = path.with_suffix(".failed")
+        with FileLock(str(path) + ".lock"):
+            if not path.exists() and not failed.exists():
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+                r = subprocess.run([sys.executable, "-m", module, backend, str(path)], cwd=ROOT, env=env,
+                                   capture_output=True, text=True, timeout=timeout)
+                if r.returncode != 0:
+                    path.unlink(missing_ok=True)
+                    failed.write_text(f"collector for {backend} failed:\n{r.stderr[-4000:]}")
+        if failed.exists():
+            cache[backend] = {"error": failed.read_text()}
         else:
             with open(path, "rb") as f:
                 cache[backend] = pickle.load(f)

@@ -269,15 +269,15 @@ def _kinds(cls, dtype: str) -> dict:
 _CACHE: dict[str, dict] = {}
 
 
-def collected(backend: str, tmp_root: Path) -> dict:
+def collected(backend: str, shared: Path) -> dict:
     from .conftest import collected_in_subprocess
-    return collected_in_subprocess("tests.test_keras_backend", backend, tmp_root / f"collect-{backend}.pkl", _CACHE,
-                                   timeout=1800)
+    return collected_in_subprocess("tests.test_keras_backend", backend, shared, _CACHE, timeout=1800)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("keras")
+    from .conftest import across_workers
+    return across_workers(tmp_path_factory)
 
 
 def _rel(a, b) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import collected_in_subprocess
+from .conftest import across_workers, collected_in_subprocess
 
 MODELS = ["cnn2d_hard"]   # measured too: every backend on mobilenet_tiny, jax on resnet_tiny and convnext_tiny
 NATIVE = ["torch", "jax", "tensorflow", "numpy"]
@@ -59,15 +59,14 @@ def _collect(backend: str, path: str) -> None:
 _CACHE: dict[str, dict] = {}
 
 
-def collected(backend: str, tmp: Path) -> dict:
-    return collected_in_subprocess("tests.test_probe_is_the_step", backend, tmp / f"probe-step-{backend}.pkl", _CACHE,
-                                   timeout=900)
+def collected(backend: str, shared: Path) -> dict:
+    return collected_in_subprocess("tests.test_probe_is_the_step", backend, shared, _CACHE, timeout=900)
 
 
 @pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("model", MODELS)
 def test_the_gradient_probe_is_the_training_steps_gradient(backend, model, tmp_path_factory):
-    r = collected(backend, tmp_path_factory.getbasetemp())[model]
+    r = collected(backend, across_workers(tmp_path_factory))[model]
     assert r["probe"]
     for k, g in r["probe"].items():
         np.testing.assert_array_equal(g, r["opt"][f"momentum/{k}"], err_msg=f"{backend} {model} {k}")
