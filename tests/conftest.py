@@ -19,13 +19,14 @@ ALL_BACKENDS = list(REGISTRY)   # every registered backend configuration, as eac
 def pytest_configure(config) -> None:
     """JAX's persistent compilation cache, one per test run, shared by the xdist workers and every backend process
     they start (children inherit the environment): the tests start hundreds of jax and keras-jax processes that
-    compile the same few steps, ~7 s each before the cache and ~1 s after (`duipai run -b jax -m cnn2d_hard
-    --steps 20`: 11.9 s, then 4.9 s; the CSV bitwise the same). A cache the user set is kept."""
-    import tempfile
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"duipai-tests-jax-cache-{uid}"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    compile the same few steps (`duipai run -b jax -m cnn2d_hard --steps 20`: 11.9 s cold, 4.9 s from the cache,
+    the CSV bitwise the same). It lives in the run's own pytest folder (the workers' base temps' parent), which
+    pytest rotates; a cache the user set is kept; a run without workers compiles as a user's would."""
+    basetemp = getattr(config.option, "basetemp", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") and basetemp:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(basetemp).parent / "jax-compilation-cache"))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(scope="session")

@@ -406,8 +406,6 @@ def momentum(results_root):
     return _cli_json(*map(str, runs), "--out", str(root / "out-momentum"))
 
 
-@pytest.mark.slow   # 2 min of training and localization jobs; the reduced self-test in CI (.ci/run) judges
-# the same faults on the same model with the same stage and layer, and its drift-only variants
 def test_torch_lr_scale_is_a_bug_in_the_optimizer_update(momentum):
     code, doc = momentum
     assert code == 1
@@ -419,8 +417,6 @@ def test_torch_lr_scale_is_a_bug_in_the_optimizer_update(momentum):
     assert all(g["ok"] for g in loc["gradients"]) and all(l["ok"] for l in loc["layers"])
 
 
-@pytest.mark.slow   # 2 min of training and localization jobs; the reduced self-test in CI (.ci/run) judges
-# the same faults on the same model with the same stage and layer, and its drift-only variants
 def test_torch_flatten_without_permute_is_a_forward_bug_at_fc1(momentum):
     _, doc = momentum
     p = _pair(doc, "fault-flatten_no_permute")
@@ -432,8 +428,6 @@ def test_torch_flatten_without_permute_is_a_forward_bug_at_fc1(momentum):
     assert loc["max_R_layer"] == "fc1"
 
 
-@pytest.mark.slow   # 2 min of training and localization jobs; the reduced self-test in CI (.ci/run) judges
-# the same faults on the same model with the same stage and layer, and its drift-only variants
 def test_torch_ulp_and_float64_runs_are_drift(momentum):
     _, doc = momentum
     for part in ("__ulp4", "__ulp5", "__float64"):
