@@ -222,6 +222,15 @@ def windows(xp: np.ndarray, k: int, s: int, oh: int, ow: int) -> np.ndarray:
     return sliding_window_view(xp, (k, k), axis=(1, 2))[:, ::s, ::s][:, :oh, :ow]
 
 
+def pool_windows(layer: LayerInfo, xp: np.ndarray) -> np.ndarray:
+    """(N, OH, OW, C, k*k): each pooling window of the layer's padded NHWC map `xp` (pad_hw), its k x k inputs
+    row-major (the order in which every framework's max pool picks the first maximum)."""
+    k, s = layer.spec["pool"], layer.spec["stride"]
+    oh, ow, _ = layer.out_shape
+    win = windows(xp, k, s, oh, ow)
+    return win.reshape(*win.shape[:4], k * k)
+
+
 def dilated_windows(xp: np.ndarray, k: int, s: int, d: int, oh: int, ow: int) -> np.ndarray:
     """(N, OH, OW, C, k, k): the k x k taps, `d` pixels apart, of each window at stride s."""
     if d == 1:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.layout import pad_hw, windows
+from algorithms.layout import pad_hw, pool_windows
 from algorithms.model import INPUT, LayerInfo, ModelSpec
 
 # the layer kinds whose derivative jumps at some input value (a kink), and what decides the branch
@@ -31,10 +31,7 @@ def decisions(layer: LayerInfo, x: np.ndarray) -> np.ndarray:
         return x > 0
     if layer.kind == "relu6":
         return (x > 0).astype(np.int8) + (x >= 6)
-    k, s = layer.spec["pool"], layer.spec["stride"]
-    oh, ow, _ = layer.out_shape
-    win = windows(pad_hw(np.asarray(x, np.float64), layer, -np.inf), k, s, oh, ow)
-    return win.reshape(*win.shape[:4], k * k).argmax(axis=-1)
+    return pool_windows(layer, pad_hw(np.asarray(x, np.float64), layer, -np.inf)).argmax(axis=-1)
 
 
 def margins(layer: LayerInfo, x: np.ndarray) -> np.ndarray:
@@ -44,10 +41,7 @@ def margins(layer: LayerInfo, x: np.ndarray) -> np.ndarray:
         return np.abs(x)
     if layer.kind == "relu6":
         return np.minimum(np.abs(x), np.abs(x - 6))
-    k, s = layer.spec["pool"], layer.spec["stride"]
-    oh, ow, _ = layer.out_shape
-    win = windows(pad_hw(np.asarray(x, np.float64), layer, -np.inf), k, s, oh, ow)
-    top = np.sort(win.reshape(*win.shape[:4], k * k), axis=-1)[..., -2:]
+    top = np.sort(pool_windows(layer, pad_hw(np.asarray(x, np.float64), layer, -np.inf)), axis=-1)[..., -2:]
     return top[..., 1] - top[..., 0]
 
 

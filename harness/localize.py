@@ -107,10 +107,12 @@ class Localizer(ProbeJobs):
         # a backward-only disagreement beyond what the reference's own nudges flipped: look for the crossing in
         # the candidate's own activations at that step (every sample), point after point while each is explained
         crossings: dict[int, list[dict[str, Any]] | None] = {}
+        model = None
         while R.wants_more_sensitivity(out) and out["first_disagreement"]["step"] not in crossings:
             t = int(out["first_disagreement"]["step"])
             got = self.every_sample(ref, cand, rep, t, change)
-            crossings[t] = None if got is None else kinks.crossed(load_model(model_ref(ref.manifest, self.root)), *got)
+            model = model or load_model(model_ref(ref.manifest, self.root))
+            crossings[t] = None if got is None else kinks.crossed(model, *got)
             rep = dict(rep, crossings=crossings)
             out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))

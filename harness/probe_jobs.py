@@ -31,6 +31,13 @@ def same_path(a: Run, b: Run) -> bool:
     return a.backend == b.backend and all(a.options.get(k) == b.options.get(k) for k in keys)
 
 
+def has_float64_reference(ref: Run, cand: Run) -> bool:
+    """Whether a float64 run of the reference tells the candidate's rounding apart: not when the reference is
+    float64 already, nor when the candidate runs the reference's own code path (its correct probes are bitwise
+    equal)."""
+    return ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand)
+
+
 def change_tag(change: dict[str, Any]) -> str:
     return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
 
@@ -150,7 +157,7 @@ class ProbeJobs:
         by two different code paths. None when the candidate runs the reference's own code path (same backend
         and options: its correct probes are bitwise equal), when the reference is float64 already, or
         when the backend cannot run float64."""
-        if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+        if not has_float64_reference(ref, cand):
             return None
         try:
             return self.probe0(ref, dtype="float64", **change)
@@ -183,7 +190,7 @@ class ProbeJobs:
                              {"replay": {"at": at, "states": states, "probe_steps": 1}})
 
         def float64_job() -> Path | None:
-            if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+            if not has_float64_reference(ref, cand):
                 return None
             try:
                 return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
@@ -202,7 +209,7 @@ class ProbeJobs:
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
                             {"replay": {"at": at, "states": states, "probe_steps": 1}}, **change)
-            if ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand):
+            if has_float64_reference(ref, cand):
                 try:
                     e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
                                     "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
@@ -258,7 +265,7 @@ class ProbeJobs:
         candidate's declared formulas, with `change`), every sample's activations kept: the evidence of a kink
         the candidate's rounding crossed there (harness.kinks). None where there is no float64 reference
         (a float64 or same-path reference) or a job failed."""
-        if ref.options.get("dtype", "float32") == "float64" or same_path(ref, cand):
+        if not has_float64_reference(ref, cand):
             return None
         extra = {"replay": {"at": [t], "states": {str(t): rep["states"][str(t)]}, "probe_steps": 1,
                             "activation_rows": 0}}
@@ -282,4 +289,5 @@ class ProbeJobs:
         return dict(rep, at=at, probes=rep["probes"].restricted(at))
 
 
-__all__ = ["LazyProbeMap", "MORE_SENSITIVITY_SEEDS", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints", "same_path"]
+__all__ = ["LazyProbeMap", "MORE_SENSITIVITY_SEEDS", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints",
+           "has_float64_reference", "same_path"]

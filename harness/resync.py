@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .probe_analysis import param_layer
 from .probes import EPS32, kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
@@ -192,8 +193,12 @@ def wants_more_sensitivity(out: dict[str, Any]) -> bool:
     bad = out.get("first_disagreement")
     if out.get("agree") or not bad or bad.get("missing_keys"):
         return False
-    kinds = {kind_of(k)[0] for k in bad.get("disagreeing_keys") or []}
-    return bool(kinds) and "grad" in kinds and kinds <= set(BACKWARD_KINDS)
+    return backward_only({kind_of(k)[0] for k in bad.get("disagreeing_keys") or []})
+
+
+def backward_only(kinds: set[str]) -> bool:
+    """Kinds of disagreeing keys a flipped kink can produce: gradients (some), and what follows from them."""
+    return "grad" in kinds and kinds <= set(BACKWARD_KINDS)
 
 
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
@@ -261,10 +266,10 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         if not found or res["missing_keys"] or not keys:
             return None
         kinds = {d["key"]: d["kind"] for d in res["diffs"]}
-        if "grad" not in {kinds[k] for k in keys} or any(kinds[k] not in BACKWARD_KINDS for k in keys):
+        if not backward_only({kinds[k] for k in keys}):
             return None
         reach = set().union(*(c["upstream"] for c in found))
-        return keys if all(k.rsplit("/", 1)[-1].rsplit(".", 1)[0] in reach for k in keys) else None
+        return keys if all(param_layer(k.rsplit("/", 1)[-1]) in reach for k in keys) else None
 
     seen = {t: crossed(t, res) for t, res, _ in results}
     flips = {t: None if seen[t] else flip(res) for t, res, _ in results}

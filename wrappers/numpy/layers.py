@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from algorithms.layout import crop_padding, dilated_windows, pad_hw, scatter_windows, windows
+from algorithms.layout import crop_padding, dilated_windows, pad_hw, pool_windows, scatter_windows, windows
 from algorithms.spec import INPUT, LayerInfo, ModelSpec
 
 from .parallel import bn_backward, bn_moments, channel_sum
@@ -194,11 +194,8 @@ def merge_backward(layer: LayerInfo, dy: np.ndarray) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------------------- pooling
 def maxpool_forward(layer: LayerInfo, x: np.ndarray) -> tuple[np.ndarray, Any]:
-    o = layer.spec.options
-    k, s = o["pool"], o["stride"]
-    oh, ow, _ = layer.out_shape
     xp = pad_hw(x, layer, -np.inf)
-    win = windows(xp, k, s, oh, ow).reshape(x.shape[0], oh, ow, x.shape[3], k * k)
+    win = pool_windows(layer, xp)
     arg = win.argmax(axis=-1)                                   # the first maximum, row-major in the window
     y = np.take_along_axis(win, arg[..., None], axis=-1)[..., 0]
     return y, (arg, xp.shape)
