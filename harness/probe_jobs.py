@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
+from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, replay_probe_name
 
 from . import runner
 from .errors import BackendFailed
@@ -201,10 +201,9 @@ class ProbeJobs:
 
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
-            f_nudged = [pool.submit(self._nudged, ref, at, states, seed) for seed in SENSITIVITY_SEEDS]
+            f_nudged = pool.submit(self._nudged, ref, at, states, SENSITIVITY_SEEDS)
             cf, r64 = f_cand.result(), f_64.result()
-            nudged = [f.result() for f in f_nudged]
-        sens = LazyProbeMap({t: [sf / f"probe-{i}.npz" for sf in nudged if sf is not None] for i, t in enumerate(at)})
+            sens = LazyProbeMap(f_nudged.result())
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
@@ -236,28 +235,33 @@ class ProbeJobs:
                                               r64 / f"probe-{i}.npz" if r64 else None,
                                               rf / f"probe-{i}.npz" if emu else None)) for i, t in enumerate(at)])}
 
-    def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seed: int) -> Path | None:
-        """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP
-        (seed `seed`). At a ReLU kink or a max-pool tie one step is discontinuous, and a correct candidate's
-        rounding flips it; so does, now and then, the reference's own 1-ULP nudge."""
+    def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seeds: tuple[int, ...]) -> dict[int, list[Path]]:
+        """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP,
+        once per seed, all in one job (a process start costs more than the probes). At a ReLU kink or a max-pool
+        tie one step is discontinuous, and a correct candidate's rounding flips it; so does, now and then, the
+        reference's own 1-ULP nudge. Step -> the probe files (none where the job failed)."""
+        name = f"replay__{ref.name}__{_tag(ref)}__nudge{'-'.join(map(str, seeds))}__{_at_tag(at)}"
         try:
-            return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__nudge{seed}__{_at_tag(at)}", "replay",
-                             {"replay": {"at": at, "states": states, "probe_steps": 1, "perturb_state_ulp": seed}})
+            folder = self._job(ref, name, "replay", {"replay": {"at": at, "states": states, "probe_steps": 1,
+                                                                "perturb_state_ulps": list(seeds)}})
         except BackendFailed as e:
             self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
-            return None
+            return {t: [] for t in at}
+        return {t: [folder / f"{replay_probe_name(i, s)}.npz" for s in seeds] for i, t in enumerate(at)}
 
     def more_sensitivity(self, ref: Run, rep: dict[str, Any]) -> dict[str, Any]:
         """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point: asked when a
         resynced step disagrees in the backward pass only (harness.resync.wants_more_sensitivity).
         Every point gets the same search, so the count of the reference's own jumps stays a fair yardstick
-        for the count of the candidate's flips."""
+        for the count of the candidate's flips. The seeds are split over `parallel` jobs."""
         at = list(rep["at"])
-        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
-            found = list(pool.map(lambda seed: self._nudged(ref, at, rep["states"], seed), MORE_SENSITIVITY_SEEDS))
-        more = {t: [sf / f"probe-{i}.npz" for sf in found if sf is not None] for i, t in enumerate(at)}
+        n = max(1, min(self.parallel, len(MORE_SENSITIVITY_SEEDS)))
+        groups = [MORE_SENSITIVITY_SEEDS[g::n] for g in range(n)]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            found = list(pool.map(lambda seeds: self._nudged(ref, at, rep["states"], seeds), groups))
+        more = {t: [f for got in found for f in got[t]] for t in at}
         return dict(rep, sensitivity=rep["sensitivity"].extended(more),
-                    sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(sf is not None for sf in found))
+                    sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(len(g) for g, got in zip(groups, found) if got[at[0]]))
 
     def every_sample(self, ref: Run, cand: Run, rep: dict[str, Any], t: int,
                      change: dict[str, Any] | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:

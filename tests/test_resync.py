@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from algorithms.params import load_npz
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
 from harness.probe_analysis import analyse
@@ -390,19 +391,43 @@ def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_pat
     # the extra nudged replays cover every point, and are added to each point's own sensitivity
     asked = []
 
-    def fake_nudged(ref, at, states, seed):
-        asked.append((tuple(at), seed))
-        folder = tmp_path / f"nudge{seed}"
-        folder.mkdir()
-        for i, _ in enumerate(at):
-            np.savez(folder / f"probe-{i}.npz", loss=np.float64(seed))
-        return folder
-    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    def fake_nudged(ref, at, states, seeds):
+        asked.append((tuple(at), tuple(seeds)))
+        return {t: [_saved(tmp_path / f"nudge{s}-{t}.npz", loss=np.float64(s)) for s in seeds] for t in at}
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None, parallel=2)
     jobs._nudged = fake_nudged
     rep = jobs.more_sensitivity(None, {"at": pts, "states": {}, "sensitivity": PJ.LazyProbeMap({})})
-    assert sorted(s for _, s in asked) == list(PJ.MORE_SENSITIVITY_SEEDS) and {a for a, _ in asked} == {tuple(pts)}
+    # every seed asked once, in as many jobs as run at once (a process start costs more than a probe)
+    assert sorted(s for _, seeds in asked for s in seeds) == list(PJ.MORE_SENSITIVITY_SEEDS)
+    assert len(asked) == 2 and {a for a, _ in asked} == {tuple(pts)}
     assert rep["sensitivity_seeds"] == len(PJ.SENSITIVITY_SEEDS) + len(PJ.MORE_SENSITIVITY_SEEDS)
-    assert [float(p["loss"]) for p in rep["sensitivity"].get(75)] == [float(s) for s in PJ.MORE_SENSITIVITY_SEEDS]
+    assert sorted(float(p["loss"]) for p in rep["sensitivity"].get(75)) == [float(s) for s in PJ.MORE_SENSITIVITY_SEEDS]
+
+
+def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
+    """The reference's 1-ULP-nudged replays: one worker process probes every seed it is given (a process start
+    costs more than the probes), bit for bit what a job of that seed alone writes; a nudge moves the probe."""
+    import harness.probe_jobs as PJ
+    from algorithms.optim import HParams
+    from harness import runner
+    hp = HParams(optimizer="momentum", lr=0.05, steps=6, batch_size=16, eval_every=2, checkpoint_every=2)
+    ref = load_run(runner.execute(runner.RunConfig(model="cnn2d_2conv_2fc", backend="numpy", hparams=hp), tmp_path))
+    states = {str(t): str(f) for t, f in PJ.checkpoints(ref).items() if t in (2, 4)}
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    both, alone = jobs._nudged(ref, [2, 4], states, (1, 2)), jobs._nudged(ref, [2, 4], states, (2,))
+    plain = jobs._job(ref, "plain", "replay", {"replay": {"at": [2, 4], "states": states, "probe_steps": 1}})
+    for i, t in enumerate((2, 4)):
+        assert [f.name for f in both[t]] == [f"probe-{i}-ulp1.npz", f"probe-{i}-ulp2.npz"]
+        one, two, two_alone = (load_npz(f) for f in (*both[t], *alone[t]))
+        assert all(np.array_equal(two[k], two_alone[k]) for k in two_alone)
+        unmoved = load_npz(plain / f"probe-{i}.npz")
+        assert not np.array_equal(one["grad/fc1.kernel"], unmoved["grad/fc1.kernel"])
+        assert not np.array_equal(one["grad/fc1.kernel"], two["grad/fc1.kernel"])
+
+
+def _saved(path, **arrays):
+    np.savez(path, **arrays)
+    return path
 
 
 def test_the_optimizer_state_of_a_flipped_gradient_follows_from_it():

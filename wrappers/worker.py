@@ -19,7 +19,8 @@ import numpy as np
 
 from algorithms import data as D
 from algorithms.optim import HParams
-from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
+from algorithms.params import (REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, replay_probe_name, save_npz,
+                               thin_activations)
 from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
@@ -169,7 +170,9 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
-    REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample)."""
+    REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample). With
+    `replay.perturb_state_ulps` (seeds) instead: probe-<i>-ulp<seed>.npz per seed, from the state at t with its
+    parameters moved 1 ULP (algorithms.params.replay_probe_name)."""
     r = job["replay"]
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job["data"])
@@ -223,19 +226,23 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
             states[t] = f"state_{t:07d}.npz"
             save_npz(out_dir / states[t], st)
     rows = int(r.get("activation_rows", REPLAY_ACTIVATION_ROWS))
-    nudge = r.get("perturb_state_ulp")   # the reference's own sensitivity at each state: params moved 1 ULP
+    # the reference's own sensitivity at each state: params moved 1 ULP, once per seed (one process for all seeds)
+    nudges = [int(s) for s in r.get("perturb_state_ulps") or ()]
     for i, t in enumerate(at):
         state = load_npz(out_dir / states[t])   # an absolute path stays itself
-        if nudge is not None:
-            params, opt = split(state)
-            state = {**{f"param/{n}": v for n, v in perturb_ulp(params, int(nudge) * 1_000_003 + t).items()},
-                     **{f"opt/{n}": v for n, v in opt.items()}}
-        load(state, t)
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
-        save_npz(out_dir / f"probe-{i}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
-        (out_dir / f"probe-{i}.json").write_text(json.dumps(
-            {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
+        for seed in nudges or [None]:
+            if seed is None:
+                load(state, t)
+            else:
+                params, opt = split(state)
+                load({**{f"param/{n}": v for n, v in perturb_ulp(params, seed * 1_000_003 + t).items()},
+                      **{f"opt/{n}": v for n, v in opt.items()}}, t)
+            name = replay_probe_name(i, seed)
+            save_npz(out_dir / f"{name}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
+            (out_dir / f"{name}.json").write_text(json.dumps(
+                {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
     return {"replay_at": at, "replayed": replayed, "states": {str(t): p for t, p in states.items()}}
 
 
