@@ -86,7 +86,7 @@ class RunsProgress(_Live):
         return lambda msg: self.step(name, msg)
 
     def step(self, name: str, msg: dict[str, Any]) -> None:
-        """A {"step", "of", "loss"} message of a running run (runner._stream)."""
+        """A {"step", "of", "loss"} message of a running run (runner.stream_progress)."""
         with self.lock:
             step, of = int(msg.get("step", 0)), max(int(msg.get("of", 1) or 1), 1)
             self.share[name] = min(step / of, 1.0)

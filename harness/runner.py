@@ -12,11 +12,13 @@ import hashlib
 import json
 import os
 import platform
+import queue
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -185,10 +187,30 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
     return Prepared(model, data_path, ds.meta, order, params, params_hash(params), base_hash)
 
 
-def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
+def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
+    """The worker's progress lines until it closes its output; the process is killed at `deadline` even when it
+    prints nothing (a long run reports every 1% of its steps; a hung one never again), so the lines are read by
+    a thread and waited for with the time left."""
     last: dict[str, Any] = {}
     assert proc.stdout is not None
-    for line in proc.stdout:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+        except queue.Empty:
+            line = ""
+        if line is None:
+            break
+        if deadline and time.time() > deadline:
+            proc.kill()
+            last["timeout"] = True
+            break
         try:
             msg = json.loads(line)
         except json.JSONDecodeError:
@@ -196,10 +218,6 @@ def _stream(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, 
         last.update(msg)
         if on_progress and "step" in msg:
             on_progress(msg)
-        if deadline and time.time() > deadline:
-            proc.kill()
-            last["timeout"] = True
-            break
     return last
 
 
@@ -242,7 +260,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / "job.json")],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=PROJECT_ROOT, env=_child_env())
         try:
-            last = _stream(proc, on_progress, t0 + timeout if timeout else None)
+            last = stream_progress(proc, on_progress, t0 + timeout if timeout else None)
             rc = proc.wait(timeout=max(1.0, (t0 + timeout - time.time())) if timeout else None)
         except subprocess.TimeoutExpired:
             proc.kill()

@@ -137,6 +137,19 @@ def test_timeout_keeps_log_and_publishes_nothing(tmp_path):
     assert len(failed) == 1
 
 
+def test_a_silent_worker_is_killed_at_the_deadline():
+    """The timeout holds for a worker that prints nothing (a long run reports every 1% of its steps, a hung one
+    never): it was once checked only when a progress line came. Lines before the deadline are still read."""
+    from harness.runner import stream_progress
+    code = "import json, time; print(json.dumps({'step': 1, 'of': 9}), flush=True); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    seen: list[dict] = []
+    t0 = time.time()
+    last = stream_progress(proc, seen.append, t0 + 2.0)
+    assert proc.wait(timeout=30) != 0 and last["timeout"] and seen == [{"step": 1, "of": 9}]
+    assert time.time() - t0 < 60        # not the 120 s the worker would have slept
+
+
 def test_killed_run_leaves_no_complete_looking_result(tmp_path):
     need("torch")
     p = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--steps", "100000", "--out", str(tmp_path)],
