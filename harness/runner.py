@@ -172,7 +172,11 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
         hosts = int(cfg.extra.get("hosts", 1))
         if hosts < 1 or cfg.devices % hosts:
             raise BadInput(f"--hosts {hosts} must divide --devices {cfg.devices} (devices per host)")
-        order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
+        try:
+            order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
+        except MemoryError:
+            raise BadInput(f"--steps {h.steps} x batch size {h.batch_size}: the batch order "
+                           f"({h.steps * h.batch_size * 8 / 2**30:.1f} GiB) does not fit in memory") from None
     except (SpecError, D.DataError, HParamError, ValueError) as e:
         raise BadInput(str(e)) from None
     cache = cache_dir(out_root)

@@ -137,6 +137,14 @@ def test_timeout_keeps_log_and_publishes_nothing(tmp_path):
     assert len(failed) == 1
 
 
+def test_more_steps_than_memory_is_bad_input(tmp_path):
+    """The batch order is made before the run: one that cannot be held is one line naming the fields, exit 2."""
+    r = duipai("run", "-b", "numpy", "--steps", str(10**11), "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--steps 100000000000 x batch size 64: the batch order (47683.7 GiB) does not fit in memory" in r.stderr
+    assert not list(tmp_path.glob("*/manifest.json"))
+
+
 def test_a_silent_worker_is_killed_at_the_deadline():
     """The timeout holds for a worker that prints nothing (a long run reports every 1% of its steps, a hung one
     never): it was once checked only when a progress line came. Lines before the deadline are still read."""
