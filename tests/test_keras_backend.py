@@ -148,13 +148,14 @@ def collect(backend: str, path: str) -> None:
         with open(path, "wb") as f:
             pickle.dump(res, f)
         return
-    for name in ("fault_probe", "ceil_probe"):
-        res["faults"][f"clean:{name}"] = _probe(cls, fault_models[name], FAULT_HP)[1]
-    b, _ = _probe(cls, fault_models["fault_probe"], FAULT_HP)
+    for name in ("ceil_probe", "fault_probe"):
+        b, res["faults"][f"clean:{name}"] = _probe(cls, fault_models[name], FAULT_HP)
     x, y = _inputs(fault_models["fault_probe"], 64, seed=1)
     res["eval_clean"] = [b.evaluate(x, y), b.evaluate(x, y)]
-    b, _ = _probe(cls, fault_models["fault_probe"], FAULT_HP, fault="dropout_in_eval")
-    res["eval_dropout_in_eval"] = [b.evaluate(x, y), b.evaluate(x, y)]
+    from wrappers.base import RunOptions
+    bf = cls(fault_models["fault_probe"], FAULT_HP, RunOptions(fault="dropout_in_eval"))
+    bf.load_params(_copy(b.export_params()))      # the clean backend's weights: only the fault differs
+    res["eval_dropout_in_eval"] = [bf.evaluate(x, y), bf.evaluate(x, y)]
     res["l2_not_decoupled"] = _trace(cls, load_model("cnn2d_2conv_2fc"), L2_HP, 2, fault="l2_not_decoupled")[1]
 
     import keras
@@ -229,7 +230,7 @@ def collect(backend: str, path: str) -> None:
         bg.train_step(0, xg, yg, _masks(m, hp, 0))
         res["step_gradient"][name] = {"probe": _copy(probe), "opt": _copy(bg.export_opt_state())}
     # float64 (last: floatx is process-global): end to end on keras-tensorflow/keras-jax, refused on keras-torch
-    from wrappers.base import RunOptions, UnsupportedError
+    from wrappers.base import UnsupportedError
     try:
         b64 = cls(m2, HP["momentum_const"], RunOptions(dtype="float64"))
     except UnsupportedError as e:

@@ -30,13 +30,14 @@ INSTALL = ("install them with `sudo apt-get install -y chromium chromium-driver`
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-dev-shm-usage", "--window-size=1400,1000"]
 MATRIX = """name = "browser"
-description = "test_report_browser: torch reference, a 1-ULP and a float64 envelope run, a dp=2 candidate"
+description = "test_report_browser: torch reference, a 1-ULP envelope run, a dp=2 candidate"
 models = ["cnn2d_2conv_2fc"]
 backends = ["torch"]
 devices = [1, 2]
 steps = 30
 batch_size = 64
 envelope_k = 1
+envelope_fp64 = false
 """
 
 

@@ -463,8 +463,8 @@ LOWERING_FAULTS = [("flatten_no_permute", "cnn2d_2conv_2fc", "forward/fc1"),
 
 @pytest.mark.parametrize("fault,model,first", LOWERING_FAULTS)
 def test_lowering_faults_make_the_probe_disagree_with_torch(fault, model, first, results_root):
-    """The faulty TF lowering disagrees with clean torch from the faulty layer on, while clean TF
-    agrees there; and TF with the fault computes what torch with the same fault computes."""
+    """The faulty TF lowering disagrees with clean torch from the faulty layer on, and TF with the fault computes
+    what torch with the same fault computes (clean TF agrees with clean torch on every key: test_probes)."""
     from harness.probes import compare, standard_cases
 
     from .conftest import need, probes_for
@@ -472,7 +472,6 @@ def test_lowering_faults_make_the_probe_disagree_with_torch(fault, model, first,
     cases = {"sgd": standard_cases()["sgd"]}
     ref = probes_for("torch", model, results_root, cases=cases)["sgd"].arrays
     ref_f = probes_for("torch", model, results_root, fault=fault, cases=cases)["sgd"].arrays
-    clean = probes_for("tensorflow", model, results_root, cases=cases)["sgd"].arrays
     bad = probes_for("tensorflow", model, results_root, fault=fault, cases=cases)["sgd"].arrays
     # forward, loss and gradients, leaving out the records of flat features (their order is a recorder's
     # layout convention, not the network's computation)
@@ -481,7 +480,6 @@ def test_lowering_faults_make_the_probe_disagree_with_torch(fault, model, first,
     failing = [k for k in keys if not by_key[k].ok]
     assert failing and failing[0] == first, failing[:3]
     assert by_key[first].rel > 1e-2
-    assert all(d.ok for d in compare(clean, ref, keys=keys)), "clean TF must agree with clean torch"
     assert all(d.ok for d in compare(bad, ref_f, keys=keys)), "TF and torch must inject the same fault"
 
 
