@@ -121,9 +121,11 @@ class TensorflowBackend(NativeOptimizer, Backend):
         self.traces = {"train": 0, "eval": 0}
         if opts.jit:
             xla = bool(opts.extra.get("xla", False))
-            self._step = tf.function(self._step_impl, jit_compile=xla)
-            self._eval = tf.function(self._eval_impl, jit_compile=xla)
-            self._probe = tf.function(self._probe_impl, jit_compile=xla)
+            # autograph=False: the step's Python control flow is static (the spec, the options), so tracing runs it
+            # as Python; autograph's source rewriting of every called function cost ~10 s of each process
+            self._step = tf.function(self._step_impl, jit_compile=xla, autograph=False)
+            self._eval = tf.function(self._eval_impl, jit_compile=xla, autograph=False)
+            self._probe = tf.function(self._probe_impl, jit_compile=xla, autograph=False)
             self.mode = "xla" if xla else "tf.function"
             if xla and self.device == "/CPU:0":   # on a GPU, TF's own refusal stands
                 self._step, self._eval, self._probe = (_outside_op_determinism(f) for f in (self._step, self._eval,

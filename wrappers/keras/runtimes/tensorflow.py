@@ -119,8 +119,9 @@ class Stepper:
                 logs, grads = par.strategy.run(step_with_gradients, args=(net, data))
                 return ({"loss": par.strategy.reduce("MEAN", logs["loss"], axis=None)},
                         [par.strategy.reduce("SUM", g, axis=None) for g in grads])
-            self.probe = probe if net.run_eagerly else tf.function(probe, reduce_retracing=True,
-                                                                   jit_compile=net.jit_compile)
+            # as Keras' one_step_on_data: tf.function(do_not_convert(step)), no autograph rewriting of the body
+            self.probe = probe if net.run_eagerly else tf.function(tf.autograph.experimental.do_not_convert(probe),
+                                                                   reduce_retracing=True, jit_compile=net.jit_compile)
         written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
         saved = [tf.identity(v.value) for v in written]
         try:
@@ -244,7 +245,7 @@ class MirroredDataParallel(Parallel):
         """Inference on replica 0's variables, on replica 0's device (cross-replica context); the model's
         outputs as numpy (a list for a model with several outputs, as the layer recorder)."""
         if id(net) not in self.eval_fns:
-            self.eval_fns[id(net)] = tf.function(lambda t: net(t, training=False))
+            self.eval_fns[id(net)] = tf.function(lambda t: net(t, training=False), autograph=False)   # as Keras' predict
         with tf.device(self.devices[0]):
             return tf.nest.map_structure(lambda t: t.numpy(), self.eval_fns[id(net)](tf.constant(x)))
 
