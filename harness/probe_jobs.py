@@ -179,9 +179,11 @@ class ProbeJobs:
         tag = _at_tag(at)
         # every checkpoint is offered: a step that has one is probed from it directly, any other is re-trained
         # from the latest one before it (one reference process for all the steps)
+        # the reference's own 1-ULP-nudged steps (SENSITIVITY_SEEDS) are probed by the same process, from the
+        # same states (a process start costs more than the probes)
         rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
                        {"replay": {"at": at, "checkpoints": {str(t): str(f) for t, f in cks.items()},
-                                   "probe_steps": 1}})
+                                   "probe_steps": 1, "perturb_state_ulps": [None, *SENSITIVITY_SEEDS]}})
         done = json.loads((rf / "worker.json").read_text()).get("states") or {}
         states = {str(t): str(rf / done.get(str(t), f"state_{t:07d}.npz")) for t in at}   # absolute stays itself
         # every job below needs only the reference's states: they run `self.parallel` at a time
@@ -201,9 +203,9 @@ class ProbeJobs:
 
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
-            f_nudged = pool.submit(self._nudged, ref, at, states, SENSITIVITY_SEEDS)
             cf, r64 = f_cand.result(), f_64.result()
-            sens = LazyProbeMap(f_nudged.result())
+        sens = LazyProbeMap({t: [rf / f"{replay_probe_name(i, s)}.npz" for s in SENSITIVITY_SEEDS]
+                             for i, t in enumerate(at)})
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",

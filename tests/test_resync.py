@@ -406,7 +406,8 @@ def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_pat
 
 def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
     """The reference's 1-ULP-nudged replays: one worker process probes every seed it is given (a process start
-    costs more than the probes), bit for bit what a job of that seed alone writes; a nudge moves the probe."""
+    costs more than the probes), bit for bit what a job of that seed alone writes; a nudge moves the probe. The
+    first seeds are probed by the reference's own replay job, from the states it re-trained to: the same bits."""
     import harness.probe_jobs as PJ
     from algorithms.optim import HParams
     from harness import runner
@@ -423,6 +424,13 @@ def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
         unmoved = load_npz(plain / f"probe-{i}.npz")
         assert not np.array_equal(one["grad/fc1.kernel"], unmoved["grad/fc1.kernel"])
         assert not np.array_equal(one["grad/fc1.kernel"], two["grad/fc1.kernel"])
+    rep = jobs.replay(ref, ref, [2, 4])
+    assert sorted(p.name for p in (tmp_path / ".localize").iterdir() if "nudge" not in p.name and p.name not in ("plain", ".tmp")) == [
+        f"replay__{ref.name}__{PJ._tag(ref)}__at2-4-rows8",
+        f"replay__{ref.name}__{PJ._tag(ref)}__from-{PJ._tag(ref)}__at2-4-rows8"]     # no process for the nudges
+    for t in (2, 4):
+        for got, want in zip(rep["sensitivity"].get(t), (load_npz(f) for f in both[t])):
+            assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def _saved(path, **arrays):

@@ -170,9 +170,9 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     uses that file). Or `replay.states` ({step: state file}) gives those states directly, so a
     second backend probes from exactly the first one's states. Then, per step t of `at`:
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
-    REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample). With
-    `replay.perturb_state_ulps` (seeds) instead: probe-<i>-ulp<seed>.npz per seed, from the state at t with its
-    parameters moved 1 ULP (algorithms.params.replay_probe_name)."""
+    REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample).
+    `replay.perturb_state_ulps` (default [null]) lists what is probed at each t: null the state itself, a seed
+    the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.params.replay_probe_name)."""
     r = job["replay"]
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job["data"])
@@ -226,13 +226,14 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
             states[t] = f"state_{t:07d}.npz"
             save_npz(out_dir / states[t], st)
     rows = int(r.get("activation_rows", REPLAY_ACTIVATION_ROWS))
-    # the reference's own sensitivity at each state: params moved 1 ULP, once per seed (one process for all seeds)
-    nudges = [int(s) for s in r.get("perturb_state_ulps") or ()]
+    # the reference's own sensitivity at each state: params moved 1 ULP, once per seed (one process for all seeds);
+    # null: the state itself (the default)
+    nudges = [None if s is None else int(s) for s in r.get("perturb_state_ulps") or [None]]
     for i, t in enumerate(at):
         state = load_npz(out_dir / states[t])   # an absolute path stays itself
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
-        for seed in nudges or [None]:
+        for seed in nudges:
             if seed is None:
                 load(state, t)
             else:
