@@ -24,6 +24,8 @@ def pytest_configure(config) -> None:
     pytest rotates; a cache the user set is kept; a run without workers compiles as a user's would."""
     basetemp = getattr(config.option, "basetemp", None)
     if os.environ.get("PYTEST_XDIST_WORKER") and basetemp:
+        global _SHARED
+        _SHARED = Path(basetemp).parent
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(basetemp).parent / "jax-compilation-cache"))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -85,6 +87,7 @@ def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict
 
 
 _PROBES: dict = {}
+_SHARED: Path | None = None    # the folder this test run's xdist workers share (pytest_configure), None without xdist
 
 
 def data_for(model: str) -> str:
@@ -95,13 +98,32 @@ def data_for(model: str) -> str:
 
 def probes_for(backend: str, model: str, root: Path, fault: str | None = None, cases: dict | None = None,
                dtype: str = "float32"):
-    """Probe results per standard case, computed once per (backend, model, fault, dtype) per session."""
+    """Probe results per standard case, computed once per (backend, model, fault, cases, dtype) per test run:
+    under xdist in a folder both workers share, under a file lock (the torch reference probes of test_probes,
+    and the single-case probes test_fault_detection and the TF lowering test share, went to both workers)."""
+    import hashlib
+
+    from filelock import FileLock
+
     from harness.probes import run_cases, standard_cases
     # the cases' contents, not only their names: two tests may use the same names with other batches or seeds
     key = (backend, model, fault, tuple((n, json.dumps(hp.to_dict(), sort_keys=True)) for n, hp in cases.items())
            if cases else None, dtype)
     if key not in _PROBES:
         need(backend)
-        _PROBES[key] = run_cases(backend, model, cases or standard_cases(), root, fault=fault, dtype=dtype,
-                                 data=data_for(model))
+        run = lambda where: run_cases(backend, model, cases or standard_cases(), where, fault=fault, dtype=dtype,
+                                      data=data_for(model))
+        if _SHARED is None:
+            _PROBES[key] = run(root)
+        else:
+            folder = _SHARED / "probes" / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            folder.mkdir(parents=True, exist_ok=True)
+            done = folder / "probes.pkl"
+            with FileLock(str(folder) + ".lock"):
+                if not done.exists():
+                    with open(done.with_suffix(".tmp"), "wb") as f:
+                        pickle.dump(run(folder), f)
+                    done.with_suffix(".tmp").replace(done)
+            with open(done, "rb") as f:
+                _PROBES[key] = pickle.load(f)
     return _PROBES[key]
