@@ -187,3 +187,22 @@ class ModelSpec:
 def default_inputs(layers: Any, index: int) -> tuple[str, ...]:
     """What layer `index` reads when it names no inputs: the previous layer (the model input for the first)."""
     return (INPUT,) if index == 0 else (layers[index - 1].name,)
+
+
+# --------------------------------------------------------------------------- the graph's edges, in every lowering
+def layer_input(layer: "LayerInfo", outs: dict[str, Any]) -> Any:
+    """What a layer computes on, from the outputs so far (`outs`, by layer name; INPUT the model input): an `add`
+    the sum of its inputs in `inputs` order, ((a + b) + c), so that every framework rounds the same sum; any other
+    layer its first input. Framework-free: the arrays' own `+`."""
+    x = outs[layer.inputs[0]]
+    if layer.kind == "add":
+        for src in layer.inputs[1:]:
+            x = x + outs[src]
+    return x
+
+
+def keep_output(outs: dict[str, Any], record: dict[str, Any] | None, name: str, x: Any) -> None:
+    """A layer's output kept for the layers after it, and in `record` (the per-layer probes) when one is given."""
+    outs[name] = x
+    if record is not None:
+        record[name] = x

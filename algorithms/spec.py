@@ -26,7 +26,7 @@ from .documents import parse_document
 # the data types (algorithms/model.py), re-exported: algorithms.spec is where every caller finds them
 from .model import (BASE_LAYER_KINDS, ELEMENTWISE_KINDS, GELU_APPROXIMATIONS, INITS, INPUT,  # noqa: F401
                     LAYER_FIELDS, MERGE_KINDS, OMITTED_AT_DEFAULT, PADDINGS, REQUIRED, SPATIAL_KINDS, LayerInfo,
-                    LayerSpec, ModelSpec, ParamInfo, SpecError, default_inputs)
+                    LayerSpec, ModelSpec, ParamInfo, SpecError, default_inputs, keep_output, layer_input)
 
 MODELS_DIR = Path(__file__).parent / "models"
 

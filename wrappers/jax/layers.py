@@ -16,7 +16,7 @@ from jax import lax
 
 from algorithms.faults import Seams
 from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, window_counts
-from algorithms.spec import INPUT, ModelSpec
+from algorithms.spec import INPUT, ModelSpec, keep_output, layer_input
 
 Params = dict[str, jax.Array]
 DN = ("NHWC", "HWIO", "NHWC")
@@ -63,11 +63,8 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
-        x = outs[layer.inputs[0]]
-        if k == "add":
-            for src in layer.inputs[1:]:
-                x = x + outs[src]
-        elif k == "concat":
+        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order
+        if k == "concat":
             x = jnp.concatenate([outs[src] for src in layer.inputs], axis=cat_axis)     # NHWC: channels last
         elif k == "conv2d":
             pads = seams.same_pads(layer) if o["padding"] == "same" else ((0, 0), (0, 0))
@@ -156,11 +153,9 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
             bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = x + bias
-        else:  # pragma: no cover - the spec validates kinds
+        elif k != "add":  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
-        outs[layer.name] = x
-        if record is not None:
-            record[layer.name] = x
+        keep_output(outs, record, layer.name, x)
     return x, new_buffers
 
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from algorithms.faults import Seams
 from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, is_asymmetric
-from algorithms.spec import INPUT, LayerInfo, ModelSpec
+from algorithms.spec import INPUT, LayerInfo, ModelSpec, keep_output, layer_input
 
 BUFFER_ROLES = ("running_mean", "running_var")
 
@@ -136,11 +136,8 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
-        x = outs[layer.inputs[0]]
-        if k == "add":                           # in `inputs` order, as torch and jax: ((a + b) + c)
-            for src in layer.inputs[1:]:
-                x = x + outs[src]
-        elif k == "concat":
+        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order
+        if k == "concat":
             x = tf.concat([outs[src] for src in layer.inputs], axis=cat_axis)   # NHWC: channels last (3)
         elif k == "conv2d":
             x = conv2d(layer, seams, x, p[f"{layer.name}.kernel"])
@@ -215,11 +212,9 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
             bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             if bias is not None:
                 x = tf.nn.bias_add(x, bias)
-        else:  # pragma: no cover - the spec validates kinds
+        elif k != "add":  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
-        outs[layer.name] = x
-        if record is not None:
-            record[layer.name] = x
+        keep_output(outs, record, layer.name, x)
     return x
 
 

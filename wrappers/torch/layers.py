@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from algorithms.faults import Seams, parts as fault_parts
 from algorithms.layout import (CHANNELS_FIRST, Pads, converters, flat_from_canonical, flat_sources,  # noqa: F401
                                flat_to_canonical, is_asymmetric)
-from algorithms.spec import INPUT, ModelSpec
+from algorithms.spec import INPUT, ModelSpec, keep_output, layer_input
 
 
 # ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
@@ -84,11 +84,8 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     for layer in model.layers:
         o = layer.spec.options
         k = layer.kind
-        x = outs[layer.inputs[0]]
-        if k == "add":
-            for src in layer.inputs[1:]:
-                x = x + outs[src]
-        elif k == "concat":
+        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order
+        if k == "concat":
             x = torch.cat([outs[src] for src in layer.inputs], dim=cat_axis)     # NCHW: channels are axis 1
         elif k == "conv2d":
             pad: tuple[int, int] | int = 0
@@ -166,11 +163,9 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
         elif k == "dense":
             bias = None if layer.name == no_bias else p.get(f"{layer.name}.bias")
             x = F.linear(x, p[f"{layer.name}.kernel"], bias)
-        else:  # pragma: no cover - the spec validates kinds
+        elif k != "add":  # pragma: no cover - the spec validates kinds
             raise NotImplementedError(k)
-        outs[layer.name] = x
-        if record is not None:
-            record[layer.name] = x
+        keep_output(outs, record, layer.name, x)
     return x
 
 
