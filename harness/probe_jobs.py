@@ -55,6 +55,11 @@ def _at_tag(at: list[int]) -> str:
     return f"{head}-rows{REPLAY_ACTIVATION_ROWS}"   # a cache of replays written with other rows is not mixed in
 
 
+def _nudged_files(folder: Path, at: list[int], seeds: tuple[int, ...]) -> dict[int, list[Path]]:
+    """Step -> the 1-ULP-nudged probes a replay job in `folder` wrote there, one per seed."""
+    return {t: [folder / f"{replay_probe_name(i, s)}.npz" for s in seeds] for i, t in enumerate(at)}
+
+
 def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
@@ -204,8 +209,7 @@ class ProbeJobs:
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
             cf, r64 = f_cand.result(), f_64.result()
-        sens = LazyProbeMap({t: [rf / f"{replay_probe_name(i, s)}.npz" for s in SENSITIVITY_SEEDS]
-                             for i, t in enumerate(at)})
+        sens = LazyProbeMap(_nudged_files(rf, at, SENSITIVITY_SEEDS))
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
@@ -249,7 +253,7 @@ class ProbeJobs:
         except BackendFailed as e:
             self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
             return {t: [] for t in at}
-        return {t: [folder / f"{replay_probe_name(i, s)}.npz" for s in seeds] for i, t in enumerate(at)}
+        return _nudged_files(folder, at, seeds)
 
     def more_sensitivity(self, ref: Run, rep: dict[str, Any]) -> dict[str, Any]:
         """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point: asked when a

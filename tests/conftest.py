@@ -15,6 +15,8 @@ from wrappers.registry import REGISTRY  # noqa: E402  (no framework imported: en
 
 ALL_BACKENDS = list(REGISTRY)   # every registered backend configuration, as each wrapper declares itself
 
+_SHARED: Path | None = None    # the folder this test run's xdist workers share (pytest_configure), None without xdist
+
 
 def pytest_configure(config) -> None:
     """JAX's persistent compilation cache, one per test run, shared by the xdist workers and every backend process
@@ -54,8 +56,7 @@ def across_workers(tmp_path_factory) -> Path:
     """A folder every pytest-xdist worker of this test run shares (the parent of their base temps), so that
     a result two workers need is made once: `make test` hands a module's tests to both workers now and then,
     and each worker's own session made the Keras collectors twice (measured: 456 s and 300 s for keras-jax)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return _SHARED or tmp_path_factory.getbasetemp()
 
 
 def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict, timeout: float) -> dict:
@@ -87,7 +88,6 @@ def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict
 
 
 _PROBES: dict = {}
-_SHARED: Path | None = None    # the folder this test run's xdist workers share (pytest_configure), None without xdist
 
 
 def data_for(model: str) -> str:

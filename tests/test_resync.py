@@ -424,10 +424,10 @@ def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
         unmoved = load_npz(plain / f"probe-{i}.npz")
         assert not np.array_equal(one["grad/fc1.kernel"], unmoved["grad/fc1.kernel"])
         assert not np.array_equal(one["grad/fc1.kernel"], two["grad/fc1.kernel"])
+    before = {p.name for p in (tmp_path / ".localize").iterdir()}
     rep = jobs.replay(ref, ref, [2, 4])
-    assert sorted(p.name for p in (tmp_path / ".localize").iterdir() if "nudge" not in p.name and p.name not in ("plain", ".tmp")) == [
-        f"replay__{ref.name}__{PJ._tag(ref)}__at2-4-rows8",
-        f"replay__{ref.name}__{PJ._tag(ref)}__from-{PJ._tag(ref)}__at2-4-rows8"]     # no process for the nudges
+    made = {p.name for p in (tmp_path / ".localize").iterdir()} - before
+    assert len(made) == 2 and not [m for m in made if "nudge" in m], made    # the reference's and the candidate's
     for t in (2, 4):
         for got, want in zip(rep["sensitivity"].get(t), (load_npz(f) for f in both[t])):
             assert all(np.array_equal(got[k], want[k]) for k in want)

@@ -230,16 +230,12 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     # null: the state itself (the default)
     nudges = [None if s is None else int(s) for s in r.get("perturb_state_ulps") or [None]]
     for i, t in enumerate(at):
-        state = load_npz(out_dir / states[t])   # an absolute path stays itself
+        params, opt = split(load_npz(out_dir / states[t]))   # an absolute path stays itself
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
         for seed in nudges:
-            if seed is None:
-                load(state, t)
-            else:
-                params, opt = split(state)
-                load({**{f"param/{n}": v for n, v in perturb_ulp(params, seed * 1_000_003 + t).items()},
-                      **{f"opt/{n}": v for n, v in opt.items()}}, t)
+            backend.load_params(params if seed is None else perturb_ulp(params, seed * 1_000_003 + t))
+            backend.load_opt_state(opt, t)
             name = replay_probe_name(i, seed)
             save_npz(out_dir / f"{name}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
