@@ -105,13 +105,6 @@ def check_params(model: ModelSpec, params: Params, source: str = "params") -> No
 REPLAY_ACTIVATION_ROWS = 8
 
 
-def replay_probe_name(point: int, nudge: int | None = None) -> str:
-    """The file stem a replay job writes for its `point`-th step (harness and worker both name it so):
-    probe-<point>, or probe-<point>-ulp<seed> from that state with the parameters moved 1 ULP (`nudge`, a seed;
-    one job probes every seed it is given)."""
-    return f"probe-{point}" if nudge is None else f"probe-{point}-ulp{nudge}"
-
-
 def thin_activations(probes: dict[str, np.ndarray], rows: int = REPLAY_ACTIVATION_ROWS) -> dict[str, np.ndarray]:
     """`forward/` and `eval/` feature maps (batch, H, W, C) of more than `rows` samples: every
     (batch // rows)-th sample; `rows` 0: every sample (a kink witness reads every ReLU input and max-pool

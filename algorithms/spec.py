@@ -16,6 +16,7 @@ or more. Every layer's output must be read by a later layer, except the last (th
 """
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -332,16 +333,18 @@ def model_names() -> list[str]:
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A built-in model by name, or a TOML file by path."""
+    """A built-in model by name, or a model file by path: TOML (what users write) or JSON (a declaration as
+    ModelSpec.to_dict gives it, e.g. a run manifest's `spec`)."""
     p = Path(name_or_path)
-    if p.suffix != ".toml":
+    if p.suffix not in (".toml", ".json"):
         p = MODELS_DIR / f"{name_or_path}.toml"
         if not p.exists():
             raise SpecError(f"unknown model {str(name_or_path)!r}; built-in models: {', '.join(model_names())}"
                             " (or give the path of a .toml file)")
     if not p.exists():
         raise SpecError(f"model file {p}: no such file")
-    decl = parse_document(p, tomllib.loads, bad=lambda e: SpecError(f"model file {p}: not valid TOML: {e}"))
+    fmt, parse = ("JSON", json.loads) if p.suffix == ".json" else ("TOML", tomllib.loads)
+    decl = parse_document(p, parse, bad=lambda e: SpecError(f"model file {p}: not valid {fmt}: {e}"))
     return build_model(decl, str(p))
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from algorithms.optim import HParams  # noqa: E402
 from harness import runner  # noqa: E402
-from harness.runner import RunConfig  # noqa: E402
+from algorithms.contract import RunConfig  # noqa: E402
 from harness.errors import BackendFailed  # noqa: E402
 
 OUT = Path(__file__).parent / "results"

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 from algorithms.optim import HParams  # noqa: E402
 from bench_step import machine, quantiles, versions  # noqa: E402
 from harness import runner  # noqa: E402
-from harness.runner import RunConfig  # noqa: E402
+from algorithms.contract import RunConfig  # noqa: E402
 from harness.errors import BackendFailed, BadInput  # noqa: E402
 
 RESULTS = HERE / "results"

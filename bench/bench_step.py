@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from algorithms.optim import HParams  # noqa: E402
 from harness import runner  # noqa: E402
-from harness.runner import RunConfig  # noqa: E402
+from algorithms.contract import RunConfig  # noqa: E402
 from harness.errors import BackendFailed, BadInput  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

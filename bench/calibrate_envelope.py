@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from algorithms.optim import HParams  # noqa: E402
 from harness import runner  # noqa: E402
 from harness.envelope import DEFAULT_RULE, check_series, compute, ulp32  # noqa: E402
-from harness.runner import RunConfig  # noqa: E402
+from algorithms.contract import RunConfig  # noqa: E402
 from harness.runs import SERIES, load_run  # noqa: E402
 
 FAULTS = {"momentum": ["lr_scale_1.001", "grad_double", "label_smoothing"],

@@ -50,7 +50,7 @@ from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import load_model  # noqa: E402
 from harness import runner  # noqa: E402
 from harness.matrix import run_key, up_to_date  # noqa: E402
-from harness.runner import RunConfig  # noqa: E402
+from algorithms.contract import RunConfig  # noqa: E402
 from harness.errors import BackendFailed, BadInput  # noqa: E402
 from bench_dp import DP_BACKENDS, git_state, loadavg, uptime  # noqa: E402  (one copy of the run-context helpers)
 

@@ -1,7 +1,7 @@
 """Where the harness's time goes: the worker loop (wrappers/worker.py run_train) taken apart, per step.
 
 Runs one backend in its own process with the environment the harness gives it (`python -m wrappers`'s
-_set_env), on the job the harness would write, and times every piece of the per-step loop separately:
+set_backend_env), on the job the harness would write, and times every piece of the per-step loop separately:
 batch gather, dropout masks, Backend.train_step, the row's bookkeeping (epoch, lr, batch checksum,
 CSV formatting and write), the progress line, and the periodic checkpoint and evaluation. Then it
 profiles train_step itself with cProfile and prints the functions where its time goes.
@@ -35,33 +35,32 @@ WARMUP = 10
 
 def make_job(backend: str, steps: int, root: Path) -> Path:
     """The job file runner.execute would write (train mode, default model and hyper-parameters)."""
+    from algorithms.contract import INIT_PARAMS_FILE, JOB_FILE, ORDER_FILE, Job, RunConfig
     from algorithms.optim import HParams
     from algorithms.params import save_npz
     from harness import runner
-    cfg = runner.RunConfig(backend=backend, hparams=HParams(steps=steps))
+    cfg = RunConfig(backend=backend, hparams=HParams(steps=steps))
     prep = runner.prepare(cfg, root)
     out = root / "out"
     out.mkdir(parents=True, exist_ok=True)
-    np.save(root / "order.npy", prep.order)
-    save_npz(root / "init_params.npz", prep.params)
-    options = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout,
-               "fault": cfg.fault, "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
-    job = {"mode": "train", "backend": backend, "model": prep.model.to_dict(), "model_source": str(prep.model.source),
-           "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(root / "order.npy"),
-           "params": str(root / "init_params.npz"), "out": str(out), "options": options, "probe_steps": 3,
-           "cases": None}
-    path = root / "job.json"
-    path.write_text(json.dumps(job))
+    np.save(root / ORDER_FILE, prep.order)
+    save_npz(root / INIT_PARAMS_FILE, prep.params)
+    job = Job(mode="train", backend=backend, model=prep.model.to_dict(), model_source=str(prep.model.source),
+              hparams=cfg.hparams, data=str(prep.dataset_path), order=str(root / ORDER_FILE),
+              params=str(root / INIT_PARAMS_FILE), out=str(out), options=cfg.options)
+    path = root / JOB_FILE
+    job.write(path)
     return path
 
 
 def child(job_path: str, top: int) -> None:
     """In the backend's process: the worker loop, piece by piece."""
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import Job
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    job = json.loads(Path(job_path).read_text())
-    entry = REGISTRY[job["backend"]]
-    _set_env(entry, job)
+    job = Job.read(job_path)
+    entry = REGISTRY[job.backend]
+    set_backend_env(entry, job.options)
     from algorithms import data as D
     from algorithms.params import load_npz, save_npz
     from wrappers import worker as W
@@ -69,11 +68,11 @@ def child(job_path: str, top: int) -> None:
     backend = W.build_backend(job, entry.load())
     backend.name = entry.name
     model, hp, opts = backend.model, backend.hp, backend.opts
-    arrays = load_npz(job["data"])
+    arrays = load_npz(job.data)
     x_tr, y_tr, x_te, y_te = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
-    order = np.load(job["order"])
-    backend.load_params(load_npz(job["params"]))
-    out_dir = Path(job["out"])
+    order = np.load(job.order)
+    backend.load_params(load_npz(job.params))
+    out_dir = Path(job.out)
     n_train = len(x_tr)
     t: dict[str, list[float]] = {k: [] for k in ("gather", "masks", "train_step", "epoch+lr", "checksum",
                                                  "fmt+write", "progress", "iteration")}
@@ -117,7 +116,7 @@ def child(job_path: str, top: int) -> None:
                 periodic["checkpoint"].append(pc() - a)
             if done % hp.eval_every == 0:
                 a = pc(); fs.flush(); backend.evaluate(x_te, y_te); periodic["evaluate"].append(pc() - a)
-    res = {"backend": job["backend"], "steps": hp.steps,
+    res = {"backend": job.backend, "steps": hp.steps,
            "p10_us": {k: float(np.percentile(v[WARMUP:], 10)) * 1e6 for k, v in t.items()},
            "median_us": {k: statistics.median(v[WARMUP:]) * 1e6 for k, v in t.items()},
            "mean_us": {k: float(np.mean(v[WARMUP:])) * 1e6 for k, v in t.items()},

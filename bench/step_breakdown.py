@@ -352,16 +352,17 @@ VARIANTS = {"torch": torch_variants, "keras-jax": keras_variants, "keras-tensorf
 
 
 def child(job_path: str, rounds: int, block: int, warmup: int, only: list[str] | None = None) -> None:
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import Job
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    job = json.loads(Path(job_path).read_text())
-    entry = REGISTRY[job["backend"]]
-    _set_env(entry, job)
+    job = Job.read(job_path)
+    entry = REGISTRY[job.backend]
+    set_backend_env(entry, job.options)
     from algorithms.params import load_npz
     from wrappers import worker as W
 
     cls = entry.load()
-    init = load_npz(job["params"])
+    init = load_npz(job.params)
 
     def make_backend():
         b = W.build_backend(job, cls)
@@ -369,9 +370,9 @@ def child(job_path: str, rounds: int, block: int, warmup: int, only: list[str] |
         b.load_params(init)
         return b
 
-    arrays = load_npz(job["data"])
-    order = np.load(job["order"])
-    variants = VARIANTS[job["backend"]](make_backend, (arrays["x_train"], arrays["y_train"], order))
+    arrays = load_npz(job.data)
+    order = np.load(job.order)
+    variants = VARIANTS[job.backend](make_backend, (arrays["x_train"], arrays["y_train"], order))
     if only:
         variants = {n: f for n, f in variants.items() if n in only or n == "hand"}   # hand: the reference
     x_tr, y_tr = arrays["x_train"], arrays["y_train"]
@@ -411,7 +412,7 @@ def child(job_path: str, rounds: int, block: int, warmup: int, only: list[str] |
     def p10(a: list[float]) -> float:
         return float(np.percentile(a, 10))
     hand, hand10 = statistics.median(times["hand"]), p10(times["hand"])
-    res = {"backend": job["backend"], "rounds": rounds, "block": block,
+    res = {"backend": job.backend, "rounds": rounds, "block": block,
            "variants": [{"variant": n, "median_us": statistics.median(times[n]) * 1e6,
                          "p10_us": p10(times[n]) * 1e6,
                          "ratio_to_hand": statistics.median(times[n]) / hand,

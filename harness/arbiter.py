@@ -88,6 +88,8 @@ def variant(run, backend: str | None = None, **options: Any):
     tag = "__".join(f"{k}-{v}" for k, v in sorted(options.items())
                     if k not in ("extra", "fault") and before.get(k) != v) or "same"
     man["options"] = dict(before, **options)
+    if "config" in man:    # what config_of regenerates the variant's jobs from
+        man["config"] = dict(man["config"], backend=man["backend"], **options)
     return Run(run.path.parent / f"{run.name}__{backend or run.backend}__{tag}", man, run.step, run.values,
                run.checksum, run.eval_step)
 

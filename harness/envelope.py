@@ -42,6 +42,8 @@ from typing import Callable
 
 import numpy as np
 
+from algorithms.contract import MANIFEST_FILE
+
 from .errors import BackendFailed
 from .runs import SERIES, Run, check_reproduces, config_of, load_run, same_config
 
@@ -333,9 +335,9 @@ def _cached_run(ref: Run, change: dict, root: Path, timeout: float | None, log: 
     prep = runner.prepare(cfg, root)
     check_reproduces(ref.manifest, cfg, prep, "the envelope")
     folder = root / cfg.default_name(prep.model.name)
-    if (folder / "manifest.json").is_file():
+    if (folder / MANIFEST_FILE).is_file():
         try:
-            if same_config(json.loads((folder / "manifest.json").read_text()), cfg, ref.manifest):
+            if same_config(json.loads((folder / MANIFEST_FILE).read_text()), cfg, ref.manifest):
                 return load_run(folder)
         except Exception:   # an unreadable cached run is simply made again
             pass

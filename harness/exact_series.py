@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.contract import EVAL_FILE, STEPS_FILE
+
 from .errors import BadInput
 from .runs import EVAL_SERIES, STEP_SERIES, Run, load_run
 
@@ -72,7 +74,7 @@ def _read_csv_exact(path: Path) -> dict[str, np.ndarray]:
 
 def read_series(folder: Path) -> Series:
     """The exact numbers of a complete run folder (steps.csv and eval.csv)."""
-    return Series(_read_csv_exact(Path(folder) / "steps.csv"), _read_csv_exact(Path(folder) / "eval.csv"))
+    return Series(_read_csv_exact(Path(folder) / STEPS_FILE), _read_csv_exact(Path(folder) / EVAL_FILE))
 
 
 def as_run(path: Path, manifest: dict[str, Any], s: Series) -> Run:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from algorithms.contract import MANIFEST_FILE
 from algorithms.documents import parse_document
 from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import OPTIMIZERS, HParamError, HParams
@@ -26,7 +27,7 @@ from .files import atomic_write_text
 from .progress import RunsProgress
 from .defaults import MATRICES_DIR, REFERENCE
 from .errors import BackendFailed, BadInput
-from .runner import RunConfig
+from algorithms.contract import RunConfig
 
 LIST_FIELDS = {"models": str, "backends": str, "devices": int, "seeds": int, "optimizers": str, "faults": str}
 SCALAR_FIELDS = {"name": str, "data": str, "steps": int, "batch_size": int, "reference": str, "envelope_k": int,
@@ -244,7 +245,7 @@ def run_key(cfg: RunConfig, prep: runner.Prepared) -> str:
 
 def up_to_date(folder: Path, key: str) -> bool:
     try:
-        man = json.loads((folder / "manifest.json").read_text())
+        man = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
     return man.get("status") == "complete" and man.get("run_key") == key

@@ -18,12 +18,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, replay_probe_name
+from algorithms.contract import WORKER_FILE, Replay, checkpoints_in, probe_file_stem, replay_probe_stem, replay_state_file
+from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import runner
 from .errors import BackendFailed
 from .matrix import run_key, up_to_date
 from .runs import Run, check_reproduces, config_of
+
 
 def same_path(a: Run, b: Run) -> bool:
     """Same backend and options (a fault or a weight perturbation aside): the same arithmetic."""
@@ -44,8 +46,7 @@ def change_tag(change: dict[str, Any]) -> str:
 
 def checkpoints(run: Run) -> dict[int, Path]:
     """The run's saved states: step -> checkpoints/step_NNNNNNN.npz (taken after that many steps)."""
-    d = run.path / "checkpoints"
-    return {int(p.stem.split("_")[1]): p for p in sorted(d.glob("step_*.npz"))} if d.is_dir() else {}
+    return checkpoints_in(run.path)
 
 
 def _at_tag(at: list[int]) -> str:
@@ -57,7 +58,7 @@ def _at_tag(at: list[int]) -> str:
 
 def _nudged_files(folder: Path, at: list[int], seeds: tuple[int, ...]) -> dict[int, list[Path]]:
     """Step -> the 1-ULP-nudged probes a replay job in `folder` wrote there, one per seed."""
-    return {t: [folder / f"{replay_probe_name(i, s)}.npz" for s in seeds] for i, t in enumerate(at)}
+    return {t: [folder / f"{replay_probe_stem(i, s)}.npz" for s in seeds] for i, t in enumerate(at)}
 
 
 def _tag(run: Run) -> str:
@@ -130,32 +131,32 @@ class ProbeJobs:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
-    def _job(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+    def _job(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
         with self._locks_guard:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
-            return self._job_once(run, name, mode, job_extra, **change)
+            return self._job_once(run, name, mode, replay, **change)
 
-    def _job_once(self, run: Run, name: str, mode: str, job_extra: dict | None = None, **change: Any) -> Path:
+    def _job_once(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
         """The job's folder, run unless a complete one with the same content key is there: the key covers
         the backend's sources and framework versions (matrix.run_key), so a job cached before a change of
         the wrapper's code or an upgrade is run again, not reused."""
         folder = self.jobs / name
         cfg = config_of(run.manifest, self.root, **change)
         prep = runner.prepare(cfg, self.root)
-        key = hashlib.sha256(json.dumps([run_key(cfg, prep), mode, job_extra], sort_keys=True,
+        key = hashlib.sha256(json.dumps([run_key(cfg, prep), mode, replay and replay.to_dict()], sort_keys=True,
                                         default=str).encode()).hexdigest()[:20]
-        if (folder / "worker.json").is_file() and up_to_date(folder, key):
+        if (folder / WORKER_FILE).is_file() and up_to_date(folder, key):
             return folder
         check_reproduces(run.manifest, cfg, prep, f"the {mode} job")
         self.log(f"localize: {mode} {cfg.backend} ({name})")
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
-                              job_extra=job_extra, manifest_extra={"run_key": key})
+                              replay=replay, manifest_extra={"run_key": key})
 
     def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
         tag = "__" + change_tag(change) if change else ""
         f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
-        return load_npz(f / "probe-0.npz")
+        return load_npz(f / f"{probe_file_stem(0)}.npz")
 
     def probe64(self, ref: Run, cand: Run, **change: Any) -> dict[str, np.ndarray] | None:
         """The reference configuration (with `change`) probed in float64, for the tolerance of probes computed
@@ -187,21 +188,22 @@ class ProbeJobs:
         # the reference's own 1-ULP-nudged steps (SENSITIVITY_SEEDS) are probed by the same process, from the
         # same states (a process start costs more than the probes)
         rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
-                       {"replay": {"at": at, "checkpoints": {str(t): str(f) for t, f in cks.items()},
-                                   "probe_steps": 1, "perturb_state_ulps": [None, *SENSITIVITY_SEEDS]}})
-        done = json.loads((rf / "worker.json").read_text()).get("states") or {}
-        states = {str(t): str(rf / done.get(str(t), f"state_{t:07d}.npz")) for t in at}   # absolute stays itself
+                       Replay(at, checkpoints={t: str(f) for t, f in cks.items()},
+                              perturb_state_ulps=[None, *SENSITIVITY_SEEDS]))
+        done = json.loads((rf / WORKER_FILE).read_text()).get("states") or {}
+        states = {str(t): str(rf / done.get(str(t), replay_state_file(t))) for t in at}   # absolute stays itself
+        from_states = Replay(at, states={int(t): p for t, p in states.items()})
         # every job below needs only the reference's states: they run `self.parallel` at a time
         def candidate_job() -> Path:
             return self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
-                             {"replay": {"at": at, "states": states, "probe_steps": 1}})
+                             from_states)
 
         def float64_job() -> Path | None:
             if not has_float64_reference(ref, cand):
                 return None
             try:
                 return self._job(ref, f"replay__{ref.name}__{_tag(ref)}__float64__{tag}", "replay",
-                                 {"replay": {"at": at, "states": states, "probe_steps": 1}}, dtype="float64")
+                                 from_states, dtype="float64")
             except BackendFailed as e:
                 self.log(f"localize: no float64 reference replay ({str(e).splitlines()[0]}); fixed tolerance")
                 return None
@@ -213,16 +215,15 @@ class ProbeJobs:
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
-                            {"replay": {"at": at, "states": states, "probe_steps": 1}}, **change)
+                            from_states, **change)
             if has_float64_reference(ref, cand):
                 try:
                     e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
-                                    "replay", {"replay": {"at": at, "states": states, "probe_steps": 1}},
-                                    **dict(change, dtype="float64"))
-                    emu64 = LazyProbeMap({t: e64 / f"probe-{i}.npz" for i, t in enumerate(at)})
+                                    "replay", from_states, **dict(change, dtype="float64"))
+                    emu64 = LazyProbeMap({t: e64 / f"{probe_file_stem(i)}.npz" for i, t in enumerate(at)})
                 except BackendFailed as e:
                     self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
-        worker = json.loads((rf / "worker.json").read_text())
+        worker = json.loads((rf / WORKER_FILE).read_text())
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
         repro = None
         if len(rows):
@@ -237,9 +238,10 @@ class ProbeJobs:
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
                 "emulated64": emu64, "sensitivity": sens,
-                "probes": ReplayProbes([(t, (cf / f"probe-{i}.npz", (emu or rf) / f"probe-{i}.npz",
-                                              r64 / f"probe-{i}.npz" if r64 else None,
-                                              rf / f"probe-{i}.npz" if emu else None)) for i, t in enumerate(at)])}
+                "probes": ReplayProbes([(t, (cf / f"{probe_file_stem(i)}.npz", (emu or rf) / f"{probe_file_stem(i)}.npz",
+                                              r64 / f"{probe_file_stem(i)}.npz" if r64 else None,
+                                              rf / f"{probe_file_stem(i)}.npz" if emu else None))
+                                         for i, t in enumerate(at)])}
 
     def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seeds: tuple[int, ...]) -> dict[int, list[Path]]:
         """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP,
@@ -248,8 +250,8 @@ class ProbeJobs:
         reference's own 1-ULP nudge. Step -> the probe files (none where the job failed)."""
         name = f"replay__{ref.name}__{_tag(ref)}__nudge{'-'.join(map(str, seeds))}__{_at_tag(at)}"
         try:
-            folder = self._job(ref, name, "replay", {"replay": {"at": at, "states": states, "probe_steps": 1,
-                                                                "perturb_state_ulps": list(seeds)}})
+            folder = self._job(ref, name, "replay", Replay(at, states={int(t): p for t, p in states.items()},
+                                                           perturb_state_ulps=list(seeds)))
         except BackendFailed as e:
             self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
             return {t: [] for t in at}
@@ -277,8 +279,7 @@ class ProbeJobs:
         (a float64 or same-path reference) or a job failed."""
         if not has_float64_reference(ref, cand):
             return None
-        extra = {"replay": {"at": [t], "states": {str(t): rep["states"][str(t)]}, "probe_steps": 1,
-                            "activation_rows": 0}}
+        extra = Replay([t], states={t: rep["states"][str(t)]}, activation_rows=0)
         tag, wide = f"at{t}-rows-all", dict(change or {}, dtype="float64")
         try:
             with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
@@ -286,7 +287,8 @@ class ProbeJobs:
                                  "replay", extra)
                 fz = pool.submit(self._job, ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(wide)}__{tag}",
                                  "replay", extra, **wide)
-                return load_npz(fc.result() / "probe-0.npz"), load_npz(fz.result() / "probe-0.npz")
+                stem = probe_file_stem(0)
+                return load_npz(fc.result() / f"{stem}.npz"), load_npz(fz.result() / f"{stem}.npz")
         except BackendFailed as e:
             self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
             return None

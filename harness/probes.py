@@ -233,13 +233,14 @@ def run_cases(backend: str, model: str, cases: dict, out_root, *, fault: str | N
               probe_steps: int = 3, data: str = "digits", **cfg_kw) -> dict[str, ProbeResult]:
     """Probe `backend` on every case in one process; returns case name -> ProbeResult."""
     import json
+    from algorithms.contract import RunConfig, probe_file_stem
     from algorithms.params import load_npz
-    from .runner import RunConfig, execute
+    from .runner import execute
     names = list(cases)
     cfg = RunConfig(model=model, backend=backend, hparams=cases[names[0]], data=data, fault=fault, **cfg_kw)
     label = Path(model).stem if model.endswith(".toml") else model   # a spec file's path names no folder
     folder = execute(cfg, out_root, f"probe__{label}__{backend}__{fault or 'clean'}__{cfg.dtype}", mode="probe",
                      probe_steps=probe_steps, cases=[cases[n] for n in names])
-    return {n: ProbeResult(load_npz(folder / f"probe-{i}.npz"),
-                           json.loads((folder / f"probe-{i}.json").read_text())["declared_differences"])
+    return {n: ProbeResult(load_npz(folder / f"{probe_file_stem(i)}.npz"),
+                           json.loads((folder / f"{probe_file_stem(i)}.json").read_text())["declared_differences"])
             for i, n in enumerate(names)}

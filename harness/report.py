@@ -16,6 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
+
 from .compare_output import odd_one_out_line, other_pairs_lines
 from .files import atomic_write_text
 
@@ -67,7 +69,7 @@ def fig_curves(runs: dict[str, Path], title: str) -> str:
     fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
     for ax, s in zip(axes.ravel(), SERIES):
         for label, folder in runs.items():
-            src = folder / ("eval.csv" if s.startswith("eval_") else "steps.csv")
+            src = folder / (EVAL_FILE if s.startswith("eval_") else STEPS_FILE)
             try:
                 df = pd.read_csv(src)
             except (OSError, pd.errors.ParserError):
@@ -121,8 +123,8 @@ def fig_timing(runs: dict[str, Path]) -> str | None:
     rows = []
     for label, folder in runs.items():
         try:
-            t = pd.read_csv(folder / "steps.csv", usecols=["step_time_s"])["step_time_s"]
-            man = json.loads((folder / "manifest.json").read_text())
+            t = pd.read_csv(folder / STEPS_FILE, usecols=["step_time_s"])["step_time_s"]
+            man = json.loads((folder / MANIFEST_FILE).read_text())
         except (OSError, ValueError):
             continue
         rows.append((label, 1e3 * float(t.iloc[min(10, len(t) - 1):].median()), man.get("options", {}).get("devices", 1)))
@@ -189,7 +191,7 @@ def environment_table(folders: list[Path]) -> str:
     rows = []
     for f in folders:
         try:
-            m = json.loads((f / "manifest.json").read_text())
+            m = json.loads((f / MANIFEST_FILE).read_text())
         except (OSError, ValueError):
             continue
         det = ", ".join(f"{k}={v}" for k, v in (m.get("determinism") or {}).items())
@@ -205,7 +207,7 @@ def declared_table(folders: list[Path]) -> str:
     seen: dict[str, tuple[dict, list[str]]] = {}
     for f in folders:
         try:
-            m = json.loads((f / "manifest.json").read_text())
+            m = json.loads((f / MANIFEST_FILE).read_text())
         except (OSError, ValueError):
             continue
         for d in m.get("declared_differences", []):

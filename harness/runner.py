@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -28,58 +28,18 @@ from typing import Any, Callable
 import numpy as np
 
 from algorithms import data as D
+from algorithms.contract import (INIT_PARAMS_FILE, JOB_FILE, MANIFEST_FILE, ORDER_FILE, RUN_LOG,
+                                 STEPS_FILE, WORKER_FILE, Job, Replay, RunConfig)
 from algorithms.differences import describe
 from algorithms.faults import check_fault
 from algorithms.optim import HParams
 from algorithms.params import check_params, init_params, params_hash, perturb_ulp, save_npz
 from algorithms.spec import ModelSpec, load_model
 
-from .defaults import REFERENCE
 from .errors import BackendFailed, BadInput, CannotLower
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = 1
-
-@dataclass
-class RunConfig:
-    model: str = "cnn2d_2conv_2fc"
-    backend: str = REFERENCE
-    hparams: HParams = field(default_factory=HParams)
-    data: str = "digits"
-    threads: int = 1
-    deterministic: bool = True
-    dropout: str = "harness"
-    fault: str | None = None
-    devices: int = 1
-    jit: bool = True
-    dtype: str = "float32"
-    perturb_ulp: int | None = None       # seed of a 1-ULP perturbation of the initial weights
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def default_name(self, model_name: str) -> str:
-        h = self.hparams
-        parts = [model_name, self.backend, f"{h.optimizer}-{h.schedule}", f"s{h.seed}"]
-        if h.init_seed:
-            parts.append(f"init{h.init_seed}")
-        if self.devices > 1:
-            parts.append(f"dp{self.devices}")
-        if self.dtype != "float32":
-            parts.append(self.dtype)
-        if self.perturb_ulp is not None:
-            parts.append(f"ulp{self.perturb_ulp}")
-        if self.fault:
-            parts.append(f"fault-{self.fault}")
-        if self.threads != 1:
-            parts.append(f"t{self.threads}")
-        if not self.jit:
-            parts.append("eager")
-        if self.dropout != "harness":     # framework-RNG masks: another run than the harness-masked one
-            parts.append(f"dropout-{self.dropout}")
-        for k, v in sorted(self.extra.items()):
-            if k != "port":          # where to meet, not what is computed
-                parts.append(k if v is True else f"{k}-{v}")
-        return "__".join(parts)
-
 
 @functools.lru_cache(maxsize=1)
 def backend_info() -> dict[str, dict[str, Any]]:
@@ -191,6 +151,14 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
     return Prepared(model, data_path, ds.meta, order, params, params_hash(params), base_hash)
 
 
+def comparability_hashes(cfg: RunConfig, prep: Prepared) -> dict[str, str]:
+    """What must be equal for two runs to be compared step by step (harness.runs.COMPARABILITY): the model,
+    the data, the batch order, the unperturbed initial weights and the hyper-parameters, as hashes."""
+    return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
+            "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
+            "base_weights_hash": prep.base_weights_hash, "hparams_hash": hash_json(cfg.hparams.to_dict())}
+
+
 def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
     """The worker's progress lines until it closes its output; the process is killed at `deadline` even when it
     prints nothing (a long run reports every 1% of its steps; a hung one never again), so the lines are read by
@@ -232,7 +200,7 @@ PROBE_STEPS = 3
 def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
             probe_steps: int = PROBE_STEPS, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
-            job_extra: dict[str, Any] | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
+            replay: Replay | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
     """Run one job; returns the published folder (absolute). Raises BadInput or BackendFailed.
     Every path in the job file is absolute, so the worker's working directory does not matter."""
     out_root = user_path(out_root)
@@ -247,21 +215,20 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     tmp_root = out_root / ".tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root))
-    np.save(tmp / "order.npy", prep.order)
-    save_npz(tmp / "init_params.npz", prep.params)
-    options = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout,
-               "fault": cfg.fault, "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
-    job = {"mode": mode, "backend": cfg.backend, "model": prep.model.to_dict(), "model_source": _source(prep.model.source),
-           "hparams": cfg.hparams.to_dict(), "data": str(prep.dataset_path), "order": str(tmp / "order.npy"),
-           "params": str(tmp / "init_params.npz"), "out": str(tmp), "options": options, "probe_steps": probe_steps,
-           "cases": [c.to_dict() for c in cases] if cases else None, **(job_extra or {})}
-    (tmp / "job.json").write_text(json.dumps(job, indent=2))
+    np.save(tmp / ORDER_FILE, prep.order)
+    save_npz(tmp / INIT_PARAMS_FILE, prep.params)
+    options = cfg.options
+    job = Job(mode=mode, backend=cfg.backend, model=prep.model.to_dict(), model_source=_source(prep.model.source),
+              hparams=cfg.hparams, data=str(prep.dataset_path), order=str(tmp / ORDER_FILE),
+              params=str(tmp / INIT_PARAMS_FILE), out=str(tmp), options=options, probe_steps=probe_steps,
+              cases=cases or None, replay=replay)
+    job.write(tmp / JOB_FILE)
     started = datetime.now(timezone.utc)
     t0 = time.time()
-    with open(tmp / "run.log", "w") as log:
+    with open(tmp / RUN_LOG, "w") as log:
         log.write(f"# duipai {mode}: {name}\n# {' '.join(sys.argv)}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / "job.json")],
+        proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / JOB_FILE)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=PROJECT_ROOT, env=_child_env())
         try:
             last = stream_progress(proc, on_progress, t0 + timeout if timeout else None)
@@ -274,28 +241,26 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
             proc.wait()
             _fail(tmp, out_root, name)
             raise
-    if rc != 0 or not (tmp / "worker.json").exists():
+    if rc != 0 or not (tmp / WORKER_FILE).exists():
         kept = _fail(tmp, out_root, name)
         if "unsupported" in last:
-            raise BackendFailed(str(last["unsupported"]), kept / "run.log", unsupported=True)
+            raise BackendFailed(str(last["unsupported"]), kept / RUN_LOG, unsupported=True)
         why = "timed out" if last.get("timeout") else f"exited with code {rc}"
-        tail = log_tail(kept / "run.log")
-        raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / "run.log")
-    worker = json.loads((tmp / "worker.json").read_text())
+        tail = log_tail(kept / RUN_LOG)
+        raise BackendFailed(f"backend {cfg.backend} {why}; log: {kept / 'run.log'}\n{tail}", kept / RUN_LOG)
+    worker = json.loads((tmp / WORKER_FILE).read_text())
     if mode == "train":  # a train run is complete only with every step's row
-        n_rows = sum(1 for _ in open(tmp / "steps.csv")) - 1
+        n_rows = sum(1 for _ in open(tmp / STEPS_FILE)) - 1
         if n_rows != cfg.hparams.steps:
             kept = _fail(tmp, out_root, name)
-            raise BackendFailed(f"backend {cfg.backend} wrote {n_rows} of {cfg.hparams.steps} steps; log: {kept}/run.log")
+            raise BackendFailed(f"backend {cfg.backend} wrote {n_rows} of {cfg.hparams.steps} steps; log: {kept / RUN_LOG}")
     manifest = {
         "schema": SCHEMA, "status": "complete", "kind": mode, "run": name, "backend": cfg.backend,
-        "framework": worker.get("framework"), "model": prep.model.name, "spec_hash": prep.model.hash(),
-        "spec": prep.model.to_dict(), "data": prep.dataset_meta, "data_hash": prep.dataset_meta["hash"],
-        "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
-        "weights_hash": prep.weights_hash, "base_weights_hash": prep.base_weights_hash,
+        "framework": worker.get("framework"), "model": prep.model.name, **comparability_hashes(cfg, prep),
+        "spec": prep.model.to_dict(), "data": prep.dataset_meta, "weights_hash": prep.weights_hash,
         "init": {"seed": cfg.hparams.init_seed, "perturb_ulp_seed": cfg.perturb_ulp},
-        "hparams": cfg.hparams.to_dict(), "hparams_hash": hash_json(cfg.hparams.to_dict()),
-        "options": options, "fault": cfg.fault,
+        "hparams": cfg.hparams.to_dict(),
+        "options": options.to_dict(), "fault": cfg.fault, "config": _stored_config(cfg),
         "versions": worker.get("versions", {}), "devices": worker.get("devices", []),
         "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
         "declared_differences": describe(worker.get("declared_differences", [])),
@@ -306,10 +271,22 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "command": " ".join(sys.argv),
         **(manifest_extra or {}),
     }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-    (tmp / "job.json").unlink()
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
+    (tmp / JOB_FILE).unlink()
     _publish(tmp, final)
     return final
+
+
+def _stored_config(cfg: RunConfig) -> dict[str, Any]:
+    """The configuration as the manifest keeps it: a model or data file as an absolute path, so that the run
+    can be regenerated from any working directory (algorithms.data.load_data's `path.csv[,test.csv]` too)."""
+    d = cfg.to_dict()
+    if Path(cfg.model).is_file():
+        d["model"] = str(user_path(cfg.model))
+    parts = cfg.data.split(",")
+    if all(Path(p).is_file() for p in parts):
+        d["data"] = ",".join(str(user_path(p)) for p in parts)
+    return d
 
 
 def _source(source: str) -> str:

@@ -14,16 +14,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from algorithms.contract import (EVAL_COLUMNS, EVAL_FILE, EVAL_SERIES, MANIFEST_FILE, STEP_COLUMNS, STEP_SERIES,
+                                 STEPS_FILE, RunConfig)
 from algorithms.documents import parse_document
 
 from .errors import BadInput
-from .runner import RunConfig
 
-STEP_SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr")
-EVAL_SERIES = ("eval_loss", "eval_accuracy")
 SERIES = STEP_SERIES + EVAL_SERIES
-STEP_COLUMNS = ("step", "epoch") + STEP_SERIES + ("batch_checksum", "step_time_s")
-EVAL_COLUMNS = ("step",) + EVAL_SERIES
 
 CHECKSUM_WIDTH = 24   # bytes read per batch_checksum (algorithms.data writes 12 hex digits)
 
@@ -119,9 +116,9 @@ def load_run(path: str | Path) -> Run:
     p = Path(path).resolve()   # backend jobs run in the project root: every path they get is absolute
     if not p.is_dir():
         raise BadInput(f"{p}: not a run folder")
-    mp = p / "manifest.json"
+    mp = p / MANIFEST_FILE
     if not mp.is_file():
-        raise BadInput(f"{p}: no manifest.json (not a duipai run folder, or an unfinished run)")
+        raise BadInput(f"{p}: no {MANIFEST_FILE} (not a duipai run folder, or an unfinished run)")
     man = parse_document(mp, json.loads, bad=lambda e: BadInput(f"{mp}: not valid JSON ({e})"))
     if man.get("status") != "complete":
         raise BadInput(f"{p}: manifest status is {man.get('status')!r}, not 'complete'")
@@ -130,26 +127,26 @@ def load_run(path: str | Path) -> Run:
     missing = [k for k in COMPARABILITY if k not in man]
     if missing:
         raise BadInput(f"{mp}: missing field(s) {', '.join(missing)}")
-    s = _read_csv(p / "steps.csv", STEP_COLUMNS, "per-step series")
-    e = _read_csv(p / "eval.csv", EVAL_COLUMNS, "evaluation series")
+    s = _read_csv(p / STEPS_FILE, STEP_COLUMNS, "per-step series")
+    e = _read_csv(p / EVAL_FILE, EVAL_COLUMNS, "evaluation series")
     want = int((man.get("hparams") or {}).get("steps", len(s)))
     if len(s) != want:
-        raise BadInput(f"{p / 'steps.csv'}: truncated: {len(s)} rows, the manifest promises {want} steps")
+        raise BadInput(f"{p / STEPS_FILE}: truncated: {len(s)} rows, the manifest promises {want} steps")
     step = s["step"].to_numpy(np.int64)
-    _check_steps(p / "steps.csv", step)
+    _check_steps(p / STEPS_FILE, step)
     if len(step) and step[0] != 0:
-        raise BadInput(f"{p / 'steps.csv'}: starts at step {step[0]}, not 0")
+        raise BadInput(f"{p / STEPS_FILE}: starts at step {step[0]}, not 0")
     estep = e["step"].to_numpy(np.int64)
-    _check_steps(p / "eval.csv", estep)
+    _check_steps(p / EVAL_FILE, estep)
     if len(estep) and estep[-1] < want:
-        raise BadInput(f"{p / 'eval.csv'}: truncated: last evaluation at step {estep[-1]}, the run has {want} steps")
+        raise BadInput(f"{p / EVAL_FILE}: truncated: last evaluation at step {estep[-1]}, the run has {want} steps")
     values = {c: s[c].to_numpy(np.float64) for c in STEP_SERIES}
     values.update({c: e[c].to_numpy(np.float64) for c in EVAL_SERIES})
     return Run(p, man, step, values, s["batch_checksum"].to_numpy().astype(bytes), estep)
 
 
 def is_run_folder(p: Path) -> bool:
-    return (p / "manifest.json").is_file() and (p / "steps.csv").is_file()
+    return (p / MANIFEST_FILE).is_file() and (p / STEPS_FILE).is_file()
 
 
 def discover(root: Path) -> list[Path]:
@@ -159,7 +156,7 @@ def discover(root: Path) -> list[Path]:
         if d.name.startswith(".") or not d.is_dir() or not is_run_folder(d):
             continue
         try:
-            man = json.loads((d / "manifest.json").read_text())
+            man = json.loads((d / MANIFEST_FILE).read_text())
         except (OSError, json.JSONDecodeError):
             continue
         if man.get("kind", "train") == "train" and man.get("status") == "complete":
@@ -222,82 +219,56 @@ def comparability_key(run: Run) -> tuple:
 
 # --------------------------------------------------------------------------- regenerating a configuration
 def _data_spec(source: str) -> str:
-    """The `--data` argument that reproduces a dataset, from its manifest `source`."""
-    if source == "digits":
-        return "digits"
-    m = re.fullmatch(r"synthetic\(n=(\d+),.*\)", source)
-    if m:
-        return f"synthetic:{m.group(1)}"
+    """The `--data` argument that reproduces a dataset, from its manifest `source`: only for a run folder
+    written before manifests stored their configuration (`config`)."""
+    if source.startswith("synthetic(n="):
+        return f"synthetic:{source[len('synthetic(n='):].split(',', 1)[0]}"
     if source.startswith(("csv:", "npz:")):
         return source.split(":", 1)[1]
     return source
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def spec_toml(spec: dict[str, Any]) -> str:
-    """The normalised spec of a manifest as a TOML model file (for specs that are not built in)."""
-    lines = [f"name = {_toml_value(spec['name'])}", f"input_shape = {_toml_value(spec['input_shape'])}",
-             f"num_classes = {_toml_value(spec['num_classes'])}"]
-    for layer in spec["layers"]:
-        lines += ["", "[[layers]]"] + [f"{k} = {_toml_value(v)}" for k, v in layer.items() if v is not None]
-    return "\n".join(lines) + "\n"
-
-
 def model_ref(man: dict[str, Any], root: Path) -> str:
-    """A `--model` argument whose spec hash is the manifest's: the built-in name, or a TOML written from
-    the manifest's own spec into root/.cache."""
+    """A `--model` argument whose spec hash is the manifest's: the model the run was given (a built-in name or
+    a file), else the built-in model of that name, else the manifest's own spec written as a model file (JSON)
+    into root/.cache (the user's file was edited or removed since)."""
     from algorithms.spec import SpecError, load_model
-    try:
-        if load_model(man["model"]).hash() == man["spec_hash"]:
-            return man["model"]
-    except (SpecError, KeyError):
-        pass
+    for ref in dict.fromkeys([(man.get("config") or {}).get("model"), man.get("model")]):
+        try:
+            if ref and load_model(ref).hash() == man["spec_hash"]:
+                return ref
+        except (SpecError, KeyError):
+            pass
     if "spec" not in man:
         raise BadInput(f"run {man.get('run')}: model {man.get('model')!r} is not built in and the manifest has no spec")
     from .runner import cache_dir
-    path = cache_dir(root) / f"spec-{man['spec_hash']}.toml"
+    path = cache_dir(root) / f"spec-{man['spec_hash']}.json"
     if not path.exists():
-        path.write_text(spec_toml(man["spec"]))
+        path.write_text(json.dumps(man["spec"], indent=2))
     return str(path)
 
 
 def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
-    """The RunConfig that regenerates the run of this manifest (fields in `change` replaced)."""
-    from algorithms.optim import HParams
-    o = man.get("options", {})
-    cfg = dict(model=model_ref(man, root), backend=man["backend"], hparams=HParams.from_dict(man["hparams"]),
-               data=_data_spec(man["data"]["source"]), threads=o.get("threads", 1),
-               deterministic=o.get("deterministic", True), dropout=o.get("dropout", "harness"),
-               fault=o.get("fault"), devices=o.get("devices", 1), jit=o.get("jit", True),
-               dtype=o.get("dtype", "float32"), perturb_ulp=(man.get("init") or {}).get("perturb_ulp_seed"),
-               extra=dict(o.get("extra") or {}))
-    cfg.update(change)
-    return RunConfig(**cfg)
-
-
-def expected_hashes(cfg: RunConfig, prep) -> dict[str, str]:
-    """The comparability fields a run of `cfg` (prepared as `prep`) will have in its manifest."""
-    import hashlib
-    from .runner import hash_json as _hash_json
-    return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
-            "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],
-            "base_weights_hash": prep.base_weights_hash, "hparams_hash": _hash_json(cfg.hparams.to_dict())}
+    """The RunConfig that regenerates the run of this manifest (fields in `change` replaced): the manifest's
+    stored configuration, its model as a file whose spec hash is the run's."""
+    if "config" in man:
+        cfg = RunConfig.from_dict(man["config"])
+    else:   # a run folder from before configurations were stored
+        from algorithms.contract import RunOptions
+        from algorithms.optim import HParams
+        o = RunOptions.from_dict(man.get("options") or {}).to_dict()
+        cfg = RunConfig(backend=man["backend"], hparams=HParams.from_dict(man["hparams"]),
+                        data=_data_spec(man["data"]["source"]),
+                        perturb_ulp=(man.get("init") or {}).get("perturb_ulp_seed"), **o)
+    fields = dict(cfg.__dict__, model=model_ref(man, root))
+    fields.update(change)
+    return RunConfig(**fields)
 
 
 def check_reproduces(man: dict[str, Any], cfg: RunConfig, prep, what: str) -> None:
     """The prepared inputs of a regenerated configuration must be those of the original run."""
-    for k, v in expected_hashes(cfg, prep).items():
+    from .runner import comparability_hashes
+    for k, v in comparability_hashes(cfg, prep).items():
         if man.get(k) != v:
             raise BadInput(f"cannot regenerate {what} of run {man.get('run')}: its {k} is {man.get(k)} "
                            f"but the configuration now gives {v} (data or model file changed?)")
@@ -309,9 +280,7 @@ def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) ->
         return False
     if any(man.get(k) != ref_man.get(k) for k in COMPARABILITY):
         return False
-    o = man.get("options", {})
-    want = {"threads": cfg.threads, "deterministic": cfg.deterministic, "dropout": cfg.dropout, "fault": cfg.fault,
-            "devices": cfg.devices, "jit": cfg.jit, "dtype": cfg.dtype, "extra": cfg.extra}
+    o, want = man.get("options", {}), cfg.options.to_dict()
     return (man.get("backend") == cfg.backend and all(o.get(k) == v for k, v in want.items())
             and (man.get("init") or {}).get("perturb_ulp_seed") == cfg.perturb_ulp)
 

@@ -26,7 +26,7 @@ from .compare_runs import compare_folder
 from .defaults import REFERENCE
 from .errors import EXIT_BUG, EXIT_OK
 from .files import atomic_write_text
-from .runner import RunConfig
+from algorithms.contract import RunConfig
 
 
 @dataclass(frozen=True)

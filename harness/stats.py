@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.contract import MANIFEST_FILE
 from algorithms.differences import DIFFERENCES
 
 from .errors import BadInput
@@ -214,7 +215,8 @@ def ensure_seeds(runs: list[Run], seeds: list[int], root: Path | None, timeout: 
     from algorithms.optim import HParams
 
     from . import runner
-    from .runs import config_of, expected_hashes, load_run, same_config
+    from .runner import comparability_hashes
+    from .runs import config_of, load_run, same_config
     out = list(runs)
     reps: dict[str, Run] = {}
     for r in runs:
@@ -228,10 +230,10 @@ def ensure_seeds(runs: list[Run], seeds: list[int], root: Path | None, timeout: 
             cfg = config_of(rep.manifest, base, hparams=HParams.from_dict({**rep.manifest["hparams"], "seed": s}))
             prep = runner.prepare(cfg, base)
             folder = base / cfg.default_name(prep.model.name)
-            man_path = folder / "manifest.json"
+            man_path = folder / MANIFEST_FILE
             if man_path.is_file():
                 try:
-                    if same_config(json.loads(man_path.read_text()), cfg, expected_hashes(cfg, prep)):
+                    if same_config(json.loads(man_path.read_text()), cfg, comparability_hashes(cfg, prep)):
                         out.append(load_run(folder))
                         continue
                 except Exception:

@@ -260,7 +260,7 @@ def short_run(root, backend: str, fault: str | None = None):
     """A 3-step run of the small model (one backend process), made once per session."""
     from algorithms.optim import HParams
     from harness import runner
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
 
     from .conftest import need
     need(backend)

@@ -326,7 +326,7 @@ def dp2_hard(results_root):
     per-replica statistics): what is tested is the probe-level verdict (about 8 backend processes)."""
     from algorithms.optim import HParams
     from harness import runner
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
 
     from .conftest import need
     need("torch")

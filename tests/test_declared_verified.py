@@ -31,7 +31,7 @@ def adamw(results_root):
     from algorithms.optim import HParams
     from harness import runner
     from harness.localize import Localizer
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
 
     from .conftest import need
     need("torch")

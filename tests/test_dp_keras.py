@@ -35,17 +35,20 @@ DEVICES = 4          # per collector process
 # --------------------------------------------------------------------------- in one process per backend
 def _batch(backend: str, configs: list[dict], out_root: str) -> dict:
     """Train every config in this process (the framework imported once with DEVICES devices)."""
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY[backend], {"options": {"threads": 1, "devices": DEVICES}})
+    set_backend_env(REGISTRY[backend], RunOptions(threads=1, devices=DEVICES))
     cls = REGISTRY[backend].load()
     if backend == "keras-tensorflow":
         import tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES)
     from algorithms.optim import HParams
-    from harness.runner import RunConfig, prepare
-    from wrappers.base import RunOptions, UnsupportedError
+    from algorithms.contract import RunConfig
+    from harness.runner import prepare
+    from algorithms.contract import RunOptions
+    from wrappers.base import UnsupportedError
     from tests.dp_runs import train_in_process
     out = {}
     for c in configs:
@@ -207,7 +210,8 @@ def test_hosts_refused_loudly(backend, root):
 
 def test_keras_torch_refuses_data_parallelism(results_root):
     from algorithms.optim import HParams
-    from harness.runner import RunConfig, execute
+    from algorithms.contract import RunConfig
+    from harness.runner import execute
     from harness.errors import BackendFailed
     need("keras-torch")
     with pytest.raises(BackendFailed, match="Keras has no data parallelism on the torch backend") as e:
@@ -218,7 +222,8 @@ def test_keras_torch_refuses_data_parallelism(results_root):
 def test_the_command_line_run_writes_replica_columns_and_the_layout(results_root):
     """One short keras-tensorflow dp=2 run through the runner: steps.csv and manifest.json as the harness writes them."""
     from algorithms.optim import HParams
-    from harness.runner import RunConfig, execute
+    from algorithms.contract import RunConfig
+    from harness.runner import execute
     need("keras-tensorflow")
     folder = execute(RunConfig(backend="keras-tensorflow", hparams=HParams(steps=3, eval_every=3, checkpoint_every=3),
                                devices=2), results_root)

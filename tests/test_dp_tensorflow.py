@@ -35,15 +35,17 @@ MARGIN = 3.0
 # --------------------------------------------------------------------------- in one process
 def _batch(configs: list[dict], out_root: str) -> dict:
     """Train every config in this process (TF imported once, 4 logical CPU devices); loss series per config."""
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY["tensorflow"], {"options": {"threads": 1}})
+    set_backend_env(REGISTRY["tensorflow"], RunOptions(threads=1))
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(4)])
     from algorithms.optim import HParams
-    from harness.runner import RunConfig, prepare
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunConfig
+    from harness.runner import prepare
+    from algorithms.contract import RunOptions
     from wrappers.tensorflow.backend import TensorflowBackend
     from wrappers.worker import backend_class
     from tests.dp_runs import train_in_process

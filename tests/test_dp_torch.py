@@ -19,6 +19,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from algorithms.contract import INIT_PARAMS_FILE, JOB_FILE, MANIFEST_FILE, ORDER_FILE, Job, RunOptions
+from algorithms.optim import HParams
+
 from .conftest import ROOT, need
 
 STEPS = 60
@@ -172,17 +175,18 @@ def test_a_port_in_use_is_refused(runs):
 
 def _emulate(folder: Path, out: Path) -> Path:
     """Re-run a dp=N train job in ONE process (the replicas emulated, as probes and replays do)."""
-    man = json.loads((folder / "manifest.json").read_text())
-    job = {"mode": "train", "backend": "torch", "model": man["spec"], "hparams": man["hparams"],
-           "data": str(folder.parent / ".cache" / f"data-{man['data_hash']}.npz"),
-           "order": str(folder / "order.npy"), "params": str(folder / "init_params.npz"), "out": str(out),
-           "options": man["options"]}
+    man = json.loads((folder / MANIFEST_FILE).read_text())
+    job = Job(mode="train", backend="torch", model=man["spec"], model_source="<test>",
+              hparams=HParams.from_dict(man["hparams"]),
+              data=str(folder.parent / ".cache" / f"data-{man['data_hash']}.npz"),
+              order=str(folder / ORDER_FILE), params=str(folder / INIT_PARAMS_FILE), out=str(out),
+              options=RunOptions.from_dict(man["options"]))
     out.mkdir(parents=True)
-    (out / "job.json").write_text(json.dumps(job))
-    code = ("import json, sys; from wrappers.__main__ import _set_env; from wrappers.registry import REGISTRY; "
-            "_set_env(REGISTRY['torch'], json.load(open(sys.argv[1]))); "
+    job.write(out / JOB_FILE)
+    code = ("import sys; from algorithms.contract import Job; from wrappers.__main__ import set_backend_env; "
+            "from wrappers.registry import REGISTRY; set_backend_env(REGISTRY['torch'], Job.read(sys.argv[1]).options); "
             "from wrappers.worker import main; sys.exit(main(sys.argv[1]))")
-    r = subprocess.run([sys.executable, "-c", code, str(out / "job.json")], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code, str(out / JOB_FILE)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     return out

@@ -20,7 +20,7 @@ from algorithms import data as D
 from algorithms.optim import HParams
 from algorithms.params import init_params
 from algorithms.spec import INPUT, ModelSpec, build_model, load_model, model_names
-from wrappers.base import RunOptions
+from algorithms.contract import RunOptions
 from wrappers.numpy.backend import NumpyBackend
 from algorithms.layout import pad_hw, windows
 from wrappers.numpy.layers import softmax_xent

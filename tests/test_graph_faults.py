@@ -138,7 +138,8 @@ def test_a_backend_claims_a_graph_fault_only_where_it_lowers_the_layers(backend)
 
 
 def test_a_backend_refuses_a_graph_fault_it_does_not_claim():
-    from wrappers.base import Backend, RunOptions, UnsupportedError
+    from algorithms.contract import RunOptions
+    from wrappers.base import Backend, UnsupportedError
 
     class Straight(Backend):            # the first spec's kinds only, no wrapper fault
         pass
@@ -158,7 +159,7 @@ def _judge(candidates: list[tuple[str, str | None]], out: Path, resync_every: in
     from harness.compare_runs import DEFAULT_RESYNC_EVERY
     from harness.compare_runs import compare_runs
     from harness.matrix import Entry, run_entries
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
     hp = HParams(optimizer="momentum", lr=0.05, steps=STEPS, batch_size=32, eval_every=STEPS // 2,
                  checkpoint_every=STEPS // 2)
     name = load_model(SCENARIO).name

@@ -25,12 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("optax")
 if "jax" not in sys.modules:      # the backend's own environment, as its worker process would set it
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY["jax"], {"options": {"threads": 1}})
+    set_backend_env(REGISTRY["jax"], RunOptions(threads=1))
 jax = pytest.importorskip("jax")
 
-from wrappers.base import RunOptions  # noqa: E402
+from algorithms.contract import RunOptions  # noqa: E402
 from wrappers.jax.backend import JaxBackend  # noqa: E402
 from wrappers.worker import masks_for  # noqa: E402
 
@@ -292,13 +293,14 @@ def test_flatten_is_hwc_and_the_fault_reads_chw():
 F64_CHECK = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY["jax"], {"options": {"threads": 1, "dtype": "float64"}})
+    set_backend_env(REGISTRY["jax"], RunOptions(threads=1, dtype="float64"))
     from algorithms.optim import HParams, reference_init, reference_update
     from algorithms.params import init_params
     from algorithms.spec import load_model
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     from wrappers.jax.backend import JaxBackend
     cases = json.loads(sys.argv[1])
     m = load_model("cnn2d_2conv_2fc")

@@ -96,7 +96,7 @@ def _trace(cls, model, hp, steps, fault=None, params=None):
     """Per step: the gradients (the probe primitive) at the current weights, the weights before and
     after train_step, the step statistics, the exported optimizer state and buffers."""
     from algorithms.params import init_params
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     b = cls(model, hp, RunOptions(fault=fault))
     b.load_params(_copy(params if params is not None else init_params(model, 0)))
     x, y = _inputs(model, hp.batch_size)
@@ -114,7 +114,7 @@ def _trace(cls, model, hp, steps, fault=None, params=None):
 def _probe(cls, model, hp, fault=None, steps=2):
     """Backend.probe's contents, with snapshot copies (no aliasing of live tensors)."""
     from algorithms.params import init_params
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     b = cls(model, hp, RunOptions(fault=fault))
     b.load_params(_copy(init_params(model, 0)))
     x, y = _inputs(model, hp.batch_size)
@@ -133,9 +133,10 @@ def _probe(cls, model, hp, fault=None, steps=2):
 
 
 def collect(backend: str, path: str) -> None:
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY[backend], {"options": {"threads": 1}})
+    set_backend_env(REGISTRY[backend], RunOptions(threads=1))
     cls = REGISTRY[backend].load()
     from algorithms.spec import build_model, load_model
     res: dict = {"faults": {}}
@@ -152,7 +153,7 @@ def collect(backend: str, path: str) -> None:
         b, res["faults"][f"clean:{name}"] = _probe(cls, fault_models[name], FAULT_HP)
     x, y = _inputs(fault_models["fault_probe"], 64, seed=1)
     res["eval_clean"] = [b.evaluate(x, y), b.evaluate(x, y)]
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     bf = cls(fault_models["fault_probe"], FAULT_HP, RunOptions(fault="dropout_in_eval"))
     bf.load_params(_copy(b.export_params()))      # the clean backend's weights: only the fault differs
     res["eval_dropout_in_eval"] = [bf.evaluate(x, y), bf.evaluate(x, y)]
@@ -249,7 +250,7 @@ def _kinds(cls, dtype: str) -> dict:
     """Every graph kind alone (tests/test_gradcheck.py layer_model: a conv before it, a dense head): the training-mode
     forward per layer, the loss and the gradients at the canonical initial weights, on a fixed batch."""
     from algorithms.params import init_params
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
 
     from .test_gradcheck import layer_model
     out = {"dtype": dtype}

@@ -9,7 +9,8 @@ from algorithms import data as D
 from algorithms.optim import HParams
 from algorithms.params import init_params
 from algorithms.spec import load_model
-from wrappers.base import RunOptions, UnsupportedError
+from algorithms.contract import RunOptions
+from wrappers.base import UnsupportedError
 from wrappers.numpy.backend import NumpyBackend
 
 BATCH = 8

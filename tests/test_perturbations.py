@@ -52,7 +52,8 @@ def test_the_seams_apply_exactly_the_perturbation():
 
 def test_the_logged_lr_is_the_nominal_one_and_the_applied_one_moves_from_its_step():
     from algorithms.optim import lr_at
-    from wrappers.base import Backend, RunOptions
+    from algorithms.contract import RunOptions
+    from wrappers.base import Backend
     hp = HParams(lr=0.05, schedule="step", step_size=100)
     b = Backend.__new__(Backend)
     b.hp, b.opts = hp, RunOptions(fault="lr_rel_1e-04_from_100")

@@ -29,14 +29,15 @@ NATIVE = ["torch", "jax", "tensorflow", "numpy"]
 
 
 def _collect(backend: str, path: str) -> None:
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY[backend], {"options": {"threads": 1, "devices": 1}})
+    set_backend_env(REGISTRY[backend], RunOptions(threads=1, devices=1))
     cls = REGISTRY[backend].load()
     from algorithms.optim import HParams
     from algorithms.params import init_params
     from algorithms.spec import load_model
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     from wrappers.worker import masks_for
     out = {}
     for name in MODELS:

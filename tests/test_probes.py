@@ -56,7 +56,7 @@ def kink_free_seed(model: str, batch: int = 16, margin: float = KINK_MARGIN, tri
     from algorithms.optim import HParams
     from algorithms.params import init_params
     from algorithms.spec import INPUT
-    from wrappers.base import RunOptions
+    from algorithms.contract import RunOptions
     from wrappers.numpy.backend import NumpyBackend
     m = load_model(model)
     ds = D.digits32()

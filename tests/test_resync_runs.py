@@ -17,7 +17,7 @@ STEPS = 60
 def _run(root, **cfg):
     from algorithms.optim import HParams
     from harness import runner
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
     need("torch")
     hp = HParams(steps=STEPS, optimizer="momentum", lr=0.05, schedule="step", step_size=30, gamma=0.5,
                  eval_every=10, checkpoint_every=10)

@@ -182,7 +182,7 @@ def test_rerun_replaces_result_atomically(torch_run, tmp_path):
 
 def test_a_framework_rng_dropout_run_is_named_apart_from_the_harness_masked_one():
     """Both go into one results folder (compare's automatic --stat trains seeds of each next to the other)."""
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
     assert RunConfig(backend="jax").default_name("m") == "m__jax__momentum-constant__s0"
     assert RunConfig(backend="jax", dropout="native").default_name("m") == "m__jax__momentum-constant__s0__dropout-native"
 

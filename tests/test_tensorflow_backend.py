@@ -21,12 +21,13 @@ from algorithms.params import init_params
 from algorithms.spec import build_model, load_model
 
 if "tensorflow" not in sys.modules:   # the backend's own environment, as its worker process would set it
-    from wrappers.__main__ import _set_env
+    from algorithms.contract import RunOptions
+    from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
-    _set_env(REGISTRY["tensorflow"], {"options": {"threads": 1}})
+    set_backend_env(REGISTRY["tensorflow"], RunOptions(threads=1))
 tf = pytest.importorskip("tensorflow")
 
-from wrappers.base import RunOptions  # noqa: E402
+from algorithms.contract import RunOptions  # noqa: E402
 from wrappers.tensorflow.backend import TensorflowBackend  # noqa: E402
 from wrappers.worker import masks_for  # noqa: E402
 

@@ -19,7 +19,7 @@ from algorithms.spec import load_model
 
 torch = pytest.importorskip("torch")
 
-from wrappers.base import RunOptions  # noqa: E402
+from algorithms.contract import RunOptions  # noqa: E402
 from wrappers.torch.backend import TorchBackend  # noqa: E402
 from wrappers.worker import masks_for  # noqa: E402
 

@@ -4,6 +4,7 @@ the worker processes never depend on theirs. The slow test does the same from a 
 virtual environment, with no path to the source tree."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
+from algorithms.contract import Job, Replay
+from algorithms.optim import HParams
 
 from .conftest import ROOT, need
 
@@ -114,15 +118,31 @@ def test_matrix_all_and_check_of_a_users_project(user):
     assert (proj / "results" / "mine" / "report" / "index.html").is_file()
 
 
-def test_worker_refuses_a_relative_path_in_a_job(tmp_path):
+@pytest.mark.parametrize("field, job_change", [
+    ("order", {"order": "order.npy"}),
+    ("replay.checkpoints.0", {"mode": "replay", "replay": Replay([0], checkpoints={0: "checkpoints/step_0000000.npz"})}),
+    ("replay.states.3", {"mode": "replay", "replay": Replay([3], states={3: "state_0000003.npz"})}),
+])
+def test_worker_refuses_a_relative_path_in_a_job(tmp_path, field, job_change):
     """A job's paths must be absolute: a relative one would be read against the worker's own folder."""
-    job = {"mode": "train", "backend": "torch", "data": "/abs/data.npz", "order": "order.npy",
-           "params": "/abs/p.npz", "out": "/abs/out"}
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    job = Job(mode="train", backend="torch", model={}, model_source="<test>", hparams=HParams(), data="/abs/data.npz",
+              order="/abs/order.npy", params="/abs/p.npz", out="/abs/out")
+    dataclasses.replace(job, **job_change).write(tmp_path / "job.json")
     r = subprocess.run([sys.executable, "-m", "wrappers", "run", "job.json"], capture_output=True, text=True,
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 2
-    assert f"job {tmp_path / 'job.json'}: field 'order' is a relative path ('order.npy')" in r.stderr
+    value = dict(job.paths() + dataclasses.replace(job, **job_change).paths())[field]
+    assert f"job {tmp_path / 'job.json'}: field {field!r} is a relative path ({value!r})" in r.stderr
+
+
+def test_worker_refuses_a_job_file_that_is_not_a_job(tmp_path):
+    """A job file with a field the contract does not know: one line naming the file and the field, exit 2."""
+    (tmp_path / "job.json").write_text(json.dumps({"mode": "train", "backend": "torch", "steps": 5}))
+    r = subprocess.run([sys.executable, "-m", "wrappers", "run", str(tmp_path / "job.json")], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"job {tmp_path / 'job.json'}: not a valid job file: ")
+    assert "job: unknown field(s) steps" in r.stderr
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ def run(root: Path, optimizer: str = "momentum", backend: str = "torch", **cfg) 
     """One run of cnn2d_2conv_2fc (runner.execute, default folder name), made once per session."""
     from algorithms.optim import HParams
     from harness import runner
-    from harness.runner import RunConfig
+    from algorithms.contract import RunConfig
     need(backend)
     extra_hp = cfg.pop("hp", {})
     key = (str(root), optimizer, backend, tuple(sorted(cfg.items())), tuple(sorted(extra_hp.items())))

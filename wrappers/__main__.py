@@ -14,27 +14,29 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
+
+from algorithms.contract import Job, RunOptions
 
 from .registry import ORIGINS, REGISTRY
 
 
-def _set_env(entry, job: dict) -> None:
-    opts = job.get("options", {})
-    threads = str(opts.get("threads", 1))
+def set_backend_env(entry, opts: RunOptions) -> None:
+    """The environment a backend's framework reads when it is imported: thread counts, the Entry's own
+    variables and those of these options. Call before the framework is imported."""
+    threads = str(opts.threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
                 "TF_NUM_INTEROP_THREADS"):
         os.environ[var] = threads
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.update(entry.env)
-    for k, v in entry.job_env(job).items():
+    for k, v in entry.job_env(opts).items():
         os.environ[k] = v
 
 
-def _port(job: dict) -> int:
+def _port(job: Job) -> int:
     """The rendezvous port: the one asked for (refused loudly if taken) or a free one."""
     import socket
-    want = int(job.get("options", {}).get("extra", {}).get("port", 0) or 0)
+    want = int(job.options.extra.get("port", 0) or 0)
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", want))
@@ -44,7 +46,7 @@ def _port(job: dict) -> int:
         return s.getsockname()[1]
 
 
-def launch(entry, job_path: str, job: dict) -> int:
+def launch(entry, job_path: str, job: Job) -> int:
     """Start every process of a multi-process job, relay process 0's progress, fail fast."""
     import subprocess
     import threading
@@ -87,14 +89,10 @@ def launch(entry, job_path: str, job: dict) -> int:
         time.sleep(0.05)
 
 
-def _relative_paths(job: dict) -> list[tuple[str, str]]:
+def _relative_paths(job: Job) -> list[tuple[str, str]]:
     """The job's file paths that are not absolute (field, value): they would be read against whatever
     folder the process was started in."""
-    fields = [(k, job.get(k)) for k in ("data", "order", "params", "out")]
-    replay = job.get("replay") or {}
-    fields += [("replay.checkpoint", replay.get("checkpoint"))]
-    fields += [(f"replay.states.{t}", v) for t, v in (replay.get("states") or {}).items()]
-    return [(k, v) for k, v in fields if isinstance(v, str) and not os.path.isabs(v)]
+    return [(k, v) for k, v in job.paths() if not os.path.isabs(v)]
 
 
 def main(argv: list[str]) -> int:
@@ -110,21 +108,25 @@ def main(argv: list[str]) -> int:
                           for name, e in REGISTRY.items()}))
         return 0
     job_path = os.path.abspath(argv[1])     # handed on to the other processes of a multi-process job
-    job = json.loads(Path(job_path).read_text())
+    try:
+        job = Job.read(job_path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"job {job_path}: not a valid job file: {e}", file=sys.stderr)
+        return 2
     relative = _relative_paths(job)
     if relative:
         print(f"job {job_path}: field {relative[0][0]!r} is a relative path ({relative[0][1]!r}); a worker does not "
               "depend on its working directory, so the harness writes absolute paths", file=sys.stderr)
         return 2
-    entry = REGISTRY.get(job["backend"])
+    entry = REGISTRY.get(job.backend)
     if entry is None:
-        print(f"unknown backend {job['backend']!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
+        print(f"unknown backend {job.backend!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
         return 2
     missing = entry.missing()
     if missing:
         print(f"backend {entry.name}: package(s) not installed: {', '.join(missing)}", file=sys.stderr)
         return 4
-    _set_env(entry, job)
+    set_backend_env(entry, job.options)
     if argv[0] == "run" and entry.processes(job) > 1:
         return launch(entry, job_path, job)
     if argv[0] == "rank":

@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from algorithms.contract import Job, RunOptions
 from algorithms.faults import DECLARATION_FAULTS, FAULTS, perturbation, rewrite_declaration
 from algorithms.optim import HParams, lr_at
 from algorithms.spec import BASE_LAYER_KINDS, LAYER_FIELDS, ModelSpec
@@ -35,23 +36,29 @@ CAPABILITIES: dict[str, str] = {
 DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly")}
 
 
-def jax_platform_env(opts: dict[str, Any]) -> dict[str, str]:
+def jax_platform_env(opts: RunOptions, local_devices: int | None = None) -> dict[str, str]:
     """JAX's platform and XLA flags, set before jax is imported (jax and keras-jax).
 
     CPU unless a JAX GPU plugin is installed (or `extra.platform` says otherwise): on CPU, N data-parallel
     devices are forced host devices; on GPU the visible GPUs are used with XLA's deterministic GPU ops."""
     import importlib.util
-    extra = opts.get("extra", {}) or {}
+    extra = opts.extra
     gpu_plugin = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
     platform = extra.get("platform") or ("gpu" if gpu_plugin else "cpu")
     flags = []
     if platform == "cpu":
-        if opts.get("threads", 1) == 1:
+        if opts.threads == 1:
             flags.append("--xla_cpu_multi_thread_eigen=false")
-        flags.append(f"--xla_force_host_platform_device_count={int(opts.get('local_devices', opts.get('devices', 1)))}")
-    elif opts.get("deterministic", True):
+        flags.append(f"--xla_force_host_platform_device_count={local_devices or opts.devices}")
+    elif opts.deterministic:
         flags.append("--xla_gpu_deterministic_ops=true")
     return {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": platform}
+
+
+def onednn_env(opts: RunOptions) -> dict[str, str]:
+    """--onednn on/off: TF_ENABLE_ONEDNN_OPTS, read when TensorFlow is imported (tensorflow and keras-tensorflow)."""
+    mode = opts.extra.get("onednn")
+    return {"TF_ENABLE_ONEDNN_OPTS": "1" if mode == "on" else "0"} if mode in ("on", "off") else {}
 
 
 class Entry:
@@ -80,8 +87,8 @@ class Entry:
             REGISTRY[cls.name] = cls
 
     @classmethod
-    def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
-        """Extra environment for one job (e.g. a forced host device count), set before import."""
+    def job_env(cls, opts: RunOptions) -> dict[str, str]:
+        """Extra environment for a job with these options (e.g. a forced host device count), set before import."""
         return {}
 
     @classmethod
@@ -90,12 +97,12 @@ class Entry:
         return implemented_faults(cls.faults, cls.layer_kinds)
 
     @classmethod
-    def processes(cls, job: dict[str, Any]) -> int:
+    def processes(cls, job: Job) -> int:
         """OS processes this job needs (ranks or host agents); 1 = this process runs the job itself."""
         return 1
 
     @classmethod
-    def process_command(cls, job: dict[str, Any], job_path: str, index: int, port: int) -> tuple[list[str], dict[str, str]]:
+    def process_command(cls, job: Job, job_path: str, index: int, port: int) -> tuple[list[str], dict[str, str]]:
         """Command line and extra environment of process `index` of a multi-process job."""
         import sys
         return [sys.executable, "-m", "wrappers", "rank", job_path, str(index)], {}
@@ -132,18 +139,6 @@ class Entry:
     def load(cls) -> type["Backend"]:
         mod = importlib.import_module(cls.module)
         return mod.BACKEND
-
-
-@dataclass
-class RunOptions:
-    threads: int = 1
-    deterministic: bool = True
-    dropout: str = "harness"        # harness: masks from algorithms.data.dropout_keep_mask; native: framework RNG
-    fault: str | None = None
-    devices: int = 1
-    jit: bool = True                # compiled step (torch: eager is the norm; tf.function/XLA; jax.jit)
-    dtype: str = "float32"
-    extra: dict[str, Any] = field(default_factory=dict)   # backend-specific switches (channels_last, xla, ...)
 
 
 @dataclass

@@ -18,17 +18,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from algorithms import data as D
-from algorithms.optim import HParams
-from algorithms.params import (REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, replay_probe_name, save_npz,
-                               thin_activations)
+from algorithms.contract import (CHECKPOINT_DIR, EVAL_COLUMNS, EVAL_FILE, FINAL_PARAMS_FILE, STEP_COLUMNS, STEPS_FILE,
+                                 WORKER_FILE, Job, RunOptions, checkpoint_file, probe_file_stem, replay_probe_stem,
+                                 replay_state_file, replica_loss_columns)
+from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
-from .base import Backend, Masks, RunOptions, effective_model_decl, eval_inputs
-
-STEP_COLUMNS = ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr",
-                "batch_checksum", "step_time_s"]
-EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy"]
-
+from .base import Backend, Masks, effective_model_decl, eval_inputs
 
 def fmt(v: Any) -> str:
     """Floats as their shortest round-trip repr: the CSV holds the exact value."""
@@ -56,30 +52,27 @@ def backend_class(cls: type[Backend], opts: RunOptions) -> type[Backend]:
     return cls if choose is None else choose(opts)
 
 
-def build_backend(job: dict[str, Any], cls: type[Backend]) -> Backend:
-    opts = RunOptions(**job.get("options", {}))
-    model = build_model(effective_model_decl(job["model"], opts.fault), job.get("model_source", "<job>"))
-    hp = HParams.from_dict(job["hparams"])
-    return backend_class(cls, opts)(model, hp, opts)
+def build_backend(job: Job, cls: type[Backend]) -> Backend:
+    model = build_model(effective_model_decl(job.model, job.options.fault), job.model_source)
+    return backend_class(cls, job.options)(model, job.hparams, job.options)
 
 
-def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: TextIO) -> None:
+def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dict[str, Any]:
     model, hp, opts = backend.model, backend.hp, backend.opts
-    arrays = load_npz(job["data"])
+    arrays = load_npz(job.data)
     x_tr, y_tr = arrays["x_train"], arrays["y_train"]
     x_te, y_te = arrays["x_test"], arrays["y_test"]
-    order = np.load(job["order"])
+    order = np.load(job.order)
     if opts.fault == "data_shift_one_batch":   # the loader skips the first batch
         order = np.concatenate([order[1:], order[:1]])
     n_train = len(x_tr)
-    backend.load_params(load_npz(job["params"]))
-    ckpt_dir = out_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
+    backend.load_params(load_npz(job.params))
+    (out_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
 
     def checkpoint(step: int) -> None:
         state = {f"param/{k}": v for k, v in backend.export_params().items()}
         state.update({f"opt/{k}": v for k, v in backend.export_opt_state().items()})
-        save_npz(ckpt_dir / f"step_{step:07d}.npz", state)
+        save_npz(out_dir / checkpoint_file(step), state)
 
     def evaluate(step: int, f: TextIO) -> None:
         loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
@@ -92,8 +85,8 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
     checksums = [D.batch_checksum(x_tr[order[s]], y_tr[order[s]]) for s in range(hp.steps)]
     dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)
     rows: list[str] = []   # CSV rows, written at each evaluation, checkpoint and the end
-    with open(out_dir / "steps.csv", "w") as fs, open(out_dir / "eval.csv", "w") as fe:
-        fs.write(",".join(STEP_COLUMNS + ([f"replica_loss_{r}" for r in range(replicas)] if replicas > 1 else [])) + "\n")
+    with open(out_dir / STEPS_FILE, "w") as fs, open(out_dir / EVAL_FILE, "w") as fe:
+        fs.write(",".join(STEP_COLUMNS + replica_loss_columns(replicas)) + "\n")
         fe.write(",".join(EVAL_COLUMNS) + "\n")
         checkpoint(0)
         evaluate(0, fe)
@@ -135,33 +128,32 @@ def run_train(job: dict[str, Any], backend: Backend, out_dir: Path, channel: Tex
             fs.writelines(rows)
         wall = time.perf_counter() - t_total
     final = backend.export_params()
-    save_npz(out_dir / "final_params.npz", final)
+    save_npz(out_dir / FINAL_PARAMS_FILE, final)
     return {"train_wall_s": wall, "train_eval_checkpoint_s": periodic}
 
 
-def run_probe(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
+def run_probe(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     """Probe on the first batch of the order, from the canonical weights: one file per case.
 
     A job may carry `cases` (a list of hyper-parameter dicts): each gets a fresh backend, so one
     process (one framework import) serves every optimizer of a test."""
-    arrays = load_npz(job["data"])
-    idx = np.load(job["order"])[0]
+    arrays = load_npz(job.data)
+    idx = np.load(job.order)[0]
     x, y = arrays["x_train"][idx], arrays["y_train"][idx]
-    params = load_npz(job["params"])
-    k = int(job.get("probe_steps", 3))
-    cases = job.get("cases") or [job["hparams"]]
-    for i, hp_dict in enumerate(cases):
-        b = backend if i == 0 and hp_dict == job["hparams"] else type(backend)(
-            backend.model, HParams.from_dict(hp_dict), backend.opts)
+    params = load_npz(job.params)
+    k = job.probe_steps
+    cases = job.cases or [job.hparams]
+    for i, hp in enumerate(cases):
+        b = backend if i == 0 and hp == job.hparams else type(backend)(backend.model, hp, backend.opts)
         b.name = backend.name
         b.load_params(params)
         masks = [masks_for(b.model, b.hp.seed, s, len(idx), b.opts.dropout) for s in range(k)]
-        save_npz(out_dir / f"probe-{i}.npz", b.probe(x, y, masks))
-        (out_dir / f"probe-{i}.json").write_text(json.dumps({"declared_differences": b.declared_differences()}))
+        save_npz(out_dir / f"{probe_file_stem(i)}.npz", b.probe(x, y, masks))
+        (out_dir / f"{probe_file_stem(i)}.json").write_text(json.dumps({"declared_differences": b.declared_differences()}))
     return {"probe_cases": len(cases)}
 
 
-def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str, Any]:
+def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     """Probe the training steps `replay.at` from a saved state instead of the canonical weights.
 
     `replay.checkpoints` ({step: file} of the run's train checkpoints, 'param/<name>' and 'opt/<key>',
@@ -172,16 +164,16 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
     REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample).
     `replay.perturb_state_ulps` (default [null]) lists what is probed at each t: null the state itself, a seed
-    the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.params.replay_probe_name)."""
-    r = job["replay"]
+    the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.contract.replay_probe_stem)."""
+    r = job.replay
+    assert r is not None    # Job checks that a replay job has its replay
     model, hp, opts = backend.model, backend.hp, backend.opts
-    arrays = load_npz(job["data"])
+    arrays = load_npz(job.data)
     x_tr, y_tr = arrays["x_train"], arrays["y_train"]
-    order = np.load(job["order"])
+    order = np.load(job.order)
     if opts.fault == "data_shift_one_batch":   # as in run_train
         order = np.concatenate([order[1:], order[:1]])
-    at = sorted(int(t) for t in r["at"])
-    k = int(r.get("probe_steps", 1))
+    at, k = r.at, r.probe_steps
 
     def split(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         return ({n[6:]: v for n, v in state.items() if n.startswith("param/")},
@@ -197,13 +189,13 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
         return x_tr[idx], y_tr[idx], len(idx)
 
     replayed = []
-    if r.get("states"):
-        states = {int(t): str(p) for t, p in r["states"].items()}
+    if r.states:
+        states = dict(r.states)
     else:
         # A step of `at` that has a checkpoint is that file itself (nothing re-trained); any other is re-trained
         # from the latest checkpoint at or before it, or from the previous step of `at` when that is later
         # (one pass over the steps, however many points).
-        cks = {int(t): str(p) for t, p in r["checkpoints"].items()}
+        cks = dict(r.checkpoints or {})
         states = {}
         pos: int | None = None   # the step the backend's current state is at (None: nothing loaded)
         for t in at:
@@ -223,20 +215,19 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
                 pos += 1
             st = {f"param/{n}": v for n, v in backend.export_params().items()}
             st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
-            states[t] = f"state_{t:07d}.npz"
+            states[t] = replay_state_file(t)
             save_npz(out_dir / states[t], st)
-    rows = int(r.get("activation_rows", REPLAY_ACTIVATION_ROWS))
+    rows = REPLAY_ACTIVATION_ROWS if r.activation_rows is None else r.activation_rows
     # the reference's own sensitivity at each state: params moved 1 ULP, once per seed (one process for all seeds);
-    # null: the state itself (the default)
-    nudges = [None if s is None else int(s) for s in r.get("perturb_state_ulps") or [None]]
+    # None: the state itself (the default)
     for i, t in enumerate(at):
         params, opt = split(load_npz(out_dir / states[t]))   # an absolute path stays itself
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
-        for seed in nudges:
+        for seed in r.perturb_state_ulps:
             backend.load_params(params if seed is None else perturb_ulp(params, seed * 1_000_003 + t))
             backend.load_opt_state(opt, t)
-            name = replay_probe_name(i, seed)
+            name = replay_probe_stem(i, seed)
             save_npz(out_dir / f"{name}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
@@ -245,10 +236,10 @@ def run_replay(job: dict[str, Any], backend: Backend, out_dir: Path) -> dict[str
 
 def main(job_path: str) -> int:
     from .base import REGISTRY, UnsupportedError
-    job = json.loads(Path(job_path).read_text())
-    out_dir = Path(job["out"])
+    job = Job.read(job_path)
+    out_dir = Path(job.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    entry = REGISTRY[job["backend"]]
+    entry = REGISTRY[job.backend]
     channel = sys.stdout
     cls = entry.load()
     try:
@@ -267,15 +258,13 @@ def main(job_path: str) -> int:
         t0 = time.perf_counter()
         modes = {"train": lambda: run_train(job, backend, out_dir, channel), "probe": lambda: run_probe(job, backend, out_dir),
                  "replay": lambda: run_replay(job, backend, out_dir)}
-        if job["mode"] not in modes:
-            raise ValueError(f"unknown job mode {job['mode']!r}")
-        extra = modes[job["mode"]]()
+        extra = modes[job.mode]()
         info.update(extra or {})
         info["wall_s"] = time.perf_counter() - t0
     except UnsupportedError as e:
         progress(channel, unsupported=str(e))
         return 3
-    (out_dir / "worker.json").write_text(json.dumps(info, indent=2, default=str))
+    (out_dir / WORKER_FILE).write_text(json.dumps(info, indent=2, default=str))
     progress(channel, done=True)
     if not backend.is_primary():
         import shutil

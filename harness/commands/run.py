@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
+from algorithms.contract import MANIFEST_FILE, RunConfig, probe_file_stem
 from algorithms.faults import FAULTS, perturbation
 from algorithms.optim import OPTIMIZERS, SCHEDULES, HParamError, HParams
 
 from .. import runner
 from ..defaults import REFERENCE
 from ..errors import EXIT_BUG, EXIT_CRASH, EXIT_OK, BackendFailed, BadInput
-from ..runner import RunConfig
 from .common import Progress, fail
 
 DEFAULT_OUT = Path("results")
@@ -116,7 +116,7 @@ def run(as_json: bool, **kw: Any) -> None:
         fail(str(e))
     except BackendFailed as e:
         fail(str(e), EXIT_CRASH)
-    man = json.loads((folder / "manifest.json").read_text())
+    man = json.loads((folder / MANIFEST_FILE).read_text())
     if as_json:
         click.echo(json.dumps({"folder": str(folder), "manifest": man}, default=str))
     else:
@@ -142,7 +142,7 @@ def probe(probe_steps: int, against: str, as_json: bool, **kw: Any) -> None:
         fail(str(e))
     except BackendFailed as e:
         fail(str(e), EXIT_CRASH)
-    diffs = probes.compare(load_npz(a / "probe-0.npz"), load_npz(b / "probe-0.npz"))
+    diffs = probes.compare(load_npz(a / f"{probe_file_stem(0)}.npz"), load_npz(b / f"{probe_file_stem(0)}.npz"))
     bad = [d for d in diffs if not d.ok]
     if as_json:
         click.echo(json.dumps({"backend": cfg.backend, "against": against, "ok": not bad,

@@ -6,16 +6,15 @@ with N/H local devices, joined by jax.distributed.initialize (coordinator on pro
 127.0.0.1:port, gloo CPU collectives); the mesh spans all N devices, process 0 writes the results.
 """
 import sys
-from typing import Any
 
+from algorithms.contract import RunOptions
 from algorithms.spec import BASE_LAYER_KINDS
 
 from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry, jax_platform_env
 
 
-def _dp(job: dict[str, Any]) -> tuple[int, int]:
-    opts = job.get("options", {})
-    return int(opts.get("devices", 1)), int(opts.get("extra", {}).get("hosts", 1) or 1)
+def _dp(opts: RunOptions) -> tuple[int, int]:
+    return opts.devices, opts.hosts
 
 
 class JaxEntry(Entry):
@@ -29,25 +28,24 @@ class JaxEntry(Entry):
                                       "silu", "sigmoid", "relu6", "layernorm"}
 
     @classmethod
-    def job_env(cls, job):
-        opts = job.get("options", {})
-        devices, hosts = _dp(job)
+    def job_env(cls, opts):
+        devices, hosts = _dp(opts)
         local = devices // hosts if hosts > 1 and devices % hosts == 0 else devices   # per process
-        env = jax_platform_env({**opts, "local_devices": local})
-        if opts.get("dtype") == "float64":
+        env = jax_platform_env(opts, local)
+        if opts.dtype == "float64":
             env["JAX_ENABLE_X64"] = "1"
         return env
 
     @classmethod
     def processes(cls, job):
-        devices, hosts = _dp(job)
-        if devices <= 1 or hosts <= 1 or job.get("mode", "train") != "train":
+        devices, hosts = _dp(job.options)
+        if devices <= 1 or hosts <= 1 or job.mode != "train":
             return 1
         return hosts
 
     @classmethod
     def process_command(cls, job, job_path, index, port):
-        devices, hosts = _dp(job)
+        devices, hosts = _dp(job.options)
         return ([sys.executable, "-m", "wrappers", "rank", job_path, str(index)],
                 {"DUIPAI_JAX_COORDINATOR": f"127.0.0.1:{port}", "DUIPAI_JAX_NUM_PROCESSES": str(hosts),
                  "DUIPAI_JAX_PROCESS_ID": str(index)})

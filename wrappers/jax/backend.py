@@ -25,11 +25,12 @@ from optax import tree_utils as otu
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from algorithms.contract import RunOptions
 from algorithms.faults import Seams
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError
+from ..base import Backend, Masks, StepStats, UnsupportedError
 from . import JaxEntry
 from .layers import cross_entropy, forward, from_native, per_example_cross_entropy, to_native
 from .optim import (ADAM_STATE, in_tuple, adam_hyperparams, export_state, keras_velocity, load_state, make_optimizer,

@@ -1,7 +1,7 @@
 """Keras 3: the spec as a functional keras.Model subclass of Keras layers, keras.optimizers; one entry per Keras backend."""
 from algorithms.spec import BASE_LAYER_KINDS
 
-from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, Entry, jax_platform_env
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, Entry, jax_platform_env, onednn_env
 
 # the lowering faults the Keras wrapper implements (no optimizer-convention faults: Keras' own optimizers run),
 # the graph layers' three seams included (layers.py: the Concatenate axis, a BatchNormalization passed through,
@@ -31,10 +31,8 @@ class KerasTensorflowEntry(_KerasEntry):
     faults = KERAS_FAULTS | DP_FAULTS
 
     @classmethod
-    def job_env(cls, job):
-        """--onednn on/off: TF_ENABLE_ONEDNN_OPTS must be set before TensorFlow is imported."""
-        mode = job.get("options", {}).get("extra", {}).get("onednn")
-        return {"TF_ENABLE_ONEDNN_OPTS": "1" if mode == "on" else "0"} if mode in ("on", "off") else {}
+    def job_env(cls, opts):
+        return onednn_env(opts)
 
 
 class KerasJaxEntry(_KerasEntry):
@@ -47,8 +45,8 @@ class KerasJaxEntry(_KerasEntry):
     faults = KERAS_FAULTS | DP_FAULTS
 
     @classmethod
-    def job_env(cls, job):
-        return jax_platform_env(job.get("options", {}))
+    def job_env(cls, opts):
+        return jax_platform_env(opts)
 
 
 class KerasTorchEntry(_KerasEntry):

@@ -42,11 +42,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
+from algorithms.contract import RunOptions
 from algorithms.faults import Seams  # noqa: E402
 from algorithms.optim import HParams  # noqa: E402
 from algorithms.spec import ModelSpec  # noqa: E402
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError  # noqa: E402
+from ..base import Backend, Masks, StepStats, UnsupportedError  # noqa: E402
 from ..registry import REGISTRY  # noqa: E402
 from . import optim, runtimes  # noqa: E402
 from .layers import from_native, lower, to_native, torch_avgpool_replicates  # noqa: E402

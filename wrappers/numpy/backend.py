@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.contract import RunOptions
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats, UnsupportedError, effective_step_for_lr
+from ..base import Backend, Masks, StepStats, UnsupportedError, effective_step_for_lr
 from . import NumpyEntry
 from .layers import backward, forward, softmax_xent
 from .optim import ReferenceOptimizer

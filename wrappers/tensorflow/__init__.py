@@ -1,7 +1,7 @@
 """Native TensorFlow: tf.Module / tf.Variable, tf.nn ops in NHWC, GradientTape, tf.function, raw training kernels."""
 from algorithms.spec import BASE_LAYER_KINDS
 
-from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry
+from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry, onednn_env
 
 
 class TensorflowEntry(Entry):
@@ -21,7 +21,7 @@ class TensorflowEntry(Entry):
     @classmethod
     def processes(cls, job):
         """--hosts H: H MultiWorkerMirroredStrategy workers (processes on 127.0.0.1); else this process."""
-        return max(1, int(job.get("options", {}).get("extra", {}).get("hosts", 1)))
+        return job.options.hosts
 
     @classmethod
     def worker_ports(cls, job, job_path: str, port: int) -> list[int]:
@@ -33,7 +33,7 @@ class TensorflowEntry(Entry):
         key = (job_path, port)
         if key in cls._ports:
             return cls._ports[key]
-        explicit = bool(job.get("options", {}).get("extra", {}).get("port"))
+        explicit = bool(job.options.extra.get("port"))
         ports = [port]
         for i in range(1, cls.processes(job)):
             want = port + i
@@ -63,7 +63,5 @@ class TensorflowEntry(Entry):
         return cmd, env
 
     @classmethod
-    def job_env(cls, job):
-        """--onednn on/off: TF_ENABLE_ONEDNN_OPTS must be set before TensorFlow is imported."""
-        mode = job.get("options", {}).get("extra", {}).get("onednn")
-        return {"TF_ENABLE_ONEDNN_OPTS": "1" if mode == "on" else "0"} if mode in ("on", "off") else {}
+    def job_env(cls, opts):
+        return onednn_env(opts)

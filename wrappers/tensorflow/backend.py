@@ -19,12 +19,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled is not public
 
+from algorithms.contract import RunOptions
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
 from algorithms.faults import Seams
 
-from ..base import DP_FAULTS, Backend, Masks, RunOptions, StepStats, UnsupportedError
+from ..base import DP_FAULTS, Backend, Masks, StepStats, UnsupportedError
 from . import TensorflowEntry
 from .layers import cross_entropy, forward, from_native, to_native
 from .optim import NativeOptimizer, flat, update_and_param_norm

@@ -14,8 +14,8 @@ Probe and replay jobs of a multi-host run (--hosts > 1) stay in one process, the
 from __future__ import annotations
 
 import sys
-from typing import Any
 
+from algorithms.contract import Job, RunOptions
 from algorithms.spec import BASE_LAYER_KINDS
 
 from ..base import DP_FAULTS, GRAPH_LOWERING_FAULTS, LOWERING_FAULTS, Entry
@@ -28,9 +28,8 @@ HOST_ADDR_BASE = 101
 RDZV_TIMEOUT_S = 60
 
 
-def _dp(job: dict[str, Any]) -> tuple[int, int]:
-    opts = job.get("options", {})
-    return int(opts.get("devices", 1)), int(opts.get("extra", {}).get("hosts", 1) or 1)
+def _dp(opts: RunOptions) -> tuple[int, int]:
+    return opts.devices, opts.hosts
 
 
 class TorchEntry(Entry):
@@ -45,24 +44,24 @@ class TorchEntry(Entry):
                                       "silu", "sigmoid", "relu6", "layernorm"}
 
     @classmethod
-    def job_env(cls, job: dict[str, Any]) -> dict[str, str]:
+    def job_env(cls, opts: RunOptions) -> dict[str, str]:
         # cuBLAS needs a fixed workspace for deterministic GEMMs on GPU; read when CUDA initialises,
         # so set before import. No effect on CPU.
-        if job.get("options", {}).get("deterministic", True):
+        if opts.deterministic:
             return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
         return {}
 
     @classmethod
-    def processes(cls, job: dict[str, Any]) -> int:
-        devices, hosts = _dp(job)
-        if devices <= 1 or (hosts > 1 and job.get("mode", "train") != "train"):
+    def processes(cls, job: Job) -> int:
+        devices, hosts = _dp(job.options)
+        if devices <= 1 or (hosts > 1 and job.mode != "train"):
             return 1                       # multi-host probes / replays: one process, replicas emulated
         return devices if hosts <= 1 else hosts
 
     @classmethod
-    def process_command(cls, job: dict[str, Any], job_path: str, index: int,
+    def process_command(cls, job: Job, job_path: str, index: int,
                         port: int) -> tuple[list[str], dict[str, str]]:
-        devices, hosts = _dp(job)
+        devices, hosts = _dp(job.options)
         if hosts <= 1:                     # rank `index` itself, env:// rendezvous on rank 0
             return ([sys.executable, "-m", "wrappers", "rank", job_path, str(index)],
                     {"RANK": str(index), "WORLD_SIZE": str(devices), "LOCAL_RANK": str(index),

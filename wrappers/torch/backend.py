@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from algorithms.contract import RunOptions
 from algorithms.faults import Seams
 
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, RunOptions, StepStats
+from ..base import Backend, Masks, StepStats
 from . import TorchEntry
 from .layers import (EMULATION_FAULTS, flat_from_canonical, flat_sources, flat_to_canonical, forward, from_native, nhwc,
                      to_native)
