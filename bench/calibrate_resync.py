@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     runs = [load_run(p) for p in discover(Path(a.results))]
-    runs = [r for r in runs if r.perturb_ulp is None and r.fault is None and r.options.get("dtype") != "float64"]
+    runs = [r for r in runs if r.perturb_ulp is None and r.fault is None and r.options.dtype != "float64"]
     ref = next(r for r in runs if r.backend == a.reference)
     steps = int(ref.step[-1]) + 1
     at = list(range(0, steps, a.every))

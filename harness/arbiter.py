@@ -96,7 +96,7 @@ def variant(run, backend: str | None = None, **options: Any):
 
 def _own64(loc, run) -> tuple[dict[str, Any] | None, str | None]:
     """A side's step-0 probes in float64 (its own rounding, for its tolerance), or None and why not."""
-    if run.options.get("dtype", "float32") == "float64":
+    if run.options.dtype == "float64":
         return None, None
     try:
         return loc.probe0(run, dtype="float64"), None
@@ -124,7 +124,7 @@ def _replayed(loc, ref, cand, exact_run, calib_run, at: list[int]) -> list[tuple
     c_rep = {t: (p, p64) for t, p, _, p64, *_ in loc.replay(ref, cand, at)["probes"]}
     e_rep = {t: (p, pb) for t, p, pb, *_ in loc.replay(ref, exact_run, at)["probes"]}
     k_rep = optional(calib_run)
-    c64 = optional(variant(cand, dtype="float64")) if cand.options.get("dtype", "float32") != "float64" else {}
+    c64 = optional(variant(cand, dtype="float64")) if cand.options.dtype != "float64" else {}
     return [(t, c_rep[t][0], e_rep[t][1], e_rep[t][0], k_rep.get(t), c64.get(t), c_rep[t][1])
             for t in at if t in c_rep and t in e_rep]
 
@@ -153,7 +153,7 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
     if loc_res.get("stage") == "data":
         return not_run("the runs were fed different batches (localized: data); probes feed both sides the same batch "
                        "and cannot say whose data order is wrong")
-    opts, adjusted, why = arbiter_options(ref.options, capabilities)
+    opts, adjusted, why = arbiter_options(ref.options.to_dict(), capabilities)
     sec["adjusted"] = adjusted
     if opts is None:
         return not_run(f"it cannot run the reference's configuration: {why}")

@@ -259,7 +259,7 @@ class Comparison:
             "reference": {"run": self.reference.name, "path": str(self.reference.path),
                           "backend": self.reference.backend},
             "runs": [{"run": r.name, "path": str(r.path), "backend": r.backend, "fault": r.fault,
-                      "options": r.options, "perturb_ulp": r.perturb_ulp,
+                      "options": r.options.to_dict(), "perturb_ulp": r.perturb_ulp,
                       "declared_differences": [d.get("id") for d in r.declared]} for r in self.runs],
             "rule": self.rule.to_dict(),
             "envelope": {"runs": [str(r.path) for r in self.envelope_runs],

@@ -210,7 +210,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
         lines.append(f"FORCED: {f}")
     r = c.rule
     lines.append(f"reference: {c.reference.name} ({c.reference.backend})")
-    kinds = ", ".join(f"--perturb-ulp {m.perturb_ulp}" + (" --dtype float64" if m.options.get("dtype") == "float64" else "")
+    kinds = ", ".join(f"--perturb-ulp {m.perturb_ulp}" + (" --dtype float64" if m.options.dtype == "float64" else "")
                       for m in c.envelope_runs)
     lines.append(f"envelope:  {len(c.envelope_runs)} {c.reference.backend} runs ({kinds})")
     lines.append(f"rule:      exceed = |diff| > {r.margin:g} x max(spread, max over +-{r.window} steps; {r.ulps:g} float32 "

@@ -302,7 +302,7 @@ def envelope_runs(ref: Run, seeds: list[int], root: Path | None = None, *, preci
     log = log or (lambda m: print(m, file=sys.stderr))
     wanted = [{"perturb_ulp": k} for k in seeds]
     notes: list[str] = []
-    if precision and ref.options.get("dtype", "float32") != "float64":
+    if precision and ref.options.dtype != "float64":
         wanted.append({"perturb_ulp": seeds[0], "dtype": "float64"})
     def one(change: dict) -> Run | BackendFailed:
         try:

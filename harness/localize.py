@@ -266,7 +266,7 @@ class Localizer(ProbeJobs):
                 change["fault"] = combine(faults)
             for i in emul:
                 for opt in DIFFERENCES[i].emulated_with:
-                    change[opt] = cand.options.get(opt, 1 if opt == "devices" else None)
+                    change[opt] = getattr(cand.options, opt)
         if skipped:
             chk["skipped"] = "; ".join(why for why, _ in skipped)
             chk["skipped_differences"] = sorted({i for _, xs in skipped for i in xs})
@@ -309,7 +309,7 @@ class Localizer(ProbeJobs):
         """A candidate on several replicas that agrees with the reference once run on one (the reference with
         the emulations in `change` but its own replica count)."""
         change = {k: v for k, v in change.items() if k != "devices"}
-        if cand.options.get("devices", 1) == ref.options.get("devices", 1) or cand.options.get("devices", 1) == 1:
+        if cand.options.devices == ref.options.devices or cand.options.devices == 1:
             return res
         try:
             single = self.probe0(cand, devices=1)

@@ -30,14 +30,14 @@ from .runs import Run, check_reproduces, config_of
 def same_path(a: Run, b: Run) -> bool:
     """Same backend and options (a fault or a weight perturbation aside): the same arithmetic."""
     keys = ("dtype", "threads", "devices", "jit", "extra", "deterministic", "dropout")
-    return a.backend == b.backend and all(a.options.get(k) == b.options.get(k) for k in keys)
+    return a.backend == b.backend and all(getattr(a.options, k) == getattr(b.options, k) for k in keys)
 
 
 def has_float64_reference(ref: Run, cand: Run) -> bool:
     """Whether a float64 run of the reference tells the candidate's rounding apart: not when the reference is
     float64 already, nor when the candidate runs the reference's own code path (its correct probes are bitwise
     equal)."""
-    return ref.options.get("dtype", "float32") != "float64" and not same_path(ref, cand)
+    return ref.options.dtype != "float64" and not same_path(ref, cand)
 
 
 def change_tag(change: dict[str, Any]) -> str:

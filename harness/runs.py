@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from algorithms.contract import (EVAL_COLUMNS, EVAL_FILE, EVAL_SERIES, MANIFEST_FILE, STEP_COLUMNS, STEP_SERIES,
-                                 STEPS_FILE, RunConfig)
+                                 STEPS_FILE, RunConfig, RunOptions)
 from algorithms.documents import parse_document
 
 from .errors import BadInput
@@ -46,8 +46,9 @@ class Run:
         return self.manifest.get("backend", "?")
 
     @property
-    def options(self) -> dict[str, Any]:
-        return self.manifest.get("options", {})
+    def options(self) -> RunOptions:
+        """How the run was computed (the manifest's options; a missing field has its default)."""
+        return RunOptions.from_dict(self.manifest.get("options") or {})
 
     @property
     def perturb_ulp(self) -> int | None:
@@ -66,7 +67,7 @@ class Run:
 
     def is_clean(self) -> bool:
         """No fault, no perturbation, the default dtype: what a reference should be."""
-        return self.fault is None and self.perturb_ulp is None and self.options.get("dtype", "float32") == "float32"
+        return self.fault is None and self.perturb_ulp is None and self.options.dtype == "float32"
 
 
 def _read_csv(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
@@ -254,7 +255,6 @@ def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
     if "config" in man:
         cfg = RunConfig.from_dict(man["config"])
     else:   # a run folder from before configurations were stored
-        from algorithms.contract import RunOptions
         from algorithms.optim import HParams
         o = RunOptions.from_dict(man.get("options") or {}).to_dict()
         cfg = RunConfig(backend=man["backend"], hparams=HParams.from_dict(man["hparams"]),

@@ -25,7 +25,7 @@ STAT_FIELDS = ("spec_hash", "data_hash", "base_weights_hash")
 
 
 def group_label(r: Run) -> str:
-    o = r.options
+    o = r.options.to_dict()
     parts = [r.backend]
     if r.fault:
         parts.append(f"fault={r.fault}")

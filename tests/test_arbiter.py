@@ -177,14 +177,14 @@ class StandInLocalizer:
 
     def probe0(self, run, **change):
         from harness.errors import BackendFailed
-        dtype = change.get("dtype", run.options.get("dtype", "float32"))
+        dtype = change.get("dtype", run.options.dtype)
         self.calls.append(("probe0", run.backend, dtype))
         if run.backend == "ref" and dtype == "float64":
             raise BackendFailed("ref: float64 not supported", None, unsupported=True)
         return self._probes(run, 0, dtype)
 
     def replay(self, ref, run, at, change=None):
-        dtype = run.options.get("dtype", "float32")
+        dtype = run.options.dtype
         self.calls.append(("replay", run.backend, dtype))
         return {"probes": [(t, self._probes(run, t, dtype), self._probes(ref, t, "float32"), None, None) for t in at]}
 

@@ -251,11 +251,17 @@ def test_a_worker_killed_mid_run_fails_the_job_fast(tmp_path):
 # --------------------------------------------------------------------------- ports (no TensorFlow)
 def test_worker_ports_are_consecutive_and_a_taken_explicit_port_is_refused(tmp_path):
     from wrappers.tensorflow import TensorflowEntry
-    job = {"options": {"extra": {"hosts": 3}}}
+    from algorithms.contract import Job, RunOptions
+    from algorithms.optim import HParams
+
+    def job_with(**extra) -> Job:
+        return Job(mode="train", backend="tensorflow", model={}, model_source="<test>", hparams=HParams(), data="/d",
+                   order="/o", params="/p", out="/out", options=RunOptions(extra=extra))
+    job = job_with(hosts=3)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         base = s.getsockname()[1]
-    assert TensorflowEntry.processes(job) == 3 and TensorflowEntry.processes({"options": {}}) == 1
+    assert TensorflowEntry.processes(job) == 3 and TensorflowEntry.processes(job_with()) == 1
     cmds = [TensorflowEntry.process_command(job, str(tmp_path / "a.json"), i, base) for i in range(3)]
     configs = [json.loads(env["TF_CONFIG"]) for _, env in cmds]
     workers = configs[0]["cluster"]["worker"]
@@ -267,12 +273,12 @@ def test_worker_ports_are_consecutive_and_a_taken_explicit_port_is_refused(tmp_p
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        explicit = {"options": {"extra": {"hosts": 2, "port": taken - 1}}}
+        explicit = job_with(hosts=2, port=taken - 1)
         with pytest.raises(SystemExit) as e:
             TensorflowEntry.worker_ports(explicit, str(tmp_path / "b.json"), taken - 1)
         assert e.value.code == 2
         # a chosen (not explicit) port: the taken neighbour is replaced by a free one
-        ports = TensorflowEntry.worker_ports({"options": {"extra": {"hosts": 2}}}, str(tmp_path / "c.json"), taken - 1)
+        ports = TensorflowEntry.worker_ports(job_with(hosts=2), str(tmp_path / "c.json"), taken - 1)
         assert ports[0] == taken - 1 and ports[1] != taken
 
 

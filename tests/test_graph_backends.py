@@ -182,7 +182,8 @@ import numpy as np
 from algorithms.optim import HParams
 from algorithms.params import init_params
 from algorithms.spec import build_model, load_model
-from algorithms.contract import RunOptions, effective_model_decl
+from algorithms.contract import RunOptions
+from wrappers.base import effective_model_decl
 from wrappers.keras.backend import KerasBackend
 model, faults, x, out = sys.argv[1], sys.argv[2].split(","), np.load(sys.argv[3]), sys.argv[4]
 clean = load_model(model)
@@ -209,7 +210,8 @@ def test_keras_tensorflow_graph_faults_are_the_reference_s_bugs_at_their_layer(t
     from algorithms.optim import HParams
     from algorithms.params import init_params
     from algorithms.spec import build_model
-    from algorithms.contract import RunOptions, effective_model_decl
+    from algorithms.contract import RunOptions
+    from wrappers.base import effective_model_decl
     from wrappers.torch.backend import TorchBackend
 
     from .test_graph_faults import EXPECTED, GRAPH_FAULTS, SCENARIO

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from algorithms.contract import Replay, RunOptions
 from algorithms.spec import load_model
 from harness import kinks
 from harness import resync as R
@@ -102,8 +103,8 @@ def test_every_sample_probes_the_step_again_in_the_candidate_and_the_float64_ref
     import harness.probe_jobs as PJ
     asked = []
 
-    def fake_job(run, name, mode, job_extra=None, **change):
-        asked.append((run.backend, name, mode, job_extra, change))
+    def fake_job(run, name, mode, replay=None, **change):
+        asked.append((run.backend, name, mode, replay, change))
         folder = tmp_path / name
         folder.mkdir()
         np.savez(folder / "probe-0.npz", loss=np.float64(len(asked)))
@@ -111,14 +112,13 @@ def test_every_sample_probes_the_step_again_in_the_candidate_and_the_float64_ref
     jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
     jobs._job = fake_job
     def run(backend: str, name: str) -> SimpleNamespace:   # what the jobs read of a Run
-        return SimpleNamespace(backend=backend, name=name, options={}, manifest={"run": name})
+        return SimpleNamespace(backend=backend, name=name, options=RunOptions(), manifest={"run": name})
     ref, cand = run("torch", "ref"), run("tensorflow", "cand")
     got = jobs.every_sample(ref, cand, {"states": {"23": "/s/state_23.npz", "24": "/s/state_24.npz"}}, 23,
                             {"fault": "adam_eps_hat"})
     assert got is not None and len(got) == 2
     by = {b: (extra, change) for b, _, mode, extra, change in asked}
     for extra, _ in by.values():
-        assert extra == {"replay": {"at": [23], "states": {"23": "/s/state_23.npz"}, "probe_steps": 1,
-                                    "activation_rows": 0}}
+        assert extra == Replay([23], states={23: "/s/state_23.npz"}, probe_steps=1, activation_rows=0)
     assert by["tensorflow"][1] == {} and by["torch"][1] == {"fault": "adam_eps_hat", "dtype": "float64"}
     assert jobs.every_sample(ref, run("torch", "ref-dp1-again"), {"states": {"23": "x"}}, 23, None) is None

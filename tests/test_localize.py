@@ -227,7 +227,7 @@ def test_a_job_two_threads_ask_for_runs_once(tmp_path, monkeypatch):
     calls, running, peak = [], [0], [0]
     guard = threading.Lock()
 
-    def fake(self, run, name, mode, job_extra=None, **change):
+    def fake(self, run, name, mode, replay=None, **change):
         folder = self.jobs / name
         if (folder / "worker.json").is_file():
             return folder

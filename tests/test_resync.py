@@ -409,6 +409,7 @@ def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
     costs more than the probes), bit for bit what a job of that seed alone writes; a nudge moves the probe. The
     first seeds are probed by the reference's own replay job, from the states it re-trained to: the same bits."""
     import harness.probe_jobs as PJ
+    from algorithms.contract import Replay
     from algorithms.optim import HParams
     from harness import runner
     hp = HParams(optimizer="momentum", lr=0.05, steps=6, batch_size=16, eval_every=2, checkpoint_every=2)
@@ -416,7 +417,7 @@ def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
     states = {str(t): str(f) for t, f in PJ.checkpoints(ref).items() if t in (2, 4)}
     jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
     both, alone = jobs._nudged(ref, [2, 4], states, (1, 2)), jobs._nudged(ref, [2, 4], states, (2,))
-    plain = jobs._job(ref, "plain", "replay", {"replay": {"at": [2, 4], "states": states, "probe_steps": 1}})
+    plain = jobs._job(ref, "plain", "replay", Replay([2, 4], states={int(t): p for t, p in states.items()}))
     for i, t in enumerate((2, 4)):
         assert [f.name for f in both[t]] == [f"probe-{i}-ulp1.npz", f"probe-{i}-ulp2.npz"]
         one, two, two_alone = (load_npz(f) for f in (*both[t], *alone[t]))
