@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.localize import Localizer  # noqa: E402
 from harness.probe_jobs import checkpoints  # noqa: E402
-from harness.probes import _rms_rel, kind_of  # noqa: E402
+from harness.probes import rms_rel, kind_of  # noqa: E402
 from harness.runs import discover, load_run  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def main() -> None:
                     continue
                 x, y, z = (np.asarray(v, np.float64) for v in (pa[k], pb[k], p64[k]))
                 rows.append({"candidate": cand.backend, "step": t, "key": k, "kind": kind_of(k)[0],
-                             "cand": _rms_rel(x, z), "own": _rms_rel(y, z)})
+                             "cand": rms_rel(x, z), "own": rms_rel(y, z)})
     kinds = sorted({r["kind"] for r in rows})
     print(f"{'kind':8} {'keys':>6} {'max ratio':>10} {'p99 ratio':>10} {'max cand':>10} {'max cand, own<1ulp':>18}")
     for kd in kinds:

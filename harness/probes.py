@@ -81,7 +81,7 @@ def _rms(d: np.ndarray) -> float:
     return float(np.sqrt(np.mean(d ** 2))) if np.isfinite(d).all() else float("inf")
 
 
-def _rms_rel(x: np.ndarray, y: np.ndarray) -> float:
+def rms_rel(x: np.ndarray, y: np.ndarray) -> float:
     """RMS of x - y over the tensor's scale max|y| (inf for shape mismatch or non-finite values)."""
     if x.shape != y.shape or not np.isfinite(x).all() or not np.isfinite(y).all():
         return float("inf")
@@ -150,8 +150,8 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
         if ref64 is not None and k in ref64:
             z = np.asarray(ref64[k], np.float64)
             d, scale, _ = _rel(x, z)
-            rel = _rms_rel(x, z)
-            own_err = _rms_rel(y, z)
+            rel = rms_rel(x, z)
+            own_err = rms_rel(y, z)
             floor = continuous_tol if kind in CONTINUOUS_KINDS else rel_tol
             tol = max(floor, margin * own_err)
             if x.shape == y.shape == z.shape and _exactly_zero(y, z, kind_scales[(kind, step)]):

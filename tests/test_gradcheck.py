@@ -39,7 +39,7 @@ ZERO_SCALE = 1e-3
 BATCH = 4
 
 
-def _backend(model: ModelSpec, seed: int = 0) -> NumpyBackend:
+def numpy_float64_backend(model: ModelSpec, seed: int = 0) -> NumpyBackend:
     b = NumpyBackend(model, HParams(), RunOptions(dtype="float64"))
     b.load_params({k: v.astype(np.float64) for k, v in init_params(model, seed).items()})
     # non-zero biases and BatchNorm affine parameters, so their gradients are checked away from the init
@@ -214,7 +214,7 @@ def layer_model(case: str) -> ModelSpec:
 
 @pytest.mark.parametrize("case", [*SPATIAL, *FLAT])
 def test_every_layer_kind_alone(case):
-    errs = worst_relative_errors(_backend(layer_model(case)))
+    errs = worst_relative_errors(numpy_float64_backend(layer_model(case)))
     assert "pre.kernel" in errs                      # the layer's input gradient, carried to the first kernel
     if "inputs" in SPATIAL.get(case, {}):
         assert "pre2.kernel" in errs                 # and to the other branch of the merge
@@ -229,7 +229,7 @@ GRAPH_MODELS = ("resnet_tiny", "mobilenet_tiny", "convnext_tiny")
                                    for m in model_names()])
 def test_every_builtin_model(model):
     m = load_model(model)
-    errs = worst_relative_errors(_backend(m))
+    errs = worst_relative_errors(numpy_float64_backend(m))
     assert len(errs) >= len(m.trainable) - 1 and set(errs) <= {q.name for q in m.trainable}
     bad = {k: v for k, v in errs.items() if v >= TOL}
     assert not bad, f"{model}: relative error >= {TOL}: {bad}"
@@ -266,7 +266,7 @@ def test_the_check_fails_for_a_wrong_backward(monkeypatch):
             return dy, {}
         return orig(layer, p, cache, dy)
     monkeypatch.setattr(L, "_one_backward", leaky)
-    errs = worst_relative_errors(_backend(load_model("cnn2d_2conv_2fc")))
+    errs = worst_relative_errors(numpy_float64_backend(load_model("cnn2d_2conv_2fc")))
     assert max(errs.values()) > 1e-2
 
 

@@ -12,7 +12,7 @@ from harness import resync as R
 from harness.probe_analysis import analyse
 from harness.resync_verdict import resync_what
 
-from .test_resync import LAYERS, _kinked_rep
+from .test_resync import LAYERS, kinked_rep
 
 HARD = load_model("cnn2d_hard")   # conv1 bn1 relu_1 conv2 bn2 relu_2 pool1 (avg) pool2 (max 3x3 same) conv3 ...
 
@@ -62,7 +62,7 @@ def test_relu6_decides_on_both_kinks():
 def _with_crossing(upstream: list[str], at: int = 75) -> dict:
     """A candidate that jumps at step `at` in grad/conv1.kernel and update0/conv1.kernel where the reference's
     own steps never jumped, with a crossing seen there whose derivative reaches `upstream`."""
-    rep = _kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[at], size=5e-3)
+    rep = kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[at], size=5e-3)
     return dict(rep, crossings={at: [{"layer": "k", "kind": "maxpool2d", "crossed": 1, "of": 4096,
                                       "margin_min": 1.3e-7, "margin_max": 1.3e-7, "upstream": upstream}]})
 

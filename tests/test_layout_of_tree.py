@@ -7,7 +7,9 @@ checked on the source tree (files, ast and text; nothing is imported or run).
 * the layout, permutation and pooling-size maths are defined once, in algorithms/layout.py; the fault
   constants once, in algorithms/faults.py;
 * no module under harness/ names a backend, outside the matrix defaults (harness/matrices/*.toml, read by
-  harness/defaults.py): a plain grep of every line, prose included.
+  harness/defaults.py): a plain grep of every line, prose included;
+* no module imports another module's private name, and the project's modules import each other without a
+  cycle (lazy imports inside functions count too: a cycle broken by deferring an import is still one).
 """
 from __future__ import annotations
 
@@ -122,3 +124,93 @@ def test_no_harness_module_names_a_backend_even_in_prose():
 def test_the_grep_sees_a_backend_name():
     assert BACKEND_RE.search('help="torch | jax"') and BACKEND_RE.search("duipai check --fault keras-jax:x")
     assert not BACKEND_RE.search("the torch_layout helper") and not BACKEND_RE.search("tf.function / jit")
+
+
+# --------------------------------------------------------------------------- imports
+PACKAGES = ("algorithms", "harness", "wrappers")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for the three packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def imported_names(path: Path, module: str) -> list[tuple[str, str, int]]:
+    """(module imported from, name, line) of every `from X import name` in a file, relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            out += [(base, a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names]
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for base, name, _ in imported_names(path, m):
+            target = f"{base}.{name}" if f"{base}.{name}" in mods else base
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != m:
+                graph[m].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = [stack.pop()]
+            while comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_the_project_s_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_another_module_s_private_name():
+    mods = project_modules()
+    files = {**{m: p for m, p in mods.items()}, **{f"tests.{p.stem}": p for p in (ROOT / "tests").glob("*.py")},
+             **{f"bench.{p.stem}": p for p in (ROOT / "bench").rglob("*.py")}}
+    offenders = [f"{path.relative_to(ROOT)}:{line}: from {base} import {name}"
+                 for m, path in files.items() for base, name, line in imported_names(path, m)
+                 if name.startswith("_") and not name.startswith("__") and base.split(".")[0] in
+                 PACKAGES + ("tests", "bench")]
+    assert not offenders, "\n".join(offenders)

@@ -121,7 +121,7 @@ def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
     assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
 
 
-def _kinked_rep(points: list[int], ref_jumps: list[int], cand_jumps: list[int], size: float = 1e-4) -> dict:
+def kinked_rep(points: list[int], ref_jumps: list[int], cand_jumps: list[int], size: float = 1e-4) -> dict:
     """A replay where one step is discontinuous in grad/conv1.kernel and update0/conv1.kernel (a ReLU input at
     its kink): the float32 reference's own step jumps by `size` (relative) at `ref_jumps`, the candidate's at
     `cand_jumps`; elsewhere both are rounding (1e-7, 2e-7)."""
@@ -145,20 +145,20 @@ def test_a_discontinuity_the_reference_shows_at_other_steps_agrees_but_not_at_ev
     7e-4 at 5 other steps (a ReLU kink flipped by rounding). The candidate's isolated jump agrees; the same
     jump at more steps than the reference jumped at is a computation that differs."""
     pts = list(range(0, 300, 25))
-    one = R.judge(_kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75]), LAYERS, analyse)
+    one = R.judge(kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75]), LAYERS, analyse)
     assert one["agree"], one["first_disagreement"]
     assert one["discontinuities"]["flipped"] == [75] and one["discontinuities"]["reference_jumps"] == [0, 100, 150]
     assert "agree by discontinuity" in resync_what(one)
     assert next(p for p in one["per_point"] if p["step"] == 75)["discontinuity"] == ["grad/conv1.kernel",
                                                                                      "update0/conv1.kernel"]
     # without the reference's own jumps the same candidate disagrees at step 75
-    alone = R.judge(_kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
+    alone = R.judge(kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
     assert not alone["agree"] and alone["first_disagreement"]["step"] == 75
     # jumps at more steps than the reference's own: not a flip of chance
-    many = R.judge(_kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[25, 50, 75]), LAYERS, analyse)
+    many = R.judge(kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[25, 50, 75]), LAYERS, analyse)
     assert not many["agree"] and many["first_disagreement"]["step"] == 25
     # a jump far beyond margin x the reference's own largest one disagrees
-    rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
+    rep = kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
     t, cand, ref, p64, _ = rep["probes"][3]
     cand = dict(cand, **{"grad/conv1.kernel": cand["grad/conv1.kernel"] + 1e-2 * np.abs(p64["grad/conv1.kernel"]).max()})
     rep["probes"][3] = (t, cand, ref, p64, None)
@@ -180,7 +180,7 @@ def test_a_flip_on_another_key_than_the_reference_s_jumps_agrees_but_not_a_forwa
     at step 2, where the reference's own never jumped. The forward agreeing, that is a discontinuity too.
     A disagreeing activation is not."""
     pts = list(range(0, 300, 25))
-    rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
+    rep = kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
     t, cand, ref, p64, _ = rep["probes"][3]
     for k in ("grad/fc1.kernel", "update0/fc1.kernel"):
         cand = dict(cand, **{k: cand[k] + 1e-4 * np.abs(p64[k]).max() * np.sign(p64[k])})
@@ -364,7 +364,7 @@ def test_updates_off_with_every_gradient_agreeing_are_no_flip():
     are the optimizer's doing: BUG, in the first layers alone as in every layer (a bug confined to some
     layers' updates -- a frozen or differently scheduled backbone -- is a real porting bug)."""
     pts = list(range(0, 300, 25))
-    rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
+    rep = kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[])
     t, cand, ref, p64, _ = rep["probes"][3]
     first = dict(cand, **{"update0/conv1.kernel": cand["update0/conv1.kernel"] + 1e-4 * np.abs(p64["update0/conv1.kernel"]).max()})
     for probe in (first, dict(first, **{"update0/fc1.kernel": first["update0/fc1.kernel"]
@@ -382,9 +382,9 @@ def test_a_backward_only_disagreement_asks_the_reference_for_more_nudges(tmp_pat
     alike; with 8 the reference's own steps jumped at 63 and 115 (5.5e-4) and every pair was DRIFT."""
     import harness.probe_jobs as PJ
     pts = list(range(0, 300, 25))
-    alone = R.judge(_kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
+    alone = R.judge(kinked_rep(pts, ref_jumps=[], cand_jumps=[75]), LAYERS, analyse)
     assert R.wants_more_sensitivity(alone)
-    assert not R.wants_more_sensitivity(R.judge(_kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[75]), LAYERS, analyse))
+    assert not R.wants_more_sensitivity(R.judge(kinked_rep(pts, ref_jumps=[0, 100], cand_jumps=[75]), LAYERS, analyse))
     for keys in (["forward/conv1", "grad/conv1.kernel"], ["update0/conv1.kernel"], ["loss"]):
         assert not R.wants_more_sensitivity(dict(alone, first_disagreement=dict(alone["first_disagreement"],
                                                                                 disagreeing_keys=keys)))
@@ -448,7 +448,7 @@ def test_the_optimizer_state_of_a_flipped_gradient_follows_from_it():
     pts = list(range(0, 300, 25))
 
     def with_moments(jumping: str | None) -> dict:
-        rep = _kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75])
+        rep = kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75])
         rng = np.random.default_rng(3)
         out = []
         for t, cand, ref, p64, plain in rep["probes"]:

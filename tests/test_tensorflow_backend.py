@@ -492,9 +492,9 @@ def _against_numpy(case: str, **opts):
     checked by finite differences). Worst relative error per key."""
     from wrappers.numpy.backend import NumpyBackend
 
-    from .test_gradcheck import _backend, layer_model
+    from .test_gradcheck import layer_model, numpy_float64_backend
     m = layer_model(case)
-    ref = _backend(m)                                 # numpy, float64, non-zero biases / gamma / beta
+    ref = numpy_float64_backend(m)                                 # numpy, float64, non-zero biases / gamma / beta
     params = {k: np.asarray(v, np.float64) for k, v in ref.p.items()}
     tfb = make(m, HP["sgd_l2"], params=params, dtype="float64", **opts)
     assert isinstance(ref, NumpyBackend)
