@@ -184,6 +184,9 @@ class Replay:
     activation_rows: int | None = None            # None: algorithms.params.REPLAY_ACTIVATION_ROWS; 0: every sample
     perturb_state_ulps: list[int | None] = field(default_factory=lambda: [None])   # None: the state itself
 
+    def __post_init__(self) -> None:   # the worker walks the steps in order; probe file i is the i-th of them
+        object.__setattr__(self, "at", sorted(int(t) for t in self.at))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("checkpoints", "states"):
@@ -195,7 +198,6 @@ class Replay:
     def from_dict(cls, d: dict[str, Any]) -> "Replay":
         _check_fields(cls, d, "replay")
         d = dict(d)
-        d["at"] = sorted(int(t) for t in d["at"])
         for k in ("checkpoints", "states"):
             if d.get(k) is not None:
                 d[k] = {int(t): str(p) for t, p in d[k].items()}

@@ -26,6 +26,7 @@ from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Masks, effective_model_decl, eval_inputs
 
+
 def fmt(v: Any) -> str:
     """Floats as their shortest round-trip repr: the CSV holds the exact value."""
     if isinstance(v, (float, np.floating)):
@@ -135,7 +136,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
 def run_probe(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     """Probe on the first batch of the order, from the canonical weights: one file per case.
 
-    A job may carry `cases` (a list of hyper-parameter dicts): each gets a fresh backend, so one
+    A job may carry `cases` (hyper-parameter sets): each gets a fresh backend, so one
     process (one framework import) serves every optimizer of a test."""
     arrays = load_npz(job.data)
     idx = np.load(job.order)[0]
