@@ -28,6 +28,14 @@ CHECKSUM_WIDTH = 24   # bytes read per batch_checksum (algorithms.data writes 12
 COMPARABILITY = ("spec_hash", "data_hash", "order_hash", "base_weights_hash", "hparams_hash")
 
 
+def manifest_options(man: dict[str, Any], where: Path | str) -> RunOptions:
+    """A manifest's options as the contract's RunOptions; BadInput naming the file and the field otherwise."""
+    try:
+        return RunOptions.from_dict(man.get("options") or {})
+    except (ValueError, TypeError) as e:
+        raise BadInput(f"{where}: options: {e}") from None
+
+
 @dataclass
 class Run:
     path: Path
@@ -48,7 +56,7 @@ class Run:
     @property
     def options(self) -> RunOptions:
         """How the run was computed (the manifest's options; a missing field has its default)."""
-        return RunOptions.from_dict(self.manifest.get("options") or {})
+        return manifest_options(self.manifest, self.path / MANIFEST_FILE)
 
     @property
     def perturb_ulp(self) -> int | None:
@@ -128,6 +136,7 @@ def load_run(path: str | Path) -> Run:
     missing = [k for k in COMPARABILITY if k not in man]
     if missing:
         raise BadInput(f"{mp}: missing field(s) {', '.join(missing)}")
+    manifest_options(man, mp)
     s = _read_csv(p / STEPS_FILE, STEP_COLUMNS, "per-step series")
     e = _read_csv(p / EVAL_FILE, EVAL_COLUMNS, "evaluation series")
     want = int((man.get("hparams") or {}).get("steps", len(s)))
@@ -253,7 +262,10 @@ def config_of(man: dict[str, Any], root: Path, **change: Any) -> RunConfig:
     """The RunConfig that regenerates the run of this manifest (fields in `change` replaced): the manifest's
     stored configuration, its model as a file whose spec hash is the run's."""
     if "config" in man:
-        cfg = RunConfig.from_dict(man["config"])
+        try:
+            cfg = RunConfig.from_dict(man["config"])
+        except (ValueError, TypeError) as e:
+            raise BadInput(f"run {man.get('run')}: manifest field config: {e}") from None
     else:   # a run folder from before configurations were stored
         from algorithms.optim import HParams
         o = RunOptions.from_dict(man.get("options") or {}).to_dict()

@@ -275,6 +275,7 @@ def test_cli_mismatched_step_ranges(fam):
     ("no_column", "missing column(s) grad_norm"),
     ("unsorted", "not strictly increasing"),
     ("incomplete", "not 'complete'"),
+    ("unknown_option", "manifest.json: options: run options: unknown field(s) sharding"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(fam, damage, message):
     root, ref, members = fam
@@ -300,6 +301,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(fam, damage, message):
     elif damage == "incomplete":
         m = json.loads((d / "manifest.json").read_text())
         m["status"] = "running"
+        (d / "manifest.json").write_text(json.dumps(m))
+    elif damage == "unknown_option":     # a run folder from another version of the contract
+        m = json.loads((d / "manifest.json").read_text())
+        m["options"] = {**m.get("options", {}), "sharding": "fsdp"}
         (d / "manifest.json").write_text(json.dumps(m))
     r = cli(str(ref.path), str(d), *_env_args(members), "--no-localize")
     assert r.exit_code == 2, r.output
