@@ -2,7 +2,8 @@
 
 For each backend the harness run (`runner.execute`, its own worker process) and the hand loop of
 the same framework (bench/hand_loops/*.py, its own process) train the default model
-cnn2d_2conv_2fc on the same data, batch order and initial weights for S steps; the two alternate,
+cnn2d_2conv_2fc (or `--model resnet_tiny`, 32x32x3, with the hand-written ResNets
+bench/hand_loops/resnet_*.py) on the same data, batch order and initial weights for S steps; the two alternate,
 R pairs per backend (the first of each pair alternates too), so that the noise of a shared machine
 falls on both sides. Absolute times on such a machine mean little; the target is the ratio.
 
@@ -25,7 +26,8 @@ Figures, each leaving out the first W=10 steps (tracing / compilation / first ca
 Then, per backend, bench/step_breakdown.py runs the harness's train_step and the hand-written step
 interleaved in blocks inside one process (the most load-robust figure; --interleaved-rounds 0 skips it).
 
-Writes bench/results/bench_step.md and bench_step.json (with --quick: bench/results/quick/).
+Writes bench/results/bench_step.md and bench_step.json (with --quick: bench/results/quick/; another model:
+bench_step-<model>.md/.json). The interleaved comparison has its variants for the default model only.
 """
 from __future__ import annotations
 
@@ -57,21 +59,24 @@ ALL_BACKENDS = ["torch", "jax", "tensorflow", "keras-tensorflow", "keras-jax", "
 TARGET = 1.10        # per step (median, p10, interleaved): harness / hand
 TARGET_LOOP = 1.15   # whole loop
 WARMUP = 10
+DEFAULT_MODEL = "cnn2d_2conv_2fc"
+HAND_SCRIPT_PREFIX = {DEFAULT_MODEL: "", "resnet_tiny": "resnet_"}   # bench/hand_loops/<prefix><framework>.py
 
 
-def hand_command(backend: str, steps: int, warmup: int) -> tuple[list[str], dict[str, str]]:
+def hand_command(backend: str, steps: int, warmup: int, model: str = DEFAULT_MODEL) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
+    prefix = HAND_SCRIPT_PREFIX[model]
     if backend.startswith("keras-"):
-        script, env["KERAS_BACKEND"] = "keras.py", backend.split("-", 1)[1]
+        script, env["KERAS_BACKEND"] = f"{prefix}keras.py", backend.split("-", 1)[1]
     else:
-        script = f"{backend}.py"
+        script = f"{prefix}{backend}.py"
     # -P: the script's folder (bench/hand_loops, holding torch.py, jax.py, ...) never goes on sys.path
     return [sys.executable, "-P", str(HERE / "hand_loops" / script), "--steps", str(steps),
             "--warmup", str(warmup)], env
 
 
-def run_hand(backend: str, steps: int, warmup: int, timeout: float) -> dict:
-    cmd, env = hand_command(backend, steps, warmup)
+def run_hand(backend: str, steps: int, warmup: int, timeout: float, model: str = DEFAULT_MODEL) -> dict:
+    cmd, env = hand_command(backend, steps, warmup, model)
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if r.returncode != 0:
@@ -80,12 +85,13 @@ def run_hand(backend: str, steps: int, warmup: int, timeout: float) -> dict:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"per_step_s": out["median_step_s"], **quantiles(out["step_times_s"]),
             "whole_loop_s": out["wall_s"] / out["steps"], "process_wall_s": time.time() - t0,
-            "last_loss": out.get("last_loss")}
+            "first_loss": out.get("first_loss"), "last_loss": out.get("last_loss")}
 
 
-def run_harness(backend: str, steps: int, warmup: int, root: Path, name: str, timeout: float) -> dict:
+def run_harness(backend: str, steps: int, warmup: int, root: Path, name: str, timeout: float,
+                model: str = DEFAULT_MODEL) -> dict:
     t0 = time.time()
-    folder = runner.execute(RunConfig(backend=backend, hparams=HParams(steps=steps)), root, name=name,
+    folder = runner.execute(RunConfig(backend=backend, model=model, hparams=HParams(steps=steps)), root, name=name,
                             timeout=timeout)
     with open(folder / "steps.csv") as f:
         rows = list(csv.DictReader(f))
@@ -98,7 +104,7 @@ def run_harness(backend: str, steps: int, warmup: int, root: Path, name: str, ti
             # the same less the evaluations and checkpoints every 50 steps, which the hand loops do not do
             "whole_loop_no_eval_s": None if periodic is None else (wall - periodic - sum(st[:warmup])) / (steps - warmup),
             "train_wall_per_step_s": wall / steps, "process_wall_s": time.time() - t0,
-            "last_loss": float(rows[-1]["loss"])}
+            "first_loss": float(rows[0]["loss"]), "last_loss": float(rows[-1]["loss"])}
 
 
 def run_interleaved(backend: str, rounds: int, block: int, timeout: float) -> dict:
@@ -180,6 +186,9 @@ def summarise(b: str, runs: list[dict], skipped: str | None, inter: dict | None 
         row["ok_p10"] = row["ratio_p10"] <= TARGET
         row["ok_whole_loop"] = row["ratio_whole_loop"] <= TARGET_LOOP
         row["loadavg"] = med([r["loadavg"] for r in runs if "loadavg" in r])
+        # the same computation timed on both sides: the first step's loss (same weights, same batch) agrees
+        firsts = [(r["harness"].get("first_loss"), r["hand"].get("first_loss")) for r in both]
+        row["first_loss_rel_diff"] = max((abs(a - c) / abs(c) for a, c in firsts if a is not None and c), default=None)
     if inter:
         row["interleaved"] = inter
     return row
@@ -202,7 +211,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     load = m.get("loadavg_at_start")
     end = meta.get("loadavg_at_end")
     load_s = (f", load average {load[0]:.1f} at start" if load else "") + (f", {end[0]:.1f} at the end" if end else "")
-    lines = ["## Harness step time vs a hand-written loop (cnn2d_2conv_2fc)", "",
+    lines = [f"## Harness step time vs a hand-written loop ({meta.get('model', DEFAULT_MODEL)})", "",
              f"{meta['date']}; {m['nproc']} CPUs (`nproc`){load_s}, {m['platform']}; "
              f"{meta['steps']} steps x {meta['repeats']} alternating harness/hand pairs per backend, each run "
              f"its own process, first {meta['warmup']} steps left out; one thread pinned on both sides."
@@ -255,6 +264,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "`Backend.train_step` and the hand-written step (for Keras: what `fit` runs per step) alternating "
               f"in blocks of {meta.get('interleaved_block', 20)} steps for {meta.get('interleaved_rounds', 0)} "
               "rounds inside one process: both see the same load, the most robust figure on a busy machine."]
+    diffs = {r["backend"]: r.get("first_loss_rel_diff") for r in rows if r.get("first_loss_rel_diff") is not None}
+    if diffs:
+        lines += ["", "The same computation on both sides: the first step's loss, harness against hand-written loop, "
+                  "relative difference " + ", ".join(f"{b} {d:.1e}" for b, d in diffs.items()) + "."]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -270,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fast smoke run: 60 steps, 1 pair, results/quick/")
     ap.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     ap.add_argument("--results", type=Path, default=None, help="output folder (default bench/results[/quick])")
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(HAND_SCRIPT_PREFIX),
+                    help="the model both sides train (a hand-written loop exists for these)")
     ap.add_argument("--interleaved-rounds", type=int, default=None,
                     help="rounds of the in-process interleaved comparison (default 10; --quick 4; 0: skip it)")
     args = ap.parse_args(argv)
@@ -277,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     out_dir = args.results or (RESULTS / "quick" if args.quick else RESULTS)
     rounds = args.interleaved_rounds if args.interleaved_rounds is not None else (4 if args.quick else 10)
+    if args.model != DEFAULT_MODEL:
+        rounds = 0      # bench/step_breakdown.py's variants are written for the default model
     if steps <= args.warmup + 1:
         ap.error(f"--steps must exceed --warmup ({args.warmup}) + 1")
     unknown = [b for b in args.backends if b not in ALL_BACKENDS]
@@ -285,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "versions": versions(), "steps": steps, "repeats": repeats, "warmup": args.warmup,
-            "quick": args.quick, "model": "cnn2d_2conv_2fc", "target_ratio": TARGET, "target_ratio_whole_loop": TARGET_LOOP,
+            "quick": args.quick, "model": args.model, "target_ratio": TARGET, "target_ratio_whole_loop": TARGET_LOOP,
             "interleaved_rounds": rounds, "interleaved_block": 20,
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
     installed = set(runner.installed_backends())
@@ -305,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
                 for side in sides:
                     try:
                         if side == "harness":
-                            rec[side] = run_harness(b, steps, args.warmup, root, f"{b}-r{r}", args.timeout)
+                            rec[side] = run_harness(b, steps, args.warmup, root, f"{b}-r{r}", args.timeout, args.model)
                             # the throwaway result folder goes at once (the .cache of prepared data stays)
                             shutil.rmtree(root / f"{b}-r{r}", ignore_errors=True)
                         else:
-                            rec[side] = run_hand(b, steps, args.warmup, args.timeout)
+                            rec[side] = run_hand(b, steps, args.warmup, args.timeout, args.model)
                     except (BackendFailed, BadInput, RuntimeError, subprocess.TimeoutExpired,
                             json.JSONDecodeError, IndexError) as e:
                         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -342,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, meta)
     print(text)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_step.md").write_text(text)
-    (out_dir / "bench_step.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=2))
+    stem = "bench_step" if args.model == DEFAULT_MODEL else f"bench_step-{args.model}"
+    (out_dir / f"{stem}.md").write_text(text)
+    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "runs": runs}, indent=2))
     return 0
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from algorithms.data import batch_order, load_digits  # noqa: E402
+from algorithms.data import batch_order, load_data  # noqa: E402
 from algorithms.params import init_params  # noqa: E402
 from algorithms.spec import load_model  # noqa: E402
 
@@ -63,10 +63,19 @@ class Problem:
     params: dict[str, np.ndarray]   # canonical layout (HWIO conv kernels, (in, out) dense kernels)
 
 
-def problem(steps: int) -> Problem:
-    ds = load_digits()
-    return Problem(ds.x_train, ds.y_train, batch_order(len(ds.x_train), BATCH, steps, SEED),
-                   init_params(load_model(MODEL), INIT_SEED))
+def problem(steps: int, model: str = MODEL) -> Problem:
+    """What the harness prepares for `model` with `--data digits`: the digits at the model's input shape
+    (8x8x1, or the 32x32x3 colour digits), the batch order, the canonical initial weights."""
+    spec = load_model(model)
+    ds = load_data("digits", image_shape=tuple(spec.input_shape))
+    return Problem(ds.x_train, ds.y_train, batch_order(len(ds.x_train), BATCH, steps, SEED), init_params(spec, INIT_SEED))
+
+
+# resnet_tiny (algorithms/models/resnet_tiny.toml) as the hand-written ResNets build it: (name, input channels,
+# output channels, stride); a stride-2 block has a 1x1 projection shortcut with its BatchNorm. BatchNorm: torch's
+# momentum 0.1 (Keras' 0.9), eps 1e-5; 'same' convolutions with TF's padding (the odd pixel bottom/right).
+RESNET_BLOCKS = (("block1", 16, 16, 1), ("block2", 16, 32, 2), ("block3", 32, 64, 2))
+BN_MOMENTUM, BN_EPS = 0.1, 1e-5
 
 
 def flatten_perm(h: int = 4, w: int = 4, c: int = 32) -> np.ndarray:
