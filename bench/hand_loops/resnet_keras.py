@@ -1,9 +1,9 @@
 """Hand-written Keras 3 loop for resnet_tiny (32x32x3), the way Keras users write a ResNet: the functional API
 (Conv2D 'same' without bias, BatchNormalization(momentum=0.9, epsilon=1e-5), Add, ReLU, a 1x1 projection with
 its BatchNorm on the stride-2 blocks, GlobalAveragePooling2D, Dense), compile(SGD(momentum), sparse
-cross-entropy from logits, accuracy), one plain `model.fit` over arrays already in the harness's batch order.
-The framework under Keras is $KERAS_BACKEND (tensorflow | jax | torch; default tensorflow); per-step times
-from a callback, as in keras.py.
+cross-entropy from logits, accuracy), one plain `model.fit` over arrays already in the harness's batch order
+(_keras_fit.py, as keras.py). The framework under Keras is $KERAS_BACKEND (tensorflow | jax | torch; default
+tensorflow).
 
     KERAS_BACKEND=jax python bench/hand_loops/resnet_keras.py --steps 100   -> one JSON line
 """
@@ -15,8 +15,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import (BATCH, BN_EPS, BN_MOMENTUM, LR, MOMENTUM, RESNET_BLOCKS, Timer,  # noqa: E402
-                                      parse_args, problem, report, setup_env)
+from bench.hand_loops._common import (BN_EPS, BN_MOMENTUM, LR, MOMENTUM, RESNET_BLOCKS, parse_args,  # noqa: E402
+                                      problem, setup_env)
 
 args = parse_args(__doc__)
 setup_env()
@@ -31,6 +31,8 @@ elif KB == "torch":
     torch.set_num_threads(1)
 import keras  # noqa: E402
 from keras import layers  # noqa: E402
+
+from bench.hand_loops._keras_fit import fit_and_report  # noqa: E402
 
 P = problem(args.steps, "resnet_tiny")
 
@@ -64,23 +66,4 @@ model.compile(optimizer=keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.timer, self.losses = Timer(), []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if batch == 0:
-            self.timer.stamp()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.timer.stamp()
-        self.losses.append(logs["loss"])   # Keras 3 logs hold the running epoch mean, as its progress bar shows
-
-
-assert P.order.shape == (args.steps, BATCH)
-flat = P.order.reshape(-1)
-cb = StepTimer()
-model.fit(P.x_train[flat], P.y_train[flat], batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
-report(f"keras-{KB}", cb.timer.t, args.warmup, cb.losses, versions={"keras": keras.__version__, "backend": KB},
-       jit_compile=getattr(model, "jit_compile", None))
+fit_and_report(model, P, args.steps, args.warmup, KB)
