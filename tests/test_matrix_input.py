@@ -79,6 +79,23 @@ def test_ci_matrix_is_valid():
     assert sorted(m.backends) == sorted(backend_info())
 
 
+def test_graph_matrix_covers_the_graph_models_at_their_shape():
+    """`duipai all --matrix graph`: every graph model, every backend, dp 1 and 2, each on its own built-in data."""
+    from algorithms.data import load_data
+    from algorithms.spec import load_model
+    from harness.matrix import expand, load_matrix
+    from harness.runner import backend_info
+    m = load_matrix("graph")
+    assert sorted(m.backends) == sorted(backend_info()) and m.devices == [1, 2]
+    graph = ["resnet_tiny", "mobilenet_tiny", "convnext_tiny"]
+    assert m.models == graph
+    for name in m.models:                      # 'digits' resolves to the model's own 32x32x3 digits
+        shape = load_model(name).input_shape
+        assert load_data(m.data, image_shape=shape).image_shape == tuple(shape)
+    runs = [e for e in expand(m) if e.role == "run"]
+    assert {(e.cfg.model, e.cfg.devices) for e in runs} == {(n, d) for n in graph for d in (1, 2)}
+
+
 def test_missing_baselines_are_bad_input(tmp_path):
     p = tmp_path / "m.toml"
     p.write_text('name = "nobase"\n' + HEAD)
