@@ -70,7 +70,7 @@ MUTATIONS = (
              "x = num / jnp.asarray(den, x.dtype)", 'x = num / (o["pool"] * o["pool"])', ("BUG",), ("forward",),
              "pool1", "'same' average pooling divided by the window size, padding counted (torch's count_include_pad)"),
     Mutation("tf_gelu_tanh_always", "convnext_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
-             'x = gelu(x, o["approximate"])', 'x = gelu(x, "tanh")', ("BUG",), ("forward",), "",
+             'x = gelu(x, o["approximate"])', 'x = gelu(x, "tanh")', ("BUG",), ("forward",), "stage1_gelu",
              "GELU's tanh approximation where the spec asks for the exact erf form"),
     Mutation("jax_relu_rewritten", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/layers.py",
              "x = jax.nn.relu(x)", "x = jnp.maximum(x, 0.0)", ("IDENTICAL", "DRIFT"), (), "",
@@ -173,8 +173,9 @@ def main() -> int:
         else:
             rc = harness(tree, ["compare", str(refs[m.model]), str(run_folder(out)), "-j", str(a.jobs), "--out",
                                 str(out / "cmp")], user_dir, work / f"{m.name}.cmp.log")
+            cand = run_folder(out).name
             pair = next(p for p in json.loads((out / "cmp" / "comparison.json").read_text())["pairs"]
-                        if p.get("with_reference"))
+                        if p.get("with_reference") and p["candidate"] == cand)
             ok, problem = judge(m, pair)
             loc = pair.get("localization") or {}
             first = pair.get("first_divergence") or {}

@@ -10,6 +10,10 @@ import numpy as np
 from . import probes
 
 R_EPS = 1e-7   # CRADLE's denominator guard
+# Where an inherited error arose (see `origin`): it grew at least ORIGIN_JUMP-fold across one layer, to at
+# least ORIGIN_OWN times the reference's own float32 error there, which rounding does not do
+ORIGIN_JUMP = 10.0
+ORIGIN_OWN = 100.0
 
 
 def spec_layers(man: dict[str, Any]) -> list[str]:
@@ -37,10 +41,33 @@ def layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[st
             continue
         rel = d.rel
         r = (rel - prev) / (prev + R_EPS)
-        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r,
+        table.append({"layer": name, "rel": rel, "max_abs": d.max_abs, "ok": d.ok, "R": r, "tol": d.tol, "own": d.own,
                       "input_ok": not table or table[-1]["ok"]})
         prev = rel
     return table
+
+
+def origin(table: list[dict[str, Any]], first_bad: dict[str, Any]) -> dict[str, Any] | None:
+    """Muffin's layer is the first over its tolerance; when its change rate is below 1 it inherited most of
+    its error from its input, and a small error that arose upstream (under a tolerance floor) crossed the
+    floor there. The layer where it arose: the nearest earlier one whose error jumped (R >= ORIGIN_JUMP) to
+    ORIGIN_OWN times the reference's own float32 error there or more. None when the layer's own change is
+    large, or no earlier layer qualifies (the reference's own error unknown: no float64 probe)."""
+    if not first_bad["R"] < 1.0:
+        return None
+    for t in reversed(table[:table.index(first_bad)]):
+        if t["R"] >= ORIGIN_JUMP and t["own"] > 0 and t["rel"] >= ORIGIN_OWN * t["own"]:
+            return t
+    return None
+
+
+def _forward_place(out: dict[str, Any], table: list[dict[str, Any]], first_bad: dict[str, Any], prefix: str) -> None:
+    """The layer a forward (or inference-mode) disagreement is named by: Muffin's, or where its error arose."""
+    place = origin(table, first_bad) or first_bad
+    out.update(layer=place["layer"], probe=f"{prefix}{place['layer']}", rel=place["rel"])
+    if place is not first_bad:
+        out["over_tolerance_at"] = {"layer": first_bad["layer"], "rel": first_bad["rel"], "tol": first_bad["tol"],
+                                    "R": first_bad["R"]}
 
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
@@ -74,7 +101,8 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     loss = diffs.get("loss")
     bad_grads = [g for g in grads if not g["ok"]]
     if muffin is not None:
-        out.update(stage="forward", layer=muffin["layer"], probe=f"forward/{muffin['layer']}", rel=muffin["rel"])
+        out["stage"] = "forward"
+        _forward_place(out, table, muffin, "forward/")
     elif loss is not None and not loss.ok:
         out.update(stage="loss", probe="loss", rel=loss.rel)
     elif bad_grads:
@@ -109,7 +137,8 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
         out["eval_layers"] = evals
     bad_eval = next((t for t in evals if not t["ok"] and t["input_ok"]), None)
     if out["stage"] is None and bad_eval is not None:   # training agrees; inference from the same state does not
-        out.update(stage="eval", layer=bad_eval["layer"], probe=f"eval/{bad_eval['layer']}", rel=bad_eval["rel"])
+        out["stage"] = "eval"
+        _forward_place(out, evals, bad_eval, "eval/")
     if out["stage"] is None and missing:
         out.update(stage="probe-keys", probe=missing[0], note="a probe exists in one backend only")
     out["diffs"] = [d.to_dict() for d in diffs.values()]
@@ -131,8 +160,12 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     lines = []
     if st is None:
         return "", lines
+    over = res.get("over_tolerance_at")
+    arose = (f"where the error arose: rel {res['rel']:.3g}, a jump over its input's; it crosses the tolerance "
+             f"at {over['layer']}, rel {over['rel']:.3g} of {over['tol']:.3g}, carried from its input)") if over else ""
     if st == "forward" and res.get("note") != "running statistics":
-        s = f"forward, layer {res['layer']} (first layer whose input agrees and output does not, rel {res['rel']:.3g})"
+        s = f"forward, layer {res['layer']} (" + (arose or f"first layer whose input agrees and output does not, "
+                                                           f"rel {res['rel']:.3g})")
     elif st == "forward":
         s = f"forward, layer {res['layer']} running statistics ({res['probe']}, rel {res['rel']:.3g})"
     elif st == "loss":
@@ -142,8 +175,8 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
         if res.get("gradient_scale") is not None:
             s += f"; every gradient is the reference's x {res['gradient_scale']:.6g}"
     elif st == "eval":
-        s = (f"evaluation path, layer {res['layer']} (training agrees; the first layer whose inference-mode "
-             f"output disagrees from the same state, rel {res['rel']:.3g})")
+        s = (f"evaluation path, layer {res['layer']} (training agrees; " + (f"inference mode, {arose}" if over else
+             f"the first layer whose inference-mode output disagrees from the same state, rel {res['rel']:.3g})"))
     elif st == "optimizer":
         s = (f"optimizer update, parameter {res['parameter']} ({res['probe']}, rel {res['rel']:.3g}; "
              f"gradients agree)")
@@ -167,4 +200,5 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     return summary, lines
 
 
-__all__ = ["analyse", "describe", "change_text", "agrees", "spec_layers", "param_layer", "param_order", "layer_table"]
+__all__ = ["analyse", "describe", "change_text", "agrees", "spec_layers", "param_layer", "param_order", "layer_table",
+           "origin"]

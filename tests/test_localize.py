@@ -46,6 +46,34 @@ def test_forward_muffin_rule_and_change_rate():
     assert summary == "forward: fc1" and any("R (change rate)" in l for l in lines)
 
 
+def test_an_error_under_the_floor_is_named_where_it_arose_not_where_it_crosses():
+    """A pointwise layer's small error (GELU's tanh form for the exact one: ~3e-5, under the 3e-5 forward floor)
+    crosses the floor only a layer later: the layer named is the one where the error jumped far above the
+    reference's own rounding, with the crossing said; without the float64 probes (own rounding unknown) it is
+    Muffin's layer."""
+    ref64 = probes()
+    ref = {k: v + 1e-9 * np.max(np.abs(v)) for k, v in ref64.items()}          # the reference's own rounding
+
+    def at(k: str, e: float) -> np.ndarray:
+        x = ref64[k].copy()
+        x.flat[0] += e * np.max(np.abs(x))      # rel (against the probe's scale) ~ e / 5.7 here
+        return x
+    got = dict(ref)
+    got["forward/flatten_1"], got["forward/fc1"] = at("forward/flatten_1", 1.4e-4), at("forward/fc1", 2.6e-4)
+    res = analyse(got, ref, LAYERS, ref64=ref64)
+    rows = {t["layer"]: t for t in res["layers"]}
+    assert rows["flatten_1"]["ok"] and not rows["fc1"]["ok"] and rows["fc1"]["R"] < 1
+    assert res["stage"] == "forward" and res["layer"] == "flatten_1" and res["probe"] == "forward/flatten_1"
+    assert res["over_tolerance_at"]["layer"] == "fc1"
+    summary, lines = describe(res, "step-0 probes")
+    assert summary == "forward: flatten_1" and "where the error arose" in lines[0] and "at fc1" in lines[0]
+    plain = analyse(got, ref, LAYERS)          # no float64 probes (own rounding unknown): Muffin's layer only
+    first_bad = next(t["layer"] for t in plain["layers"] if not t["ok"])
+    assert plain["layer"] == first_bad and "over_tolerance_at" not in plain
+    got["forward/fc1"] = at("forward/fc1", 1e-3)       # fc1's own jump: fc1 computes something else
+    assert analyse(got, ref, LAYERS, ref64=ref64)["layer"] == "fc1"
+
+
 def test_loss_stage():
     ref = probes()
     got = dict(ref, loss=ref["loss"] * 1.01)
