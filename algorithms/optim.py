@@ -115,13 +115,15 @@ def reference_init(h: HParams, params: dict[str, np.ndarray]) -> State:
 
 
 def reference_update(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-                     state: State, *, adam_eps_hat: bool = False) -> tuple[dict[str, np.ndarray], State]:
-    """One step of the reference optimizer in float64; returns (new params, new state).
+                     state: State, *, adam_eps_hat: bool = False, lr: float | None = None
+                     ) -> tuple[dict[str, np.ndarray], State]:
+    """One step of the reference optimizer in float64; returns (new params, new state). `lr`: the rate
+    applied, when it is not the schedule's value at step t (a wrapper's perturbed learning rate).
 
     With adam_eps_hat=True the Adam step is the Keras/TF-kernel 'epsilon hat' form:
     p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)   (a declared difference).
     """
-    lr = lr_at(h, t)
+    lr = lr_at(h, t) if lr is None else lr
     new_p, new_s = {}, {k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()}
     if h.optimizer in ("adam", "adamw"):
         new_s["step"] = state["step"] + 1

@@ -47,6 +47,26 @@ def test_replicas_without_batchnorm_reduce_to_the_global_gradient():
     assert two.declared_differences() == []
 
 
+@pytest.mark.parametrize("fault, at", [("lr_rel_1e-02", 0), ("lr_rel_1e-02_from_1", 1)])
+def test_an_lr_perturbation_is_applied_to_the_update_and_not_logged(fault, at):
+    """The perturbation family's lr target moves what the optimizer applies (Backend.lr_for) from its step;
+    the NumPy update once ignored it and computed the schedule's rate itself (self-test: lr faults DRIFT)."""
+    hp = HParams(optimizer="sgd", lr=0.05)
+    clean, bad = make("cnn2d_2conv_2fc", hp), make("cnn2d_2conv_2fc", hp, fault=fault)
+    for step in range(2):
+        x, y, m = batch(clean, step)
+        before = {k: v.copy() for k, v in clean.export_params().items()}
+        clean.train_step(step, x, y, m)
+        bad.train_step(step, x, y, m)
+        a, b = clean.export_params(), bad.export_params()
+        for k in a:
+            du_clean, du_bad = a[k] - before[k], b[k] - before[k]
+            want = 1.01 if step >= at else 1.0
+            assert np.allclose(du_bad, want * du_clean, rtol=1e-9, atol=0), (fault, step, k)
+        bad.load_params(a)                            # the same state for the next step
+        assert bad.logged_lr(step) == clean.logged_lr(step)
+
+
 def test_per_replica_batchnorm_differs_and_sync_bn_is_the_global_batch():
     one, per, sync = make(), make(devices=2), make(devices=2, extra={"sync_bn": True})
     x, y, m = batch(one)
