@@ -116,14 +116,45 @@ def _sign_test(x: np.ndarray) -> tuple[int, int, float]:
     return pos, neg, float(stats.binomtest(pos, pos + neg, 0.5).pvalue)
 
 
+def _layer_rank(key: str, layers: list[str]) -> int:
+    """A probe key's place in the spec's layer order ('forward/bn1', 'update0/bn1.gamma'); after them: none."""
+    rest = key.split("/", 1)[-1].split("/")[-1]
+    for name in (rest, param_layer(rest)):
+        if name in layers:
+            return layers.index(name)
+    return len(layers)
+
+
+def key_tests(per_point: list[dict[str, float]], kind: str, layers: list[str], alpha: float = SEQ_ALPHA,
+              delta: float = SEQ_DELTA, min_points: int = SEQ_MIN_POINTS) -> dict[str, Any]:
+    """Where in a biased kind the bias starts: the same test per key of `kind` (Bonferroni over its keys), the
+    keys in the spec's layer order; `first` is the first significant one (a forward bias that starts at a
+    BatchNorm is inherited by every layer after it)."""
+    series: dict[str, list[float]] = {}
+    for dev in per_point:
+        for k, v in dev.items():
+            if kind_of(k)[0] == kind:
+                series.setdefault(k, []).append(v)
+    tested = {k: np.asarray(v) for k, v in series.items() if len(v) >= min_points}
+    threshold = alpha / max(len(tested), 1)
+    keys = {}
+    for k in sorted(tested, key=lambda k: _layer_rank(k, layers)):
+        t, p = _bias_test(tested[k], delta)
+        keys[k] = {"p": p, "mean_ulp": float(np.mean(tested[k])), "significant": p < threshold}
+    return {"threshold": threshold, "keys": keys, "first": next((k for k, st in keys.items() if st["significant"]), None)}
+
+
 def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA, delta: float = SEQ_DELTA,
-                    min_points: int = SEQ_MIN_POINTS) -> dict[str, Any]:
+                    min_points: int = SEQ_MIN_POINTS, layers: list[str] | None = None) -> dict[str, Any]:
     """The signed deviations of every resynced point (key -> projection in float32 ULPs) tested for a bias:
     per key kind, the median over the kind's keys at each point (one ill-conditioned key does not speak for
     the kind; a bias of the whole step moves them all), then a one-sample t-test over the points of
     H0 |mean| <= delta ULPs. Significant when p < alpha / (kinds tested). Returns the per-kind statistics
-    (with the sign test next to it), the threshold and the kind with the smallest p (`bias`: None when none
-    is significant)."""
+    (with the sign test next to it), the threshold and `bias`: the earliest significant kind in the step's
+    order (forward, loss, gradients, updates, buffers, then the inference path; None when none is
+    significant), where a bias starts: what follows it inherits it, often with a smaller p (a BatchNorm eps
+    moves every later activation and the evaluation too); with `layers`, the per-key tests of that kind
+    (`key_tests`: the first biased key names the layer)."""
     by_kind: dict[str, list[float]] = {}
     for dev in per_point:
         groups: dict[str, list[float]] = {}
@@ -141,8 +172,9 @@ def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA,
                      "sd_ulp": float(np.std(x, ddof=1)) if len(x) > 1 else 0.0,
                      "t": t, "p": p, "positive": pos, "negative": neg, "p_sign": p_sign, "significant": p < threshold}
     sig = [kd for kd, st in kinds.items() if st["significant"]]
-    bias = min(sig, key=lambda kd: kinds[kd]["p"]) if sig else None
-    return {"test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
+    bias = min(sig, key=lambda kd: SEQ_KINDS.index(kd) if kd in SEQ_KINDS else len(SEQ_KINDS)) if sig else None
+    where = key_tests(per_point, bias, layers, alpha, delta, min_points) if bias and layers is not None else None
+    return {"where": where, "test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
                     f"point; one-sample t-test over the points of H0 |mean| <= {delta:g} ULP",
             "alpha": alpha, "delta_ulp": delta, "kinds_tested": len(tested), "threshold": threshold, "kinds": kinds,
             "bias": bias, "min_p": min((st["p"] for st in kinds.values()), default=None),
@@ -295,7 +327,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
            "agree": first_bad is None, "margin": margin, "floor": floor,
            "worst": {k: worst_pt[k] for k in ("step", "worst_key", "worst_factor")} if worst_pt else None,
            "calibrated": all(p["calibrated"] for p in points),
-           "sequential": sequential_test(devs), "first_disagreement": first_bad,
+           "sequential": sequential_test(devs, layers=layers), "first_disagreement": first_bad,
            "discontinuities": {"flipped": flipped, "reference_jumps": ref_jumps, "allowed": allow_flips,
                                "largest": jumps["largest"],
                                "keys": sorted({k for ks in flips.values() if ks for k in ks}),
@@ -308,5 +340,5 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["resync_points", "sequential_test", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
+__all__ = ["resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
            "MARGIN", "FLOOR", "SEQ_ALPHA"]

@@ -70,6 +70,35 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
     return f"{len(keys)} key(s) such as {keys[0]}, rel {(loc or {}).get('rel') or 0:.2g}"
 
 
+# the step's order: a disagreement's stage is the earliest that shows it (the inference path apart, last)
+STAGE_RANK = {"forward": 0, "loss": 1, "backward": 2, "optimizer": 3, "eval": 4}
+
+
+def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
+    """The place the sequential test gives a bias: the stage of its kind (the earliest biased one) and, from
+    the per-key tests, the first biased key's layer or parameter."""
+    from .probe_analysis import param_layer
+    from .resync import STAGE_OF_KIND
+    kd = seq["bias"]
+    st = seq["kinds"][kd]
+    first = (seq.get("where") or {}).get("first")
+    name = first.split("/")[-1] if first and "/" in first else None
+    parameter = name if name and "." in name else None
+    layer = param_layer(name) if parameter else name
+    stage = STAGE_OF_KIND.get(kd, kd)
+    line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
+            f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
+            f"{st['positive']} of {st['positive'] + st['negative']} positive)"
+            + (f", first in {first} (p {seq['where']['keys'][first]['p']:.2g} < {seq['where']['threshold']:.2g})"
+               if first else ""))
+    later = [k for k, v in seq["kinds"].items() if v["significant"] and k != kd]
+    if later:
+        line += f"; biased after it too: {', '.join(later)}"
+    return {"stage": stage, "method": "sequential test over resynced steps", "layer": layer, "parameter": parameter,
+            "probe": first or kd, "summary": f"{stage}: " + (f"{parameter or layer}, " if layer else "")
+            + f"bias in {kd} (p {st['p']:.2g})", "lines": [line], "disagreeing_keys": []}
+
+
 def apply_resync(p: Pair, requested: bool) -> None:
     """The shared-state step comparison's part of the verdict, after the free-running one (`resolve`).
 
@@ -109,6 +138,14 @@ def apply_resync(p: Pair, requested: bool) -> None:
             keep = {k: (p.localization or {}).get(k) for k in ("declared_check", "replay") if (p.localization or {}).get(k)}
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
+        earlier = seq.get("bias") is not None and STAGE_RANK.get(
+            bias_localization(seq)["stage"], 9) < STAGE_RANK.get((p.localization or {}).get("stage"), 9)
+        if earlier:   # a bias upstream of the disagreeing step's stage: that step inherits it
+            loc = bias_localization(seq)
+            loc["lines"].append(f"(resynced step {t} disagrees at {fb.get('probe')}, a later stage: "
+                                f"{(p.localization or {}).get('summary')})")
+            p.localization = dict(loc, **{k: v for k, v in (p.localization or {}).items()
+                                          if k in ("declared_check", "replay")})
         p.verdict = BUG
         drop_stat_advice(p)
         if p.first is None:
@@ -124,16 +161,11 @@ def apply_resync(p: Pair, requested: bool) -> None:
     if seq.get("bias") is not None:
         kd = seq["bias"]
         st = seq["kinds"][kd]
-        from .resync import STAGE_OF_KIND
         p.verdict = BUG
         drop_stat_advice(p)
-        line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
-                f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
-                f"{st['positive']} of {st['positive'] + st['negative']} positive)")
-        if was != BUG or (p.localization or {}).get("stage") is None:
-            p.localization = {"stage": STAGE_OF_KIND.get(kd, kd), "method": "sequential test over resynced steps",
-                              "layer": None, "parameter": None, "probe": kd, "summary": f"{STAGE_OF_KIND.get(kd, kd)}: "
-                              f"bias in {kd} (p {st['p']:.2g})", "lines": [line], "disagreeing_keys": []}
+        loc = bias_localization(seq)
+        if was != BUG or STAGE_RANK.get(loc["stage"], 9) < STAGE_RANK.get((p.localization or {}).get("stage"), 9):
+            p.localization = loc
         if p.first is None:
             p.first = {"series": "resync-sequential", "factor": None, "reason": "bias", "a_value": None,
                        "b_value": None, "deviation": None, "envelope": None, "also": [], "probe": kd}

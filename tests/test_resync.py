@@ -58,6 +58,30 @@ def test_sequential_test_catches_a_bias_far_below_one_steps_tolerance():
     assert R.sequential_test(_points(rng, 12, -bias, 20.0))["bias"] == "update"
 
 
+def test_a_bias_is_placed_where_it_starts_not_where_it_is_strongest():
+    """BatchNorm eps + 1e-5 (cnn2d_hard, measured in the self-test): the training forward is biased from bn1 on
+    (~46 ULPs), and the inference path more strongly (~72 ULPs, smaller p); the bias starts in the forward
+    pass, at bn1: what follows inherits it. The per-key tests name bn1, not conv1 (unbiased) nor a later layer."""
+    from harness.resync_verdict import bias_localization
+    rng = np.random.default_rng(1)
+    layers = ["conv1", "bn1", "relu_1", "fc1"]
+    pts = [{"forward/conv1": 3 * rng.standard_normal(), "forward/bn1": 46 + 6 * rng.standard_normal(),
+            "forward/relu_1": 46 + 6 * rng.standard_normal(), "forward/fc1": 30 + 20 * rng.standard_normal(),
+            "eval/conv1": 3 * rng.standard_normal(), "eval/bn1": 72 + 2 * rng.standard_normal(),
+            "eval/fc1": 72 + 2 * rng.standard_normal(), "update0/fc1.kernel": 2 * rng.standard_normal()}
+           for _ in range(16)]
+    st = R.sequential_test(pts, layers=layers)
+    assert st["kinds"]["eval"]["p"] < st["kinds"]["forward"]["p"] < st["threshold"]
+    assert st["bias"] == "forward" and st["where"]["first"] == "forward/bn1"
+    assert not st["where"]["keys"]["forward/conv1"]["significant"]
+    loc = bias_localization(st)
+    assert (loc["stage"], loc["layer"], loc["parameter"]) == ("forward", "bn1", None)
+    assert "first in forward/bn1" in loc["lines"][0] and "biased after it too: eval" in loc["lines"][0]
+    # an optimizer bias (lr x (1 + 1e-5)): every update, nothing upstream; the first parameter is named
+    upd = R.sequential_test(_points(rng, 12, 3e-6 / R.EPS32, 20.0), layers=["conv1", "fc1"])
+    assert upd["bias"] == "update" and bias_localization(upd)["stage"] == "optimizer"
+
+
 def test_sequential_test_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay_below_alpha():
     """400 pairs of pure noise, and 400 with a systematic deviation of 4 ULPs (the size measured on clean
     jax / tensorflow vs torch pairs): the fraction called a bias is at most SEQ_ALPHA."""
