@@ -74,6 +74,15 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
 STAGE_RANK = {"forward": 0, "loss": 1, "backward": 2, "optimizer": 3, "eval": 4}
 
 
+def upstream_of(stage: str, loc: dict[str, Any] | None) -> bool:
+    """Is `stage` earlier in the step than the localization's? Only among the step's own stages: a data,
+    reduction or other localization is a finding of its own and stays."""
+    current = (loc or {}).get("stage")
+    if current is None:
+        return True
+    return current in STAGE_RANK and STAGE_RANK.get(stage, 9) < STAGE_RANK[current]
+
+
 def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
     """The place the sequential test gives a bias: the stage of its kind (the earliest biased one) and, from
     the per-key tests, the first biased key's layer or parameter."""
@@ -138,9 +147,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
             keep = {k: (p.localization or {}).get(k) for k in ("declared_check", "replay") if (p.localization or {}).get(k)}
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
-        earlier = seq.get("bias") is not None and STAGE_RANK.get(
-            bias_localization(seq)["stage"], 9) < STAGE_RANK.get((p.localization or {}).get("stage"), 9)
-        if earlier:   # a bias upstream of the disagreeing step's stage: that step inherits it
+        # a bias upstream of the disagreeing step's stage: that step inherits it
+        if seq.get("bias") is not None and (p.localization or {}).get("stage") is not None \
+                and upstream_of(bias_localization(seq)["stage"], p.localization):
             loc = bias_localization(seq)
             loc["lines"].append(f"(resynced step {t} disagrees at {fb.get('probe')}, a later stage: "
                                 f"{(p.localization or {}).get('summary')})")
@@ -164,7 +173,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         p.verdict = BUG
         drop_stat_advice(p)
         loc = bias_localization(seq)
-        if was != BUG or STAGE_RANK.get(loc["stage"], 9) < STAGE_RANK.get((p.localization or {}).get("stage"), 9):
+        if was != BUG or upstream_of(loc["stage"], p.localization):
             p.localization = loc
         if p.first is None:
             p.first = {"series": "resync-sequential", "factor": None, "reason": "bias", "a_value": None,

@@ -77,6 +77,11 @@ def test_a_bias_is_placed_where_it_starts_not_where_it_is_strongest():
     loc = bias_localization(st)
     assert (loc["stage"], loc["layer"], loc["parameter"]) == ("forward", "bn1", None)
     assert "first in forward/bn1" in loc["lines"][0] and "biased after it too: eval" in loc["lines"][0]
+    from harness.resync_verdict import upstream_of
+    assert upstream_of("forward", {"stage": "optimizer"}) and upstream_of("forward", None)
+    assert not upstream_of("forward", {"stage": "forward"}) and not upstream_of("backward", {"stage": "loss"})
+    # a data or reduction finding (grads x 2 from a SUM all-reduce biases every gradient) is its own, and stays
+    assert not upstream_of("backward", {"stage": "reduction"}) and not upstream_of("forward", {"stage": "data"})
     # an optimizer bias (lr x (1 + 1e-5)): every update, nothing upstream; the first parameter is named
     upd = R.sequential_test(_points(rng, 12, 3e-6 / R.EPS32, 20.0), layers=["conv1", "fc1"])
     assert upd["bias"] == "update" and bias_localization(upd)["stage"] == "optimizer"
