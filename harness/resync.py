@@ -141,7 +141,8 @@ def key_tests(per_point: list[dict[str, float]], kind: str, layers: list[str], a
     for k in sorted(tested, key=lambda k: _layer_rank(k, layers)):
         t, p = _bias_test(tested[k], delta)
         keys[k] = {"p": p, "mean_ulp": float(np.mean(tested[k])), "significant": p < threshold}
-    return {"threshold": threshold, "keys": keys, "first": next((k for k, st in keys.items() if st["significant"]), None)}
+    first = next((k for k, st in keys.items() if st["significant"]), None)
+    return {"threshold": threshold, "keys": keys, "first": first}
 
 
 def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA, delta: float = SEQ_DELTA,
@@ -174,11 +175,11 @@ def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA,
     sig = [kd for kd, st in kinds.items() if st["significant"]]
     bias = min(sig, key=lambda kd: SEQ_KINDS.index(kd) if kd in SEQ_KINDS else len(SEQ_KINDS)) if sig else None
     where = key_tests(per_point, bias, layers, alpha, delta, min_points) if bias and layers is not None else None
-    return {"where": where, "test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
+    return {"test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
                     f"point; one-sample t-test over the points of H0 |mean| <= {delta:g} ULP",
             "alpha": alpha, "delta_ulp": delta, "kinds_tested": len(tested), "threshold": threshold, "kinds": kinds,
             "bias": bias, "min_p": min((st["p"] for st in kinds.values()), default=None),
-            "untested": sorted(kd for kd, v in by_kind.items() if len(v) < min_points)}
+            "untested": sorted(kd for kd, v in by_kind.items() if len(v) < min_points), "where": where}
 
 
 STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "update": "optimizer",
