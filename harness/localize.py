@@ -49,15 +49,16 @@ from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 def divergent_steps(pair) -> list[int]:
     """The steps a divergence of the pair's free-running curves asks to replay: the first divergent step of
-    the training series (of any series when only the evaluation diverges), the one before it, and the later
-    steps the step-0 probes run (runner.PROBE_STEPS: so that the resync computes, calibrated, every step the
-    localization's probes hold; harness.resync_verdict.superseded_by_resync); none for a pair that does not
-    diverge or is fed a different batch."""
+    the training series (of any series when only the evaluation diverges), the one before it and the
+    PROBE_STEPS from it, and the steps the step-0 probes run (0..PROBE_STEPS-1): so that the resync computes,
+    calibrated and from the reference's state, every step the localization's probes hold
+    (harness.resync_verdict.superseded_by_resync; the step-0 probes' later steps run from the candidate's own
+    state); none for a pair that does not diverge or is fed a different batch."""
     if pair.first is None or pair.first.get("series") in ("batch_checksum", None):
         return []
     train = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
     d = min(train) if train else int(pair.first["step"])
-    return sorted({max(d - 1, 0), *(d + i for i in range(runner.PROBE_STEPS))})
+    return sorted({*range(runner.PROBE_STEPS), max(d - 1, 0), *(d + i for i in range(runner.PROBE_STEPS))})
 
 
 class Localizer(ProbeJobs):

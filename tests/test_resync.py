@@ -363,6 +363,25 @@ def test_a_step0_localization_on_backward_kinds_is_superseded_by_the_resynced_st
     assert superseded_by_resync(dict(loc, method="resync of step 25 from the reference's state"), rs) is None
 
 
+def test_a_diverging_pair_resyncs_the_steps_its_step0_probes_hold():
+    """The step-0 probes run PROBE_STEPS optimizer steps from step 0 (the later ones from the candidate's own
+    state): a diverging pair's resync computes those steps from the reference's state too, wherever the curves
+    first diverge, so that a step-0 finding on them can be checked (mobilenet_tiny Nesterov cosine, tensorflow
+    dp 2: `update2/stem.kernel` disagreed, the curves diverged at step 24, the resync's points were 0, 12, 23-26,
+    ...: the finding stood against 25 agreeing steps)."""
+    from types import SimpleNamespace
+    from harness import runner
+    from harness.localize import divergent_steps
+    from harness.resync_verdict import superseded_by_resync
+    check = SimpleNamespace(diverged_step=24)
+    pair = SimpleNamespace(first={"step": 24, "series": "param_norm"}, checks={"param_norm": check})
+    steps = divergent_steps(pair)
+    assert set(range(runner.PROBE_STEPS)) <= set(steps) and {23, 24} <= set(steps)
+    loc = {"stage": "reduction", "method": "step-0 probes", "disagreeing_keys": ["update2/stem.kernel"], "rel": 1e-3}
+    assert superseded_by_resync(loc, {"points": R.resync_points(300, 25, steps)})
+    assert divergent_steps(SimpleNamespace(first=None, checks={})) == []
+
+
 def test_a_superseded_localization_takes_its_conclusion_with_it():
     """mobilenet_tiny numpy dp2 (2026-12-01): the verdict was DECLARED by the resynced steps, yet the notes still
     led with the superseded step-0 localization's 'declared difference(s) ... do not explain probe
