@@ -148,9 +148,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
         # a bias upstream of the disagreeing step's stage: that step inherits it
-        if seq.get("bias") is not None and (p.localization or {}).get("stage") is not None \
-                and upstream_of(bias_localization(seq)["stage"], p.localization):
-            loc = bias_localization(seq)
+        loc = bias_localization(seq) if seq.get("bias") is not None else None
+        if loc is not None and (p.localization or {}).get("stage") is not None \
+                and upstream_of(loc["stage"], p.localization):
             loc["lines"].append(f"(resynced step {t} disagrees at {fb.get('probe')}, a later stage: "
                                 f"{(p.localization or {}).get('summary')})")
             p.localization = dict(loc, **{k: v for k, v in (p.localization or {}).items()

@@ -45,6 +45,21 @@ def setup_env(threads: int = 1) -> None:
     os.environ["PYTHONHASHSEED"] = "0"
 
 
+def keras_backend_pinned() -> str:
+    """KERAS_BACKEND (default tensorflow), its framework's thread pools pinned to one before Keras is imported
+    (Keras starts the runtime on import); returns the backend's name."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    kb = os.environ["KERAS_BACKEND"]
+    if kb == "tensorflow":
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    elif kb == "torch":
+        import torch
+        torch.set_num_threads(1)
+    return kb
+
+
 def parse_args(doc: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--steps", type=int, default=400, help="training steps in all, warm-up included")

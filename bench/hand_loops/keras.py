@@ -8,7 +8,6 @@ any logging callback) it makes Keras hand the batch logs (loss, accuracy) to Pyt
 
     KERAS_BACKEND=jax python bench/hand_loops/keras.py --steps 400   -> one JSON line
 """
-import os
 import sys
 from pathlib import Path
 
@@ -16,19 +15,11 @@ _HERE = Path(__file__).resolve().parent          # this file is keras.py: never 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import LR, MOMENTUM, parse_args, problem, setup_env  # noqa: E402
+from bench.hand_loops._common import LR, MOMENTUM, keras_backend_pinned, parse_args, problem, setup_env  # noqa: E402
 
 args = parse_args(__doc__)
 setup_env()
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-KB = os.environ["KERAS_BACKEND"]
-if KB == "tensorflow":      # pin TF's pools before Keras starts the runtime
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-elif KB == "torch":
-    import torch
-    torch.set_num_threads(1)
+KB = keras_backend_pinned()
 import keras  # noqa: E402
 from keras import layers  # noqa: E402
 

@@ -7,7 +7,6 @@ tensorflow).
 
     KERAS_BACKEND=jax python bench/hand_loops/resnet_keras.py --steps 100   -> one JSON line
 """
-import os
 import sys
 from pathlib import Path
 
@@ -15,20 +14,12 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import (BN_EPS, BN_MOMENTUM, LR, MOMENTUM, RESNET_BLOCKS, parse_args,  # noqa: E402
-                                      problem, setup_env)
+from bench.hand_loops._common import (BN_EPS, BN_MOMENTUM, LR, MOMENTUM, RESNET_BLOCKS,  # noqa: E402
+                                      keras_backend_pinned, parse_args, problem, setup_env)
 
 args = parse_args(__doc__)
 setup_env()
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-KB = os.environ["KERAS_BACKEND"]
-if KB == "tensorflow":      # pin TF's pools before Keras starts the runtime
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-elif KB == "torch":
-    import torch
-    torch.set_num_threads(1)
+KB = keras_backend_pinned()
 import keras  # noqa: E402
 from keras import layers  # noqa: E402
 

@@ -11,7 +11,7 @@ from algorithms.contract import RunOptions
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, StepStats, UnsupportedError, effective_step_for_lr
+from ..base import Backend, Masks, StepStats, UnsupportedError
 from . import NumpyEntry
 from .layers import backward, forward, softmax_xent
 from .optim import ReferenceOptimizer
@@ -104,7 +104,7 @@ class NumpyBackend(DataParallel, Backend):
     def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
         loss, losses, acc, grads = self._grads(x, y, masks, update_running=True)
         before = {n: self.p[n] for n in self.trainable}
-        after = self.opt.step(effective_step_for_lr(step, self.opts.fault), before, grads, lr=self.lr_for(step))
+        after = self.opt.step(self.lr_for(step), before, grads)
         self.p.update(after)
 
         def norm(arrays: list[np.ndarray]) -> float:

@@ -22,11 +22,9 @@ class ReferenceOptimizer:
         self.state: State = reference_init(hp, params)
         self.live = False
 
-    def step(self, lr_step: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-             lr: float | None = None) -> dict[str, np.ndarray]:
-        """New parameters; `lr_step` is the step whose schedule value the lr is (the worker faults move it),
-        `lr` the rate applied when it is not that value (an lr perturbation, `Backend.lr_for`)."""
-        new, state = reference_update(self.hp, lr_step, params, grads, self.state, lr=lr)
+    def step(self, lr: float, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """New parameters at the rate the step applies (`Backend.lr_for`: the schedule, moved by an lr fault)."""
+        new, state = reference_update(self.hp, 0, params, grads, self.state, lr=lr)
         self.state = {k: ({n: a.astype(self.dtype) for n, a in v.items()} if isinstance(v, dict) else v)
                       for k, v in state.items()}
         self.live = True
