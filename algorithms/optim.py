@@ -115,10 +115,12 @@ def reference_init(h: HParams, params: dict[str, np.ndarray]) -> State:
 
 
 def reference_update(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-                     state: State, *, adam_eps_hat: bool = False, lr: float | None = None
+                     state: State, *, adam_eps_hat: bool = False, lr: float | None = None,
+                     bias_corrections: tuple[float, float] | None = None
                      ) -> tuple[dict[str, np.ndarray], State]:
     """One step of the reference optimizer in float64; returns (new params, new state). `lr`: the rate
-    applied, when it is not the schedule's value at step t (a wrapper's perturbed learning rate).
+    applied, when it is not the schedule's value at step t (a wrapper's perturbed learning rate);
+    `bias_corrections`: Adam's (1 - b1^n, 1 - b2^n), when they are not the float64 ones (Keras' float32 betas).
 
     With adam_eps_hat=True the Adam step is the Keras/TF-kernel 'epsilon hat' form:
     p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)   (a declared difference).
@@ -145,10 +147,33 @@ def reference_update(h: HParams, t: int, params: dict[str, np.ndarray], grads: d
             m = h.beta1 * state["exp_avg"][k] + (1 - h.beta1) * g
             v = h.beta2 * state["exp_avg_sq"][k] + (1 - h.beta2) * g * g
             new_s["exp_avg"][k], new_s["exp_avg_sq"][k] = m, v
-            bc1, bc2 = 1 - h.beta1 ** n, 1 - h.beta2 ** n
+            bc1, bc2 = (1 - h.beta1 ** n, 1 - h.beta2 ** n) if bias_corrections is None else bias_corrections
             if adam_eps_hat:
                 p = p - lr * math.sqrt(bc2) / bc1 * m / (np.sqrt(v) + h.eps)
             else:
                 p = p - lr * (m / bc1) / (np.sqrt(v / bc2) + h.eps)
         new_p[k] = p
     return new_p, new_s
+
+
+# the declared optimizer formulas (algorithms.differences), named by the fault that makes a backend compute them
+DECLARED_FORMULAS = ("adam_eps_hat", "adam_float32_betas", "keras_momentum_schedule")
+
+
+def declared_update(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], state: State,
+                    formulas: frozenset[str] = frozenset()) -> tuple[dict[str, np.ndarray], State]:
+    """reference_update of step t computing the declared formulas named in `formulas`: Keras/TF's epsilon hat
+    (adam_eps_hat), Keras' bias corrections from float32 betas (adam_float32_betas), Keras' velocity
+    v = mu v - lr_t g, i.e. torch's buffer rescaled by lr_{t-1} / lr_t before the step (keras_momentum_schedule).
+    `state` is the state before step t, as every backend exports it (torch's conventions)."""
+    unknown = sorted(set(formulas) - set(DECLARED_FORMULAS))
+    if unknown:
+        raise ValueError(f"no declared optimizer formula for {', '.join(unknown)}")
+    lr = lr_at(h, t)
+    if "keras_momentum_schedule" in formulas and t > 0 and "momentum" in state and lr_at(h, t - 1) != lr:
+        ratio = lr_at(h, t - 1) / lr
+        state = dict(state, momentum={k: v * ratio for k, v in state["momentum"].items()})
+    bc = (float32_bias_corrections(h, int(state["step"]) + 1)
+          if "adam_float32_betas" in formulas and "step" in state else None)
+    return reference_update(h, t, params, grads, state, adam_eps_hat="adam_eps_hat" in formulas, lr=lr,
+                            bias_corrections=bc)

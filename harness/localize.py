@@ -61,6 +61,21 @@ def divergent_steps(pair) -> list[int]:
     return sorted({*range(runner.PROBE_STEPS), max(d - 1, 0), *(d + i for i in range(runner.PROBE_STEPS))})
 
 
+def implied_step(ref: Run, rep: dict[str, Any], change: dict[str, Any] | None):
+    """The check of an update against the formula on the candidate's own gradient (harness.implied), for a
+    resync from `ref`'s states computing `change`'s declared formulas; None where the reference computes an
+    optimizer formula the check does not know, carries a fault, or its run names no hyper-parameters."""
+    from algorithms.optim import HParams
+    from . import resync as R
+    from .implied import ImpliedStep, formulas_of
+    formulas = formulas_of((change or {}).get("fault"))
+    hp = ref.manifest.get("hparams")
+    if formulas is None or ref.fault is not None or not hp or not rep.get("states"):   # a reference with a
+        # fault computes something else than the formula: its own error would set the tolerance
+        return None
+    return ImpliedStep(HParams.from_dict(hp), rep["states"], formulas, margin=R.MARGIN, floor=R.FLOOR)
+
+
 class Localizer(ProbeJobs):
     """Where a pair's BUG comes from, from the probe and replay jobs ProbeJobs runs; and the shared-state
     comparison (`resync`) whose replay the localization of the divergent step reuses."""
@@ -98,13 +113,14 @@ class Localizer(ProbeJobs):
         if "error" in rep:
             return {"error": rep["error"], "points": at}
         self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
-        out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+        implied = implied_step(ref, rep, change)
+        out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         if R.wants_more_sensitivity(out):
             # a step that differs in the backward pass only, where the reference's own two nudges never jumped:
             # ask the reference harder, at every point alike, whether its own rounding flips kinks there too
             rep = self.more_sensitivity(ref, rep)
             self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
-            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         # a backward-only disagreement beyond what the reference's own nudges flipped: look for the crossing in
         # the candidate's own activations at that step (every sample), point after point while each is explained
         crossings: dict[int, list[dict[str, Any]] | None] = {}
@@ -115,7 +131,7 @@ class Localizer(ProbeJobs):
             model = model or load_model(model_ref(ref.manifest, self.root))
             crossings[t] = None if got is None else kinks.crossed(model, *got)
             rep = dict(rep, crossings=crossings)
-            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None)
+            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))
         out["every"] = every
         if change is not None:

@@ -235,7 +235,8 @@ def backward_only(kinds: set[str]) -> bool:
 
 
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
-          floor: float = FLOOR, emulated: bool = False) -> dict[str, Any]:
+          floor: float = FLOOR, emulated: bool = False,
+          implied: Callable[..., dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The resync section of a pair from the replay of its points (Localizer.replay's result): per point,
     agree or not, the worst key and its factor over the tolerance, and the analysis of the first point that
     disagrees (stage, layer: Muffin's rule); the sequential test over every point; with `emulated`, the
@@ -255,13 +256,22 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     at every step is not a flip at every step). A point where the candidate's own activations crossed a kink
     (`rep["crossings"]`, harness.kinks: every sample probed again at that step) agrees *by the crossing*
     when every disagreeing key is of BACKWARD_KINDS, some gradient among them, each a parameter upstream of
-    a crossed kink: evidence at that point, so neither bounded by the reference's jumps nor counted."""
-    results, evidence, devs = [], [], []
+    a crossed kink: evidence at that point, so neither bounded by the reference's jumps nor counted.
+
+    With `implied` (harness.implied.ImpliedStep): a point whose every disagreeing key is the resynced step's
+    update or optimizer state, every gradient agreeing, agrees *by its formula* when the candidate's update
+    is what the reference optimizer's float64 formula gives from the candidate's own gradient (an
+    ill-conditioned update: Adam's first step on a gradient within rounding of zero)."""
+    results, evidence, devs, by_formula = [], [], [], {}
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))
         results.append((int(t), res, z is not None))
+        if implied is not None and res["disagreeing_keys"] and not res["missing_keys"]:
+            got = implied(int(t), pa, pb, res["disagreeing_keys"])
+            if got is not None:
+                by_formula[int(t)] = got
         if plain is not None:
             evidence += [f"step {t}: {k}" for k in
                          analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
@@ -316,12 +326,15 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         agree = res["stage"] is None and not res["disagreeing_keys"]
         by_flip = not agree and allow_flips and bool(flips[t])
         by_crossing = not agree and bool(seen[t])
-        points.append({"step": t, "agree": agree or by_flip or by_crossing, "disagreeing": len(res["disagreeing_keys"]),
+        by_implied = not (agree or by_flip or by_crossing) and by_formula.get(t, {}).get("agree", False)
+        explained = agree or by_flip or by_crossing or by_implied
+        points.append({"step": t, "agree": explained, "disagreeing": len(res["disagreeing_keys"]),
                        "worst_key": worst["key"] if worst else None,
                        "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
                        "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {}),
-                       **({"crossed": crossings[t]} if by_crossing else {})})
-        if not (agree or by_flip or by_crossing) and first_bad is None:
+                       **({"crossed": crossings[t]} if by_crossing else {}),
+                       **({"implied": by_formula[t]} if by_implied else {})})
+        if not explained and first_bad is None:
             first_bad = dict(res, step=t)
     worst_pt = max(points, key=lambda p: p["worst_factor"] or 0.0, default=None)
     out = {"points": [p["step"] for p in points], "per_point": points, "n": len(points),
@@ -335,6 +348,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
                                # the points whose every sample was probed again for a kink the candidate crossed
                                "looked_for_crossings": sorted(crossings),
                                "crossed": {t: crossings[t] for t in sorted(crossings) if seen.get(t)}},
+           # the points whose update was checked against its own gradient's formula (harness.implied)
+           "implied": {t: by_formula[t] for t in sorted(by_formula)},
            "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
     if emulated:
         out["evidence"] = evidence

@@ -24,7 +24,19 @@ def resync_what(rs: dict[str, Any]) -> str:
 def flips_what(rs: dict[str, Any]) -> str:
     """The resynced steps that agree by a discontinuity (harness.resync.judge), said with their evidence."""
     dc = rs.get("discontinuities") or {}
-    return _flipped_what(rs, dc) + _crossed_what(dc)
+    return _flipped_what(rs, dc) + _crossed_what(dc) + _implied_what(rs)
+
+
+def _implied_what(rs: dict[str, Any]) -> str:
+    """The resynced steps that agree by the optimizer's own formula (harness.implied), with the worst key."""
+    by = {p["step"]: p["implied"] for p in rs.get("per_point") or () if p.get("implied")}
+    if not by:
+        return ""
+    said = "; ".join(f"step {t}: " + ", ".join(f"{k} {v['rel']:.2g} of its scale (within {v['tol']:.2g})"
+                                               for k, v in got["keys"].items()) for t, got in by.items())
+    return (f"; step(s) {', '.join(map(str, by))} agree by the optimizer's formula: every gradient agrees, the "
+            f"update does not, and it is what the reference optimizer's float64 formula gives from the candidate's "
+            f"own gradient (an ill-conditioned update carries the gradient's rounding): {said}")
 
 
 def _crossed_what(dc: dict[str, Any]) -> str:
