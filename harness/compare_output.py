@@ -199,8 +199,9 @@ def _max_inside(p: Pair) -> float:
 
 
 def render(c: Comparison, verbose: bool = False) -> str:
-    """The terminal table. The odd one out leads when it is the reference; the pairs without the
-    reference follow the table as one line when they all agree (every pair with verbose)."""
+    """The terminal table. The odd one out leads when it is the reference; the notes of each BUG and
+    INCONCLUSIVE pair follow the table (of every pair with verbose); then the pairs without the reference,
+    as one line when they all agree (every pair with verbose)."""
     lines = []
     lab = labels(c.runs)
     odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
@@ -240,7 +241,9 @@ def render(c: Comparison, verbose: bool = False) -> str:
     for rw in rows:
         lines.append("  ".join(v.ljust(w) for v, w in zip(rw, widths)).rstrip())
     for p in c.pairs:
-        if not p.with_reference:
+        # the explanation of each verdict to act on (BUG, INCONCLUSIVE); the agreeing pairs' notes with verbose
+        # (the table says their answer; comparison.json, summary.md and the report keep the notes)
+        if not p.with_reference or (p.verdict in AGREE + (DECLARED,) and not verbose):
             continue
         if p.first or p.notes:
             lines.append("")
@@ -264,7 +267,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
               for p in c.pairs if not p.with_reference]
     if others:
         lines.append("")
-        lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose)
+        lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,
+                                   hint="; -v lists them, with every pair's notes")
     if odd and not odd[0]:
         lines.append(odd[1])
     for n in c.notes:

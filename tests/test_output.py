@@ -114,8 +114,12 @@ def test_pairs_without_the_reference_are_one_line_when_they_agree_and_listed_wit
     assert short.exit_code == 0, short.output
     about = [x for x in short.output.splitlines() if "pairs without the reference" in x or " ~ " in x]
     assert len(about) == 1 and about[0].startswith("pairs without the reference: all 6 DRIFT (max "), about
+    # the agreeing pairs' notes are behind -v: after the table, that one line is all
+    after = short.output.split("keras-torch toy  DRIFT", 1)[1].splitlines()[1:]
+    assert [x for x in after if x.strip() and not x.startswith("written: ")] == about, short.output
     verbose = _compare(*args, "-v")
     assert verbose.exit_code == 0
+    assert "note: no shared-state step comparison" in verbose.output
     listed = [x for x in verbose.output.splitlines() if " ~ " in x]
     assert len(listed) == 6 and all(x.endswith(": DRIFT") for x in listed)
     # the machine-readable output does not depend on it
