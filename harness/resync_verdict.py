@@ -197,16 +197,22 @@ def apply_resync(p: Pair, requested: bool) -> None:
         return
     superseded = superseded_by_resync(p.localization, rs)
     if was == BUG and superseded:
-        p.notes.append(f"the step-0 probes disagreed only on gradients and what follows from them ({superseded}), at steps "
-                       f"the resync computed from the reference's own state, calibrated there, and found agreeing: "
-                       f"a discontinuity (a kink flipped by rounding), not a different computation; decided by the "
-                       f"resynced steps")
+        from .implied import optimizer_only
+        ill = optimizer_only((p.localization or {}).get("disagreeing_keys") or [])
+        why = ("an ill-conditioned update (the optimizer's output where every gradient agrees; the resynced steps "
+               "check it against what the candidate's own gradient implies)" if ill else "a discontinuity (a kink "
+               "flipped by rounding)")
+        p.notes.append(f"the step-0 probes disagreed only on " + ("updates and optimizer state" if ill else
+                       "gradients and what follows from them") + f" ({superseded}), at steps the resync computed "
+                       f"from the reference's own state, calibrated there, and found agreeing: {why}, not a "
+                       f"different computation; decided by the resynced steps")
         old = p.localization or {}
         if old.get("note") in p.notes:   # what the superseded localization concluded goes with it
             p.notes.remove(old["note"])
         p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
-                          "summary": "no different computation: the step-0 probes' gradients disagreed by a "
-                                     "discontinuity the resynced steps do not show", "lines": [],
+                          "summary": "no different computation: the step-0 probes' " + (
+                              "updates disagreed by an ill-conditioned formula the resynced steps check" if ill else
+                              "gradients disagreed by a discontinuity the resynced steps do not show"), "lines": [],
                           "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}}
         was = p.verdict = INCONCLUSIVE
     against = rs.get("against")

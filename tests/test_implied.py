@@ -186,3 +186,21 @@ def test_judge_lets_a_point_agree_by_its_formula_and_says_so(tmp_path):
     got = R.judge(rep, LAYERS, analyse, implied=implied)
     assert got["agree"] and got["per_point"][0]["implied"]["agree"] and 0 in got["implied"]
     assert "agree by the optimizer's formula" in resync_what(got) and "update0/w" in resync_what(got)
+
+
+def test_a_superseded_update_only_finding_is_called_an_ill_conditioned_update_not_a_kink():
+    """mobilenet_tiny keras-torch Nesterov cosine (2026-12-02): the step-0 probes' update0/ir2_expand_bn.gamma
+    disagreed, every gradient agreeing; the resynced step 0 agreed by its formula. The note says which."""
+    from harness.pair import Pair
+    from harness.resync_verdict import apply_resync
+    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict="BUG",
+             localization={"stage": "optimizer", "probe": "update0/ir2_expand_bn.gamma", "rel": 3e-4,
+                           "method": "step-0 probes", "disagreeing_keys": ["update0/ir2_expand_bn.gamma"]},
+             notes=["step 122 param_norm: ..."])
+    p.resync = {"points": [0, 1, 2, 25], "agree": True, "n": 4, "sequential": {"min_p": 0.9, "threshold": 0.002},
+                "worst": {"worst_key": "update0/ir2_expand_bn.gamma", "step": 0, "worst_factor": 1.97}}
+    apply_resync(p, requested=True)
+    assert p.verdict == "DRIFT", p.notes
+    said = next(n for n in p.notes if n.startswith("the step-0 probes disagreed"))
+    assert "ill-conditioned update" in said and "kink" not in said
+    assert "ill-conditioned" in p.localization["summary"]
