@@ -29,7 +29,7 @@ from algorithms.faults import FAULTS, parts
 from algorithms.optim import DECLARED_FORMULAS, HParams, State, declared_update, reference_init
 from algorithms.params import load_npz
 
-from .probes import ABS_FLOOR, EPS32, kind_of
+from .probes import ABS_FLOOR, EPS32, kind_of, rms
 
 # float32 roundings one element of an update may carry, each at most one ULP of the largest term: the
 # weight decay's product and sum, the momentum's product and sum, Nesterov's second pair, the rate's
@@ -84,10 +84,6 @@ def _magnitudes(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[s
                                             formulas).items()}
 
 
-def _rms(d: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(d ** 2))) if d.size and np.isfinite(d).all() else (0.0 if not d.size else float("inf"))
-
-
 class ImpliedStep:
     """The check for one pair's resync: hyper-parameters, the reference's state file per resynced step, the
     declared formulas the reference computed. `__call__(t, cand, ref, keys)`: per key, the candidate's and
@@ -123,8 +119,8 @@ class ImpliedStep:
             bound = IMPLIED_ULPS * EPS32 * mags[k]
             if k.startswith("update0/"):
                 bound = bound + EPS32 * np.abs(sub[k.rsplit("/", 1)[-1]])   # the new parameter is stored in float32
-            err_b, err_a = _rms(xb - want_b) / scale, _rms(xa - want_a) / scale
-            rounding = _rms(bound) / scale
+            err_b, err_a = rms(xb - want_b) / scale, rms(xa - want_a) / scale
+            rounding = rms(bound) / scale
             if err_a > max(self.floor, rounding):
                 return None   # the reference itself is not what its gradient implies: no formula to judge by
             tol = max(self.floor, self.margin * err_a, rounding)

@@ -74,7 +74,7 @@ def _rel(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     return d, scale, d / scale
 
 
-def _rms(d: np.ndarray) -> float:
+def rms(d: np.ndarray) -> float:
     """RMS of a difference (inf when it is not finite, 0 when empty)."""
     if not d.size:
         return 0.0
@@ -100,7 +100,7 @@ def _exactly_zero(y: np.ndarray, z: np.ndarray, kind_scale: float = 0.0) -> bool
     if not z.size or not np.isfinite(y).all():
         return False
     top = float(np.max(np.abs(z)))
-    return top <= _rms(y - z) or top <= ZERO_ULPS * EPS32 * kind_scale
+    return top <= rms(y - z) or top <= ZERO_ULPS * EPS32 * kind_scale
 
 
 def _kind_scales(keys: list[str], ref: dict[str, np.ndarray]) -> dict[tuple[str, int], float]:
@@ -159,12 +159,12 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
                 # of its kind: both float32 values are rounding noise, with no scale of their own; held at
                 # their kind's
                 scale = max(kind_scales[(kind, step)], ABS_FLOOR)
-                rel, own_err = _rms(x - z) / scale, _rms(y - z) / scale
+                rel, own_err = rms(x - z) / scale, rms(y - z) / scale
                 tol = max(floor, margin * own_err)
         else:
             d, scale, rel = _rel(x, y)
             tol, own_err = rel_tol, 0.0
-        own = [_rms(np.asarray(n[k], np.float64) - y) / scale for n in (nudged or ())
+        own = [rms(np.asarray(n[k], np.float64) - y) / scale for n in (nudged or ())
                if k in n and np.shape(n[k]) == y.shape]
         if own:   # the reference's own 1-ULP sensitivity, on the scale `rel` is on
             tol = max(tol, margin * max(own))
