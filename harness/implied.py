@@ -13,8 +13,8 @@ The check, per disagreeing key (an `update0/` or `opt0/` probe of the resynced s
 agree): the candidate's RMS error against the formula on its own gradient, over the scale of the
 reference's implied value, is at most the largest of FLOOR, MARGIN x the float32 reference's own error
 against the formula on its gradient, and the forward-error bound of evaluating the formula in float32:
-IMPLIED_ULPS float32 ULPs of the sum of the magnitudes of its terms (the formula on absolute values: it
-is large where terms cancel, only there), plus one ULP of the parameter the update is stored into.
+eight roundings of the sum of the magnitudes of its terms (the formula on absolute values: it is large
+where terms cancel, only there), plus half a ULP of the parameter the update is stored into.
 A wrong learning rate, momentum, beta, eps or weight decay, a state loaded wrongly, a different rule:
 the update is not what the gradient implies, and the step disagrees as before.
 """
@@ -25,16 +25,20 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.faults import FAULTS, parts
+from algorithms.faults import EMULATIONS, FAULTS, parts
 from algorithms.optim import DECLARED_FORMULAS, HParams, State, declared_update, reference_init
 from algorithms.params import load_npz
 
 from .probes import ABS_FLOOR, EPS32, kind_of, rms
 
-# float32 roundings one element of an update may carry, each at most one ULP of the largest term: the
-# weight decay's product and sum, the momentum's product and sum, Nesterov's second pair, the rate's
-# product, Adam's moments, square root, eps and division; twice that many is a bound, not an estimate
-IMPLIED_ULPS = 16.0
+# float32 roundings one element of an update may carry, each at most half a ULP (EPS32 / 2, round to nearest)
+# of the largest magnitude in the formula: the weight decay's product and sum, the momentum's product and sum
+# (and the rescale of a Keras velocity), Nesterov's second pair, the rate's product; Adam's moments, square
+# root, eps and division. Eight roundings of EPS32 / 2 each: the bound is IMPLIED_ULPS x EPS32 x the formula
+# on absolute values
+IMPLIED_ULPS = 4.0
+# and the new parameter, stored in float32: half a ULP of it (the update probe is new - old in float64)
+STORE_ULPS = 0.5
 ROLES = ("momentum", "exp_avg", "exp_avg_sq")
 
 
@@ -46,8 +50,8 @@ def optimizer_only(keys: list[str]) -> bool:
 def formulas_of(fault: str | None) -> frozenset[str] | None:
     """The declared optimizer formulas an emulation fault (a '+'-joined list) makes the reference compute;
     None when it carries an optimizer fault declared_update cannot compute (then nothing is re-derived)."""
-    names = parts(fault)
-    opt = {n for n in names if n in FAULTS and FAULTS[n].stage == "optimizer"}
+    known = {**FAULTS, **EMULATIONS}
+    opt = {n for n in parts(fault) if n in known and known[n].stage == "optimizer"}
     return None if opt - set(DECLARED_FORMULAS) else frozenset(opt)
 
 
@@ -118,7 +122,7 @@ class ImpliedStep:
             scale = max(float(np.max(np.abs(want_a))) if want_a.size else 0.0, ABS_FLOOR)
             bound = IMPLIED_ULPS * EPS32 * mags[k]
             if k.startswith("update0/"):
-                bound = bound + EPS32 * np.abs(sub[k.rsplit("/", 1)[-1]])   # the new parameter is stored in float32
+                bound = bound + STORE_ULPS * EPS32 * np.abs(sub[k.rsplit("/", 1)[-1]])
             err_b, err_a = rms(xb - want_b) / scale, rms(xa - want_a) / scale
             rounding = rms(bound) / scale
             if err_a > max(self.floor, rounding):

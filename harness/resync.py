@@ -287,7 +287,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         diffs = {d["key"]: d for d in res["diffs"]}
         keys = res["disagreeing_keys"]
         if not any(diffs[k]["kind"] == "grad" for k in keys):
-            return None   # the gradients (the step's own) agree: the optimizer computed something else
+            return None   # no gradient among them: not a flip (an update-only point is harness.implied's to judge)
         def within(k: str) -> bool:
             kind = diffs[k]["kind"]
             return kind in jumps["largest"] and diffs[k]["rel"] <= margin * jumps["largest"][kind]

@@ -32,11 +32,12 @@ def _implied_what(rs: dict[str, Any]) -> str:
     by = {p["step"]: p["implied"] for p in rs.get("per_point") or () if p.get("implied")}
     if not by:
         return ""
-    said = "; ".join(f"step {t}: " + ", ".join(f"{k} {v['rel']:.2g} of its scale (within {v['tol']:.2g})"
-                                               for k, v in got["keys"].items()) for t, got in by.items())
-    return (f"; step(s) {', '.join(map(str, by))} agree by the optimizer's formula: every gradient agrees, the "
-            f"update does not, and it is what the reference optimizer's float64 formula gives from the candidate's "
-            f"own gradient (an ill-conditioned update carries the gradient's rounding): {said}")
+    said = "; ".join(f"step {t}: " + ", ".join(
+        f"{k} {v['rel']:.2g} of its scale from it (the reference's own {v['own']:.2g} from it on its gradient; "
+        f"allowed {v['tol']:.2g})" for k, v in got["keys"].items()) for t, got in by.items())
+    return (f"; step(s) {', '.join(map(str, by))} agree by the optimizer's formula: every gradient agrees within its "
+            f"tolerance, the update does not, and the candidate's update is what the reference optimizer's float64 "
+            f"formula gives from the candidate's own gradient: {said}")
 
 
 def _crossed_what(dc: dict[str, Any]) -> str:
@@ -198,11 +199,12 @@ def apply_resync(p: Pair, requested: bool) -> None:
     superseded = superseded_by_resync(p.localization, rs)
     if was == BUG and superseded:
         from .implied import optimizer_only
-        ill = optimizer_only((p.localization or {}).get("disagreeing_keys") or [])
-        why = ("an ill-conditioned update (the optimizer's output where every gradient agrees; the resynced steps "
-               "check it against what the candidate's own gradient implies)" if ill else "a discontinuity (a kink "
-               "flipped by rounding)")
-        p.notes.append(f"the step-0 probes disagreed only on " + ("updates and optimizer state" if ill else
+        updates_only = optimizer_only((p.localization or {}).get("disagreeing_keys") or [])
+        ill = updates_only and any(got.get("agree") for got in (rs.get("implied") or {}).values())
+        why = ("an update the resynced steps found to be what the candidate's own gradient implies (an "
+               "ill-conditioned formula there)" if ill else "not reproduced from the reference's state" if updates_only
+               else "a discontinuity (a kink flipped by rounding)")
+        p.notes.append(f"the step-0 probes disagreed only on " + ("updates and optimizer state" if updates_only else
                        "gradients and what follows from them") + f" ({superseded}), at steps the resync computed "
                        f"from the reference's own state, calibrated there, and found agreeing: {why}, not a "
                        f"different computation; decided by the resynced steps")
@@ -212,6 +214,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
                           "summary": "no different computation: the step-0 probes' " + (
                               "updates disagreed by an ill-conditioned formula the resynced steps check" if ill else
+                              "updates disagreed where the resynced steps agree" if updates_only else
                               "gradients disagreed by a discontinuity the resynced steps do not show"), "lines": [],
                           "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}}
         was = p.verdict = INCONCLUSIVE
