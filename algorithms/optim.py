@@ -114,6 +114,24 @@ def reference_init(h: HParams, params: dict[str, np.ndarray]) -> State:
     return {}
 
 
+# the optimizer state's roles in the canonical flat layout every backend exports ('<role>/<param>', 'step')
+STATE_ROLES = ("momentum", "exp_avg", "exp_avg_sq")
+
+
+def load_flat_state(state: State, flat: dict[str, np.ndarray], dtype: Any = np.float64) -> bool:
+    """Fill `state` (reference_init's layout) in place from the canonical flat optimizer state; entries that
+    `flat` lacks stay as they are. True when some role was given (torch exports nothing before its first step)."""
+    given = False
+    for role in STATE_ROLES:
+        for n in state.get(role, {}):
+            if f"{role}/{n}" in flat:
+                state[role][n] = np.asarray(flat[f"{role}/{n}"], dtype).copy()
+                given = True
+    if "step" in state and "step" in flat:
+        state["step"] = int(round(float(flat["step"])))
+    return given
+
+
 def reference_update(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
                      state: State, *, adam_eps_hat: bool = False, lr: float | None = None,
                      bias_corrections: tuple[float, float] | None = None

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from algorithms.faults import EMULATIONS, FAULTS, parts
-from algorithms.optim import DECLARED_FORMULAS, HParams, State, declared_update, reference_init
+from algorithms.optim import (DECLARED_FORMULAS, STATE_ROLES, HParams, State, declared_update,
+                              load_flat_state, reference_init)
 from algorithms.params import load_npz
 
 from .probes import ABS_FLOOR, EPS32, kind_of, rms
@@ -39,7 +40,6 @@ from .probes import ABS_FLOOR, EPS32, kind_of, rms
 IMPLIED_ULPS = 4.0
 # and the new parameter, stored in float32: half a ULP of it (the update probe is new - old in float64)
 STORE_ULPS = 0.5
-ROLES = ("momentum", "exp_avg", "exp_avg_sq")
 
 
 def optimizer_only(keys: list[str]) -> bool:
@@ -60,12 +60,7 @@ def state_of(h: HParams, flat: dict[str, np.ndarray]) -> tuple[dict[str, np.ndar
     an empty optimizer state (before the first step) is the reference's initial one."""
     params = {k[len("param/"):]: np.asarray(v, np.float64) for k, v in flat.items() if k.startswith("param/")}
     st = reference_init(h, params)
-    for role in ROLES:
-        for n in st.get(role, {}):
-            if f"opt/{role}/{n}" in flat:
-                st[role][n] = np.asarray(flat[f"opt/{role}/{n}"], np.float64)
-    if "step" in st and "opt/step" in flat:
-        st["step"] = int(round(float(flat["opt/step"])))
+    load_flat_state(st, {k[len("opt/"):]: v for k, v in flat.items() if k.startswith("opt/")})
     return params, st
 
 
@@ -74,7 +69,7 @@ def _step(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np
     """The probes of step t the formula gives: `update0/<name>` and `opt0/<role>/<name>`."""
     new, ns = declared_update(h, t, params, grads, st, formulas)
     out = {f"update0/{n}": new[n] - params[n] for n in new}
-    for role in ROLES:
+    for role in STATE_ROLES:
         out.update({f"opt0/{role}/{n}": v for n, v in ns.get(role, {}).items()})
     return out
 
@@ -82,7 +77,7 @@ def _step(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np
 def _magnitudes(h: HParams, t: int, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], st: State,
                 formulas: frozenset[str]) -> dict[str, np.ndarray]:
     """The formula on absolute values: every term adds, so this is the sum of the terms' magnitudes."""
-    ab = {role: {n: np.abs(v) for n, v in st[role].items()} for role in ROLES if role in st}
+    ab = {role: {n: np.abs(v) for n, v in st[role].items()} for role in STATE_ROLES if role in st}
     return {k: np.abs(v) for k, v in _step(h, t, {n: np.abs(v) for n, v in params.items()},
                                             {n: np.abs(v) for n, v in grads.items()}, dict(st, **ab),
                                             formulas).items()}

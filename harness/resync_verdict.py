@@ -28,7 +28,7 @@ def flips_what(rs: dict[str, Any]) -> str:
 
 
 def _implied_what(rs: dict[str, Any]) -> str:
-    """The resynced steps that agree by the optimizer's own formula (harness.implied), with the worst key."""
+    """The resynced steps that agree by the optimizer's own formula (harness.implied), each key with its error."""
     by = {p["step"]: p["implied"] for p in rs.get("per_point") or () if p.get("implied")}
     if not by:
         return ""
@@ -200,7 +200,8 @@ def apply_resync(p: Pair, requested: bool) -> None:
     if was == BUG and superseded:
         from .implied import optimizer_only
         updates_only = optimizer_only((p.localization or {}).get("disagreeing_keys") or [])
-        ill = updates_only and any(got.get("agree") for got in (rs.get("implied") or {}).values())
+        # update0/opt0 keys only (optimizer_only): the step-0 probes' first step is the resync's step 0
+        ill = updates_only and bool(((rs.get("implied") or {}).get(0) or {}).get("agree"))
         why = ("an update the resynced steps found to be what the candidate's own gradient implies (an "
                "ill-conditioned formula there)" if ill else "not reproduced from the reference's state" if updates_only
                else "a discontinuity (a kink flipped by rounding)")

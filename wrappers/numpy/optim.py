@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from algorithms.optim import HParams, State, reference_init, reference_update
-
-ROLES = ("momentum", "exp_avg", "exp_avg_sq")
-
+from algorithms.optim import STATE_ROLES, HParams, State, load_flat_state, reference_init, reference_update
 
 class ReferenceOptimizer:
     """reference_update with state; `live` turns True at the first step (or a loaded state), as torch's
@@ -33,16 +30,10 @@ class ReferenceOptimizer:
     def export(self) -> dict[str, np.ndarray]:
         if not self.live:
             return {}
-        out = {f"{role}/{n}": a.copy() for role in ROLES for n, a in self.state.get(role, {}).items()}
+        out = {f"{role}/{n}": a.copy() for role in STATE_ROLES for n, a in self.state.get(role, {}).items()}
         if "step" in self.state:
             out["step"] = np.asarray(float(self.state["step"]))
         return out
 
     def load(self, flat: dict[str, np.ndarray]) -> None:
-        for role in ROLES:
-            for n in self.state.get(role, {}):
-                if f"{role}/{n}" in flat:
-                    self.state[role][n] = np.asarray(flat[f"{role}/{n}"], self.dtype).copy()
-                    self.live = True
-        if "step" in self.state and "step" in flat:
-            self.state["step"] = int(round(float(flat["step"])))
+        self.live = load_flat_state(self.state, flat, self.dtype) or self.live
