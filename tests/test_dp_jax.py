@@ -112,3 +112,26 @@ def test_two_hosts_equal_one_process_bitwise(runs):
         assert np.array_equal(col(two, c), col(hosts, c)), c
     par = json.loads((hosts / "manifest.json").read_text())["parallel"]
     assert par["processes"] == 2 and par["hosts"] == 2 and par["process_id"] == 0 and par["local_devices"] == 1
+
+
+def test_probe_of_a_hosts_run_is_one_process_and_equals_the_devices_run(tmp_path):
+    """The probe (and replay) job of a --hosts 2 run starts one process over the same 2-device mesh, the
+    program the two processes ran (bitwise equal: the test above): every probe key is the --devices 2 probe's,
+    bit for bit, and the worker says it ran the hosts' program in one process. Before, the job was refused, and
+    a compare of a --hosts run had no shared-state step comparison (INCONCLUSIVE once its envelope saturated)."""
+    need("jax")
+    from algorithms.optim import HParams
+    from algorithms.params import load_npz
+    from harness import runner
+    hp = HParams(steps=4, optimizer="adam", lr=1e-3, eval_every=4, checkpoint_every=4)
+    probes = {}
+    for key, extra in (("devices", {}), ("hosts", {"hosts": 2})):
+        cfg = runner.RunConfig(model="cnn2d_hard", backend="jax", hparams=hp, devices=2, extra=extra)
+        folder = runner.execute(cfg, tmp_path, f"probe-{key}", mode="probe", probe_steps=2)
+        probes[key] = load_npz(folder / "probe-0.npz")
+        par = json.loads((folder / "worker.json").read_text())["parallel"]
+        assert par["processes"] == 1 and len(par["devices"]) == 2, par
+        assert ("hosts_in_one_process" in par) == (key == "hosts"), par
+    assert probes["devices"].keys() == probes["hosts"].keys()
+    for k, v in probes["devices"].items():
+        assert np.array_equal(v, probes["hosts"][k]), k

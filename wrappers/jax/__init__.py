@@ -4,7 +4,10 @@ Data parallel (`--devices N`): one process, N host devices (XLA_FLAGS below), on
 Mesh('data'). With `--hosts H` (train jobs): H processes on 127.0.0.1 stand in for H hosts, each
 with N/H local devices, joined by jax.distributed.initialize (coordinator on process 0 at
 127.0.0.1:port, gloo CPU collectives); the mesh spans all N devices, process 0 writes the results.
+Probe and replay jobs of a --hosts run: one process, the same mesh over N local devices (the same
+program, bitwise equal to the H processes; the manifest's `parallel` says so).
 """
+import os
 import sys
 
 from algorithms.contract import RunOptions
@@ -30,7 +33,10 @@ class JaxEntry(Entry):
     @classmethod
     def job_env(cls, opts):
         devices, hosts = _dp(opts)
-        local = devices // hosts if hosts > 1 and devices % hosts == 0 else devices   # per process
+        # per process: a rank of a multi-process (train) job holds N/H devices; a probe or replay job of a
+        # --hosts run is one process over all N (the same program, bitwise equal: tests/test_dp_jax.py)
+        rank = "DUIPAI_JAX_COORDINATOR" in os.environ
+        local = devices // hosts if rank and hosts > 1 and devices % hosts == 0 else devices
         env = jax_platform_env(opts, local)
         if opts.dtype == "float64":
             env["JAX_ENABLE_X64"] = "1"

@@ -13,7 +13,7 @@ frameworks' replicas do; declared difference per_replica_batchnorm), running sta
 from replica 0's statistics (what DDP's buffer broadcast leaves); `--sync-bn`: statistics over the
 global batch, exactly the single-device math. Faults: grad_sum_replicas (the replicas' mean losses
 summed, not averaged: N x the gradient), overlapping_shards (every replica gets shard 0).
-`--hosts H` (train jobs): H processes (wrappers launcher, jax.distributed.initialize on
+`--hosts H` (train jobs; probe and replay jobs run in one process over all N devices): H processes (wrappers launcher, jax.distributed.initialize on
 127.0.0.1, gloo CPU collectives), N/H local devices each, the same mesh over all N devices and the
 same program; inputs and state are built per process with jax.make_array_from_callback, replicated
 outputs read from the local shard; process 0 writes the results. Bitwise equal to one process.
@@ -51,19 +51,18 @@ class DataParallel:
     def _init_mesh(self) -> None:
         """--hosts H: join the other processes (jax.distributed); --devices N: the Mesh('data') of N devices."""
         self.process_id, self.coordinator = 0, None
-        if self.hosts > 1:
-            if self.replicas % self.hosts:
-                raise UnsupportedError(f"--hosts {self.hosts} must divide --devices {self.replicas}")
-            if "DUIPAI_JAX_COORDINATOR" not in os.environ:
-                raise UnsupportedError(f"backend jax: --hosts {self.hosts} runs train jobs only (one process per "
-                                       "host, started by the wrappers launcher); probe / replay a multi-host run "
-                                       "with --devices N and no --hosts")
+        if self.hosts > 1 and self.replicas % self.hosts:
+            raise UnsupportedError(f"--hosts {self.hosts} must divide --devices {self.replicas}")
+        # a probe or replay job of a --hosts run is started as one process (JaxEntry.processes): the same
+        # program over the same N-device mesh, bitwise equal to the H processes that trained
+        self.hosts_in_one_process = self.hosts > 1 and "DUIPAI_JAX_COORDINATOR" not in os.environ
+        if self.hosts > 1 and not self.hosts_in_one_process:
             self.coordinator = os.environ["DUIPAI_JAX_COORDINATOR"]
             self.process_id = int(os.environ["DUIPAI_JAX_PROCESS_ID"])
             jax.distributed.initialize(coordinator_address=self.coordinator,
                                        num_processes=int(os.environ["DUIPAI_JAX_NUM_PROCESSES"]),
                                        process_id=self.process_id, initialization_timeout=60)
-        self.multi = self.hosts > 1
+        self.multi = self.hosts > 1 and not self.hosts_in_one_process
         self.mesh: Mesh | None = None
         if self.replicas > 1:
             have = jax.devices()
@@ -82,7 +81,11 @@ class DataParallel:
               "synchronized: statistics over the global batch (the single-device math)" if self.sync_bn else
               "per replica, over each replica's B/N samples; running statistics from replica 0's")
         return {
-            "strategy": "jit over Mesh('data')", "replicas": self.replicas, "processes": self.hosts, "hosts": self.hosts,
+            "strategy": "jit over Mesh('data')", "replicas": self.replicas,
+            "processes": 1 if self.hosts_in_one_process else self.hosts, "hosts": self.hosts,
+            **({"hosts_in_one_process": "a probe / replay job of a --hosts run: one process, the same program over "
+                                        "the same N-device mesh (bitwise equal to the H processes)"}
+               if self.hosts_in_one_process else {}),
             **({"launcher": "wrappers launcher, jax.distributed.initialize (gloo CPU collectives)",
                 "coordinator": self.coordinator, "process_id": self.process_id,
                 "local_devices": len(jax.local_devices()),
