@@ -337,7 +337,8 @@ def _cached_run(ref: Run, change: dict, root: Path, timeout: float | None, log: 
     folder = root / cfg.default_name(prep.model.name)
     if (folder / MANIFEST_FILE).is_file():
         try:
-            if same_config(json.loads((folder / MANIFEST_FILE).read_text()), cfg, ref.manifest):
+            if same_config(json.loads((folder / MANIFEST_FILE).read_text()), cfg, ref.manifest,
+                           runner.code_hash(cfg.backend)):
                 return load_run(folder)
         except Exception:   # an unreadable cached run is simply made again
             pass

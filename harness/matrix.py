@@ -223,20 +223,12 @@ def expand(m: Matrix) -> list[Entry]:
     return entries
 
 
-def _sources_hash(files: list[str]) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        h.update(Path(f).name.encode())
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()[:16]
-
-
 def run_key(cfg: RunConfig, prep: runner.Prepared) -> str:
     """Content hash of everything that determines a run's numbers."""
     info = runner.backend_info()[cfg.backend]
     blob = {"spec": prep.model.hash(), "data": prep.dataset_meta["hash"], "weights": prep.weights_hash,
             "order": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16], "hparams": cfg.hparams.to_dict(),
-            "backend": cfg.backend, "versions": info.get("versions", {}), "sources": _sources_hash(info["sources"]),
+            "backend": cfg.backend, "versions": info.get("versions", {}), "sources": runner.sources_hash(info["sources"]),
             "options": {k: getattr(cfg, k) for k in ("threads", "deterministic", "dropout", "fault", "devices",
                                                       "jit", "dtype", "extra")},
             "python": sys.version.split()[0]}

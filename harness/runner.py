@@ -51,6 +51,22 @@ def backend_info() -> dict[str, dict[str, Any]]:
     return json.loads(r.stdout)
 
 
+def code_hash(backend: str) -> str:
+    """The code that makes a backend's numbers: its wrapper's source files and its framework versions. A cached
+    run (an envelope, a seed) made by other code is not the run this code would make."""
+    info = backend_info()[backend]
+    return hash_json({"versions": info.get("versions", {}), "sources": sources_hash(info.get("sources", []))})
+
+
+def sources_hash(files: list[str]) -> str:
+    """Content hash of source files (names and bytes, in the order given)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).name.encode())
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def check_backend(name: str) -> None:
     info = backend_info()
     if name not in info:
@@ -261,7 +277,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "init": {"seed": cfg.hparams.init_seed, "perturb_ulp_seed": cfg.perturb_ulp},
         "hparams": cfg.hparams.to_dict(),
         "options": options.to_dict(), "fault": cfg.fault, "config": _stored_config(cfg),
-        "versions": worker.get("versions", {}), "devices": worker.get("devices", []),
+        "versions": worker.get("versions", {}), "code_hash": code_hash(cfg.backend), "devices": worker.get("devices", []),
         "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
         "declared_differences": describe(worker.get("declared_differences", [])),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),

@@ -286,9 +286,11 @@ def check_reproduces(man: dict[str, Any], cfg: RunConfig, prep, what: str) -> No
                            f"but the configuration now gives {v} (data or model file changed?)")
 
 
-def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any]) -> bool:
-    """Whether an existing run folder's manifest is the run `cfg` would produce (for cache reuse)."""
-    if man.get("status") != "complete" or man.get("kind", "train") != "train":
+def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any], code: str) -> bool:
+    """Whether an existing run folder's manifest is the run `cfg` would produce (for cache reuse): the same
+    configuration, made by the same code (`code`: runner.code_hash of the backend now; a run from before a
+    change of the wrapper or the framework, or without the hash, is made again)."""
+    if man.get("status") != "complete" or man.get("kind", "train") != "train" or man.get("code_hash") != code:
         return False
     if any(man.get(k) != ref_man.get(k) for k in COMPARABILITY):
         return False

@@ -233,7 +233,8 @@ def ensure_seeds(runs: list[Run], seeds: list[int], root: Path | None, timeout: 
             man_path = folder / MANIFEST_FILE
             if man_path.is_file():
                 try:
-                    if same_config(json.loads(man_path.read_text()), cfg, comparability_hashes(cfg, prep)):
+                    if same_config(json.loads(man_path.read_text()), cfg, comparability_hashes(cfg, prep),
+                                   runner.code_hash(cfg.backend)):
                         out.append(load_run(folder))
                         continue
                 except Exception:

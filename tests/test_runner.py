@@ -206,3 +206,25 @@ def test_a_cached_probe_job_is_reused_only_for_the_same_code(torch_run, tmp_path
     monkeypatch.setattr(PJ, "run_key", lambda cfg, prep: real(cfg, prep) + "-changed-sources")
     jobs.probe0(run)                                          # the wrapper's sources changed: run again
     assert (folder / "manifest.json").stat().st_mtime_ns != stamp
+
+
+def test_a_cached_envelope_run_is_reused_only_for_the_same_code(torch_run, tmp_path, monkeypatch):
+    """The reference's envelope runs (--perturb-ulp, float64) are cached next to it. One made by other code (the
+    reference's wrapper edited, a framework upgraded) is not the envelope of this reference: it is trained again.
+    Before, the cache compared the configuration only, so an edited reference was judged inside its old
+    envelope (found by bench/source_bugs.py, whose torch mutations would otherwise reuse a buggy envelope)."""
+    import harness.envelope as E
+    import harness.runner as R
+    from harness.runs import load_run
+    run = load_run(torch_run / NAME)
+
+    def envelope_run():
+        return E._cached_run(run, {"perturb_ulp": 1}, tmp_path, None, lambda m: None)
+
+    folder = envelope_run().path
+    stamp = (folder / "manifest.json").stat().st_mtime_ns
+    assert envelope_run().path == folder and (folder / "manifest.json").stat().st_mtime_ns == stamp   # reused
+    monkeypatch.setattr(R, "code_hash", lambda backend: "other-code")
+    assert envelope_run().path == folder
+    assert (folder / "manifest.json").stat().st_mtime_ns != stamp                                     # made again
+    assert json.loads((folder / "manifest.json").read_text())["code_hash"] == "other-code"
