@@ -3,16 +3,32 @@ and equivalent rewrites that are no bug: would `duipai compare` tell which is wh
 
 Each mutation is one exact text replacement in one wrapper file of a pristine copy of HEAD (`git archive`).
 The candidate backend is trained from that copy, from a folder outside both trees (as a user would), and
-compared with a torch reference trained from the unmodified copy (`duipai compare REF CANDIDATE`, the
-reference's envelope trained on demand). A bug must be BUG with its expected stage (and layer or parameter
+compared with a reference trained from the unmodified copy (`duipai compare -r REF_BACKEND REF CANDIDATE`,
+the reference's envelope trained on demand). A bug must be BUG with its expected stage (and layer or parameter
 where one is named); a rewrite that computes the same thing must be IDENTICAL or DRIFT.
+
+The reference is torch, except for a mutation of the torch wrapper itself, which is compared with numpy (the
+arbiter backend, no framework). The comparison runs from the mutated tree, and everything it trains or probes
+for the reference (the envelope runs, the step-0 probes, the replays) runs that tree's code of the reference
+backend: a torch candidate against a torch reference would have its bug in the reference's probes and
+envelope too (the run_key of a probe job hashes the wrapper's sources, so no pristine job is reused). A
+mutation of the reference's own wrapper, or of a file every backend shares, is refused.
+
+`args` are extra `duipai run` options (optimizer, schedule, weight decay, lr, steps) given to the reference
+and to the candidate alike (the pair must share its hyper-parameters); --steps defaults to STEPS.
 
     python bench/source_bugs.py [--only NAME,...] [-j 2] [--work DIR] [--keep]
         -> bench/results/source_bugs.{md,json}; exit 1 when a verdict is wrong
+    python bench/source_bugs.py --list [--only NAME,...]
+        checks every mutation without training (its text occurs once in HEAD's file, the file still
+        compiles with the replacement, its args, its reference) and lists them; exit 1 when one is broken
 
 The fault catalogue (`duipai faults`, the self-test) exercises the seams every wrapper exposes for faults;
 these mutations sit elsewhere in the lowering: in the data-parallel loss scaling, an optimizer's constructor,
-the evaluation function, BatchNorm's arguments, a pooling divisor, an activation.
+the evaluation function, BatchNorm's arguments, a pooling divisor, an activation; in the torch wrapper's DDP
+step, evaluation and optimizer; in the Keras runtimes' own train steps (keras-torch, keras-jax) and
+keras-jax's data-parallel L2 share; in the graph models' LayerNorm; and bugs that start late: a step schedule
+one step early, a momentum buffer rescaled at the schedule's first decay, gradients accumulated from step 1.
 """
 from __future__ import annotations
 
@@ -20,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import py_compile
 import shutil
 import subprocess
 import sys
@@ -47,6 +64,8 @@ class Mutation:
     stages: tuple[str, ...] = ()     # a BUG's right stages (empty: any)
     where: str = ""                  # the layer or parameter a BUG must name ("" when none is expected)
     why: str = ""
+    args: tuple[str, ...] = ()       # extra `duipai run` options, the reference's and the candidate's alike
+    reference: str = "torch"         # the reference backend (numpy for a mutation of the torch wrapper)
 
 
 MUTATIONS = (
@@ -79,7 +98,219 @@ MUTATIONS = (
              "loss = tf.nn.compute_average_loss(per_sample, global_batch_size=b)",
              "loss = tf.reduce_sum(per_sample) * (1.0 / b)", ("IDENTICAL", "DRIFT"), (), "",
              "no bug: the replica's loss scaled by a rounded reciprocal of the global batch instead of divided"),
+    # ---- the torch wrapper itself (against a numpy reference: see the module docstring)
+    Mutation("torch_ddp_loss_over_world_size", "cnn2d_2conv_2fc", "torch", 2, "wrappers/torch/parallel.py",
+             "        loss = self._loss(logits, yt)\n        loss.backward()\n        self._fold_rank_buffers()\n",
+             "        loss = self._loss(logits, yt)\n        (loss / self.replicas).backward()\n"
+             "        self._fold_rank_buffers()\n",
+             ("BUG",), ("reduction", "backward"), "",
+             "each DDP rank's loss divided by the world size before backward, as for a SUM all-reduce; DDP "
+             "averages already: every gradient halved (the reported loss unchanged)",
+             reference="numpy"),
+    Mutation("torch_eval_in_train_mode", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
+             "logits = self._forward(xt, False, None)", "logits = self._forward(xt, True, None)",
+             ("BUG",), ("eval",), "bn1",
+             "model.eval() forgotten: the evaluation runs in training mode (BatchNorm on the test batch's statistics, "
+             "moving the running ones; dropout on)",
+             reference="numpy"),
+    Mutation("torch_adam_l2_decoupled", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/optim.py",
+             "        return torch.optim.Adam(params, lr=hp.lr, betas=betas, eps=hp.eps, weight_decay=hp.weight_decay)\n",
+             "        return torch.optim.AdamW(params, lr=hp.lr, betas=betas, eps=hp.eps, weight_decay=hp.weight_decay)\n",
+             ("BUG",), ("optimizer",), "",
+             "Adam 'upgraded' to AdamW: the weight decay asked as coupled L2 (g + wd p) is applied decoupled (p -= lr wd p)",
+             args=("--optimizer", "adam", "--lr", "0.001", "--weight-decay", "0.01"), reference="numpy"),
+    Mutation("torch_momentum_buffer_rescaled_at_lr_change", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/optim.py",
+             '    if "keras_momentum_schedule" in emulate and prev_lr is not None and prev_lr != lr:\n',
+             "    if prev_lr is not None and prev_lr != lr:\n",
+             ("BUG",), ("optimizer",), "",
+             "starts late, in the optimizer state: Keras' velocity convention carried over, torch's momentum buffer "
+             "rescaled by lr_prev / lr whenever the lr changes; nothing happens until the step schedule's first decay "
+             "(step 100), where the buffer doubles",
+             args=("--schedule", "step"), reference="numpy"),
+    # ---- a schedule off by one (starts late)
+    Mutation("jax_step_schedule_one_step_early", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
+             "        lr = self.lr_for(step)\n        self.opt_state = keras_velocity(",
+             "        lr = self.lr_for(step + 1)\n        self.opt_state = keras_velocity(",
+             ("BUG",), ("optimizer",), "",
+             "starts late: the schedule advanced before the update (lr_scheduler.step() before optimizer.step()), so "
+             "the step schedule decays one step early, at steps 99, 199 and 299; the logged lr is right",
+             args=("--schedule", "step")),
+    # ---- the Keras runtimes' own train steps
+    Mutation("keras_torch_zero_grad_forgotten", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/runtimes/torch.py",
+             "    self.zero_grad()\n    logits = self(x, training=True)\n", "    logits = self(x, training=True)\n",
+             ("BUG",), ("backward", "optimizer"), "",
+             "starts after the first step: the custom train step does not zero the gradients (Keras' own train_step "
+             "does), so loss.backward() accumulates every step's gradient into the last ones"),
+    Mutation("keras_jax_train_step_inference_mode", "cnn2d_hard", "keras-jax", 1, "wrappers/keras/runtimes/jax.py",
+             "self.stateless_call(tv, non_trainable, x, training=True)", "self.stateless_call(tv, non_trainable, x)",
+             ("BUG",), ("forward",), "bn1",
+             "training=True left out of the custom train step's stateless_call (its default is inference): BatchNorm "
+             "normalises with the moving statistics and never updates them, dropout is off"),
+    Mutation("keras_torch_eval_loss_from_probabilities", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/backend.py",
+             'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")',
+             'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")',
+             ("BUG",), ("eval",), "",
+             "from_logits=True forgotten in the evaluation loss (Keras' default is probabilities): the logits are "
+             "normalised by their sum and clipped, the evaluation loss is wrong, its accuracy right"),
+    # ---- data parallel (--devices 2) paths other than tensorflow's loss scaling
+    Mutation("keras_jax_dp_l2_shared_per_replica", "cnn2d_2conv_2fc", "keras-jax", 2, "wrappers/keras/backend.py",
+             "wd_share=1.0 / self.replicas if RT.REPLICA_GRADIENTS_SUMMED else 1.0)", "wd_share=1.0 / self.replicas)",
+             ("BUG",), ("reduction", "optimizer"), "",
+             "every Keras strategy assumed to sum the replicas' gradients (MirroredStrategy does): on keras-jax, one "
+             "GSPMD program whose gradient is the global one already, each step adds half the coupled L2 term",
+             args=("--weight-decay", "0.001")),
+    # ---- graph models (fewer steps: a step is 100-250 ms here)
+    Mutation("keras_torch_layernorm_keras_epsilon", "convnext_tiny", "keras-torch", 1, "wrappers/keras/layers.py",
+             'll = ChannelLayerNorm(o["eps"], formula=k in formula_kinds, name=n)',
+             'll = ChannelLayerNorm(1e-3, formula=k in formula_kinds, name=n)',
+             ("BUG",), ("forward",), "stem_ln",
+             "keras.layers.LayerNormalization's default epsilon (1e-3) instead of the spec's 1e-6, in every LayerNorm",
+             args=("--steps", "100")),
+    # ---- rewrites that compute the same thing (no bug)
+    Mutation("torch_ddp_interleaved_shards", "cnn2d_2conv_2fc", "torch", 2, "wrappers/torch/parallel.py",
+             "        lo, hi = self._shards(len(x))[self.rank]\n"
+             "        xt = self._input(x[lo:hi])\n"
+             "        yt = torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device)\n"
+             "        logits = self.ddp(xt, self._masks(self._shard_masks(masks, lo, hi)))\n",
+             "        rows = slice(self.rank, None, self.replicas)   # DistributedSampler's way: samples r, r+N, ...\n"
+             "        xt = self._input(x[rows])\n"
+             "        yt = torch.as_tensor(y[rows], dtype=torch.long, device=self.device)\n"
+             "        logits = self.ddp(xt, self._masks({k: v[rows] for k, v in masks.items()}))\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug on a model without BatchNorm: interleaved DDP shards instead of contiguous ones; the mean of the "
+             "two shards' mean gradients is the global-batch mean either way",
+             reference="numpy"),
+    Mutation("jax_dp_objective_global_mean", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/backend.py",
+             'objective = jnp.sum(reps) if self.fault == "grad_sum_replicas" else jnp.mean(reps)',
+             'objective = jnp.sum(reps) if self.fault == "grad_sum_replicas" else jnp.mean(per)',
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the data-parallel objective as the mean over the global batch instead of the mean of the "
+             "replicas' means (equal shards: the same number, summed in another order)"),
+    Mutation("tf_layernorm_via_moments", "convnext_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             "    mean = tf.reduce_mean(x, axis=-1, keepdims=True)\n"
+             "    var = tf.reduce_mean(tf.math.square(x - mean), axis=-1, keepdims=True)\n",
+             "    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: LayerNorm's statistics from tf.nn.moments, which stops the gradient through the mean inside "
+             "the variance; that gradient is -2/C sum(x - mean) = 0 exactly, so only rounding changes",
+             args=("--steps", "100")),
 )
+
+
+# the `duipai run` options a mutation's args may set (the script sets the model, backend, devices and --out);
+# those with a fixed set of values
+RUN_OPTIONS = ("--steps", "--batch-size", "--optimizer", "--lr", "--momentum", "--weight-decay", "--schedule",
+               "--seed", "--init-seed", "--data", "--dropout", "--dtype")
+CHOICES = {"--optimizer": ("sgd", "momentum", "nesterov", "adam", "adamw"),
+           "--schedule": ("constant", "step", "cosine", "warmup"), "--dropout": ("harness", "native"),
+           "--dtype": ("float32", "float64")}
+# each backend's own wrapper code; a file outside these is shared by every backend
+BACKEND_CODE = {"torch": "wrappers/torch/", "jax": "wrappers/jax/", "tensorflow": "wrappers/tensorflow/",
+                "numpy": "wrappers/numpy/", "keras-tensorflow": "wrappers/keras/", "keras-jax": "wrappers/keras/",
+                "keras-torch": "wrappers/keras/"}
+
+
+def run_args(m: Mutation) -> list[str]:
+    """The hyper-parameter options of both runs of a mutation: its args, --steps STEPS unless they set it."""
+    return ([] if "--steps" in m.args else ["--steps", str(STEPS)]) + list(m.args)
+
+
+def steps_of(m: Mutation) -> int:
+    """The training steps of both runs (the last --steps of run_args, as the command line reads it)."""
+    a = run_args(m)
+    return int([v for o, v in zip(a[::2], a[1::2]) if o == "--steps"][-1])
+
+
+def ref_key(m: Mutation) -> tuple[str, str, tuple[str, ...]]:
+    """What a reference run is shared by: model, reference backend, run options."""
+    return m.model, m.reference, tuple(run_args(m))
+
+
+def ref_folder_name(m: Mutation) -> str:
+    """ref-MODEL for the default configuration (torch, no args); otherwise the backend and args appended."""
+    if m.reference == "torch" and not m.args:
+        return f"ref-{m.model}"
+    tail = "_".join(a.lstrip("-") for a in m.args)
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in tail)
+    return f"ref-{m.model}-{m.reference}" + (f"-{tail}" if tail else "")
+
+
+def head_text(path: str) -> str:
+    """A file as HEAD holds it (what tree_copy extracts)."""
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def problems(m: Mutation) -> list[str]:
+    """What is wrong with a mutation, without training anything: its text must occur exactly once in HEAD's
+    file, the file must still compile with the replacement, its args must be run options the pair can share,
+    and the reference's own code must stay untouched."""
+    out: list[str] = []
+    try:
+        text = head_text(m.file)
+    except subprocess.CalledProcessError:
+        return [f"{m.file} is not in HEAD"]
+    n = text.count(m.old)
+    if n != 1:
+        out.append(f"{m.file} holds {n} copies of the text to replace")
+    elif m.new == m.old:
+        out.append("the replacement is the text itself")
+    else:
+        with tempfile.TemporaryDirectory(prefix="duipai-source-bug-") as d:
+            src = Path(d) / Path(m.file).name
+            src.write_text(text.replace(m.old, m.new))
+            try:
+                py_compile.compile(str(src), cfile=str(Path(d) / "out.pyc"), doraise=True)
+            except py_compile.PyCompileError as e:
+                out.append(f"does not compile: {e.msg.strip().splitlines()[-1]}")
+    if len(m.args) % 2:
+        out.append(f"args {m.args}: not option/value pairs")
+    for opt, val in zip(m.args[::2], m.args[1::2]):
+        if opt not in RUN_OPTIONS:
+            out.append(f"args: {opt} is not one of {', '.join(RUN_OPTIONS)}")
+        elif opt in CHOICES and val not in CHOICES[opt]:
+            out.append(f"args: {opt} {val} is not one of {', '.join(CHOICES[opt])}")
+        elif opt in ("--steps", "--batch-size", "--seed", "--init-seed") and not val.isdigit():
+            out.append(f"args: {opt} {val} is not a non-negative integer")
+        elif opt in ("--lr", "--momentum", "--weight-decay"):
+            try:
+                float(val)
+            except ValueError:
+                out.append(f"args: {opt} {val} is not a number")
+    if m.reference not in BACKEND_CODE:
+        out.append(f"unknown reference backend {m.reference!r}")
+    elif not any(m.file.startswith(c) for c in BACKEND_CODE.values()):
+        out.append(f"{m.file} is shared by every backend: the comparison would train and probe the reference "
+                   f"({m.reference}) with the mutation too")
+    elif m.file.startswith(BACKEND_CODE[m.reference]):
+        out.append(f"{m.file} is code of the reference backend {m.reference}: the comparison would train and probe "
+                   f"the reference with the mutation (compare it with another reference)")
+    if m.backend not in BACKEND_CODE or not m.file.startswith(BACKEND_CODE[m.backend]):
+        out.append(f"{m.file} is not code of the candidate backend {m.backend}")
+    bad = set(m.expect) - {"IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"}
+    if bad:
+        out.append(f"unknown verdict(s) {', '.join(sorted(bad))}")
+    return out
+
+
+def list_mutations(chosen: list[Mutation]) -> int:
+    """--list: every chosen mutation checked (no training) and printed."""
+    broken = 0
+    for m in chosen:
+        bad = problems(m)
+        broken += bool(bad)
+        exp = "/".join(m.expect) + (f" ({'/'.join(m.stages)}{' ' + m.where if m.where else ''})" if m.stages else "")
+        print(f"{'BROKEN' if bad else 'ok':6} {m.name}: {m.model}, {m.backend}"
+              f"{' --devices ' + str(m.devices) if m.devices > 1 else ''} vs {m.reference}, "
+              f"{' '.join(run_args(m))}; {m.file}; expected {exp}")
+        for line in m.old.rstrip("\n").splitlines():
+            print(f"         - {line.strip()}")
+        for line in m.new.rstrip("\n").splitlines():
+            print(f"         + {line.strip()}")
+        for b in bad:
+            print(f"         PROBLEM: {b}")
+    print(f"{len(chosen)} mutation(s), {broken} broken")
+    return 1 if broken else 0
 
 
 def tree_copy(dest: Path) -> Path:
@@ -102,6 +333,16 @@ def run_folder(out: Path) -> Path:
     found = [p.parent for p in out.glob("*/manifest.json")]
     if len(found) != 1:
         raise RuntimeError(f"{out}: expected one run folder, found {len(found)}")
+    return found[0]
+
+
+def reference_run(out: Path) -> Path:
+    """The reference's run folder in `out`, which also holds its envelope runs (--perturb-ulp, trained there by
+    compare, next to the reference) once a comparison has been made: a reused --work folder."""
+    found = [p.parent for p in out.glob("*/manifest.json")
+             if (json.loads(p.read_text()).get("init") or {}).get("perturb_ulp_seed") is None]
+    if len(found) != 1:
+        raise RuntimeError(f"{out}: expected one reference run folder, found {len(found)}")
     return found[0]
 
 
@@ -128,11 +369,24 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--results-name", default="source_bugs")
+    ap.add_argument("--list", action="store_true",
+                    help="check the mutations without training (text once in HEAD, compiles, args, reference) and list them")
     a = ap.parse_args()
     chosen = [m for m in MUTATIONS if not a.only or m.name in a.only.split(",")]
     unknown = set(filter(None, a.only.split(","))) - {m.name for m in MUTATIONS}
     if unknown:
         print(f"--only: unknown mutation(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    dup = sorted({m.name for m in MUTATIONS if sum(x.name == m.name for x in MUTATIONS) > 1})
+    if dup:
+        print(f"duplicate mutation name(s): {', '.join(dup)}", file=sys.stderr)
+        return 2
+    if a.list:
+        return list_mutations(chosen)
+    broken = [(m.name, p) for m in chosen for p in problems(m)]
+    if broken:
+        for name, p in broken:
+            print(f"{name}: {p}", file=sys.stderr)
         return 2
     work = a.work or Path(tempfile.mkdtemp(prefix="duipai-source-bugs-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -142,18 +396,20 @@ def main() -> int:
                             text=True).stdout.strip()
     t0, load0 = time.time(), os.getloadavg()
     pristine = tree_copy(work / "pristine") if not (work / "pristine").exists() else work / "pristine"
-    refs: dict[str, Path] = {}
+    refs: dict[tuple[str, str, tuple[str, ...]], Path] = {}
     rows = []
     for m in chosen:
-        if m.model not in refs:
-            out = work / f"ref-{m.model}"
+        key = ref_key(m)
+        if key not in refs:     # the reference of this model, backend and configuration, from the pristine tree
+            name = ref_folder_name(m)
+            out = work / name
             if not any(out.glob("*/manifest.json")):
                 shutil.rmtree(out, ignore_errors=True)
-                rc = harness(pristine, ["run", "-m", m.model, "-b", "torch", "--steps", str(STEPS), "--out", str(out)],
-                             user_dir, work / f"ref-{m.model}.log")
+                rc = harness(pristine, ["run", "-m", m.model, "-b", m.reference, *run_args(m), "--out", str(out)],
+                             user_dir, work / f"{name}.log")
                 if rc:
-                    raise RuntimeError(f"reference run of {m.model} failed (rc {rc}): {work / f'ref-{m.model}.log'}")
-            refs[m.model] = run_folder(out)
+                    raise RuntimeError(f"reference run {name} failed (rc {rc}): {work / f'{name}.log'}")
+            refs[key] = reference_run(out)
         t1 = time.time()
         tree = work / f"tree-{m.name}"
         shutil.rmtree(tree, ignore_errors=True)
@@ -165,14 +421,16 @@ def main() -> int:
         src.write_text(text.replace(m.old, m.new))
         out = work / f"runs-{m.name}"
         shutil.rmtree(out, ignore_errors=True)
-        rc = harness(tree, ["run", "-m", m.model, "-b", m.backend, "--devices", str(m.devices), "--steps", str(STEPS),
+        rc = harness(tree, ["run", "-m", m.model, "-b", m.backend, "--devices", str(m.devices), *run_args(m),
                             "--out", str(out)], user_dir, work / f"{m.name}.run.log")
-        row = {**{k: v for k, v in asdict(m).items() if k not in ("old", "new")}, "diff": f"- {m.old.strip()}\n+ {m.new.strip()}"}
+        row = {**{k: v for k, v in asdict(m).items() if k not in ("old", "new")}, "steps": steps_of(m),
+               "diff": "\n".join([f"- {l.strip()}" for l in m.old.strip().splitlines()]
+                                 + [f"+ {l.strip()}" for l in m.new.strip().splitlines()])}
         if rc:
             row.update(verdict="CRASH", correct=False, problem=f"training failed (rc {rc}), {work / f'{m.name}.run.log'}")
         else:
-            rc = harness(tree, ["compare", str(refs[m.model]), str(run_folder(out)), "-j", str(a.jobs), "--out",
-                                str(out / "cmp")], user_dir, work / f"{m.name}.cmp.log")
+            rc = harness(tree, ["compare", "-r", m.reference, str(refs[key]), str(run_folder(out)), "-j", str(a.jobs),
+                                "--out", str(out / "cmp")], user_dir, work / f"{m.name}.cmp.log")
             cand = run_folder(out).name
             pair = next(p for p in json.loads((out / "cmp" / "comparison.json").read_text())["pairs"]
                         if p.get("with_reference") and p["candidate"] == cand)
@@ -205,15 +463,19 @@ def render(rows: list[dict], meta: dict) -> str:
     right = sum(r["correct"] for r in rows)
     lines = [f"# Bugs written into a wrapper's source ({meta['when']}, {meta['machine']}, load {meta['load']}, "
              f"commit {meta['commit']})", "",
-             f"`{meta['command']}`: {len(rows)} mutations, {STEPS} steps each, torch reference; "
-             f"**{right}/{len(rows)} verdicts right**; {meta['seconds']} s.", "",
-             "| mutation | model | backend | the change | expected | verdict | where | first | right |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"`{meta['command']}`: {len(rows)} mutations, {STEPS} steps each unless their args say otherwise, "
+             f"against a reference trained from the pristine tree with the same args (torch; numpy for a mutation "
+             f"of the torch wrapper); **{right}/{len(rows)} verdicts right**; {meta['seconds']} s.", "",
+             "| mutation | model | backend | args | the change | expected | verdict | where | first | right |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         exp = "/".join(r["expect"]) + (f" ({'/'.join(r['stages'])}{' ' + r['where'] if r['where'] else ''})"
                                        if r["stages"] else "")
         change = r["diff"].replace("\n", "<br>").replace("|", "\\|")
-        lines.append(f"| {r['name']} ({r['why']}) | {r['model']} | {r['backend']}{' dp' + str(r['devices']) if r['devices'] > 1 else ''} "
+        ref = r.get("reference", "torch")
+        args = " ".join(r.get("args") or ()) or "-"
+        lines.append(f"| {r['name']} ({r['why']}) | {r['model']} | {r['backend']}{' dp' + str(r['devices']) if r['devices'] > 1 else ''}"
+                     f"{' vs ' + ref if ref != 'torch' else ''} | `{args}` "
                      f"| `{change}` | {exp} | {r['verdict']} | {r.get('summary') or ''} | {r.get('first', '')} | "
                      f"{'yes' if r['correct'] else 'NO: ' + r['problem']} |")
     return "\n".join(lines) + "\n"
