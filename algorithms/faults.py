@@ -47,7 +47,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("label_smoothing", "loss", "",
           "label smoothing 0.1 left on in one framework's loss (a default in some training scripts)"),
     Fault("lr_schedule_off_by_one", "optimizer", "",
-          "scheduler.step() called before optimizer.step(): every update uses the next step's lr",
+          "scheduler.step() called before optimizer.step(): every update uses the next step's lr (the lr "
+          "logged is the schedule's)",
           "a non-constant schedule"),
     Fault("dropout_in_eval", "eval", "dropout layer",
           "model.train() left on during evaluation", "a dropout layer (shows in eval series only)"),

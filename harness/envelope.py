@@ -56,7 +56,7 @@ EXACT_SERIES = ("lr",)
 @dataclass(frozen=True)
 class Rule:
     margin: float = 3.0
-    window: int = 5                 # half-width of the rolling maximum, in points of the series' grid
+    window: int = 5                 # half-width of the rolling maximum, in steps
     ulps: float = 8.0               # floor in float32 ULPs of the reference value
     abs_floor: float = 1e-7         # absolute floor for values near zero
     max_isolated: int = 4           # isolated exceedances tolerated per series ...
@@ -85,11 +85,20 @@ def deviation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(same, 0.0, d)
 
 
-def rolling_max(d: np.ndarray, w: int) -> np.ndarray:
+def rolling_max(d: np.ndarray, w: int, grid: np.ndarray | None = None) -> np.ndarray:
+    """The maximum of `d` over the points within +-w steps of each point: `grid` holds the points' steps
+    (increasing; None: one point per step). On a sparse grid (the evaluations, every eval_every steps) a
+    neighbour further than w steps away is another state of the run, not the same spread sampled again:
+    it is left out (before 2026-12-02 the window counted points, so with evaluations every 50 steps the
+    envelope at step 0 was the spread of steps 0-250, and an evaluation-path bug hid inside it)."""
     out = d.copy()
+    steps = np.arange(len(d)) if grid is None else np.asarray(grid)
     for k in range(1, min(w, len(d) - 1) + 1):
-        np.maximum(out[k:], d[:-k], out=out[k:])
-        np.maximum(out[:-k], d[k:], out=out[:-k])
+        near = (steps[k:] - steps[:-k]) <= w
+        if not near.any():
+            break
+        np.maximum(out[k:], np.where(near, d[:-k], out[k:]), out=out[k:])
+        np.maximum(out[:-k], np.where(near, d[k:], out[:-k]), out=out[:-k])
     return out
 
 
@@ -145,7 +154,7 @@ def envelope_of(series: str, grid: np.ndarray, ref: np.ndarray, members: list[np
     raw = np.zeros(n)
     for m in members:
         np.maximum(raw, deviation(m, ref), out=raw)
-    smooth = rolling_max(raw, rule.window)
+    smooth = rolling_max(raw, rule.window, grid)
     floor = np.maximum(rule.ulps * ulp32(ref), rule.abs_floor)
     floor = np.where(np.isnan(floor), rule.abs_floor, floor)
     env = np.maximum(smooth, floor)

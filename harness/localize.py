@@ -83,8 +83,9 @@ class Localizer(ProbeJobs):
     # ----------------------------------------------------------------------- the shared-state comparison
     def resync(self, pair, every: int, extra: list[int] | None = None) -> dict[str, Any]:
         """One step of the candidate from the reference's state at every resync point (every `every`-th
-        step, every evaluation step of the reference, and the first divergent step of the training series
-        and the one before it),
+        step, every evaluation step of the reference, the steps around each kink of its learning-rate
+        schedule (resync.schedule_points), and the first divergent step of the training series and the one
+        before it),
         against the reference there (computing the candidate's declared formulas when it declares emulated
         differences); `extra` replaces the divergent steps (compare passes every pair's, so that one reference
         job serves all candidates): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
@@ -103,7 +104,8 @@ class Localizer(ProbeJobs):
                                f"({chk['skipped']}): no reference step to compare with"}
         steps = int(ref.manifest.get("hparams", {}).get("steps") or (int(ref.step[-1]) + 1))
         evals = [int(t) for t in np.asarray(ref.eval_step)] if every > 0 else []   # the evaluation points too
-        at = R.resync_points(steps, every, list(divergent_steps(pair) if extra is None else extra) + evals)
+        sched = R.schedule_points(ref.values["lr"]) if every > 0 else []           # and the schedule's kinks
+        at = R.resync_points(steps, every, list(divergent_steps(pair) if extra is None else extra) + evals + sched)
         if not at:
             return {"skipped": f"no resync point (no checkpoint of {ref.name} with a step after it)"}
         try:

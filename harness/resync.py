@@ -58,6 +58,27 @@ JUMP = 10.0
 NOISE = 1e-2
 
 
+# the most schedule points (schedule_points) a run adds to its resync points
+MAX_SCHEDULE_POINTS = 24
+
+
+def schedule_points(lr: np.ndarray, limit: int = MAX_SCHEDULE_POINTS) -> list[int]:
+    """The steps around each kink of the reference's logged learning rate (a step decay, the end of a warm-up:
+    where the step-to-step change of the lr changes by more than half of itself), t-1, t and t+1 for a kink
+    at t: a bug in how the schedule is applied (decayed a step early or late, a warm-up that ends a step off,
+    a momentum buffer rescaled at the change) lives in those steps only, and a free-running curve that has
+    lost its power by then cannot show it. A smooth schedule (cosine) has none past its first steps; at most
+    `limit` points, the earliest."""
+    lr = np.asarray(lr, np.float64)
+    if len(lr) < 3 or not np.isfinite(lr).all():
+        return []
+    d = np.diff(lr)                                   # d[i]: the change from step i to step i + 1
+    big = np.maximum(np.abs(d[1:]), np.abs(d[:-1]))
+    kinks = np.nonzero((big > 0) & (np.abs(d[1:] - d[:-1]) > 0.5 * big))[0] + 1
+    out = sorted({int(t) + o for t in kinks for o in (-1, 0, 1) if 0 <= int(t) + o < len(lr)})
+    return out[:limit]
+
+
 def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
     """The steps probed from the reference's state: every `every`-th step from 0 (0 = none); in a run too
     short for the sequential test's SEQ_MIN_POINTS at that cadence (40 steps at every 25: 2), MIN_POINTS

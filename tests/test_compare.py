@@ -49,6 +49,39 @@ def test_rolling_max_smooths_chance_zeros():
     assert ulp32(np.array([1.0]))[0] == 2.0 ** -23
 
 
+def test_rolling_max_window_is_in_steps_on_a_sparse_grid():
+    """The evaluations' grid (every 50 steps): the window (+-5 steps) holds no neighbour, so the spread of a
+    saturated late evaluation is not the envelope of the first one; every 2 steps: +-2 points."""
+    d = np.array([1e-7, 1e-6, 0.3, 0.5, 0.4, 0.2, 0.1])
+    assert rolling_max(d, 5, np.arange(0, 301, 50)).tolist() == d.tolist()
+    assert rolling_max(d, 5, np.array([0, 2, 4, 6, 8, 10, 12])).tolist() == [0.3, 0.5, 0.5, 0.5, 0.5, 0.5, 0.4]
+    assert rolling_max(d, 5, np.array([0, 50, 100, 150, 200, 250, 253])).tolist()[-2:] == [0.2, 0.2]
+    assert rolling_max(d, 2).tolist() == rolling_max(d, 2, np.arange(7)).tolist()
+
+
+def test_an_early_evaluation_difference_is_not_hidden_by_the_late_evaluations_spread(tmp_path):
+    """Evaluations every 50 steps; the envelope's evaluation spread is 1e-7 until step 100 and O(1) from 150
+    (a chaotic run). A candidate whose evaluation loss is 1e-3 off from the first evaluation on (an
+    evaluation-path bug) is BUG at step 0: the rolling maximum is over +-5 steps, and the neighbouring
+    evaluations 50 steps away are not in it (they were, as +-5 points, before 2026-12-02: DRIFT)."""
+    n, every = 300, 50
+    rng = np.random.default_rng(3)
+    s, e = base_series(n), base_eval(n, every)
+    ref = load_run(write_run(tmp_path, "ref", s, e, eval_every=every))
+    steps = np.arange(0, n + 1, every)[:len(e["eval_loss"])]
+    members = []
+    for j in (1, 2, 3):
+        rel = np.where(steps < 150, 1e-7, 0.5) * rng.standard_normal(len(steps))
+        ej = dict(e, eval_loss=e["eval_loss"] * (1 + rel))
+        members.append(load_run(write_run(tmp_path, f"ref__ulp{j}", jitter(s, rng, 1e-7), ej, eval_every=every,
+                                          perturb=j)))
+    env = compute(ref, members)
+    bad = dict(e, eval_loss=e["eval_loss"] * (1 + 1e-3))
+    cand = load_run(write_run(tmp_path, "cand", s, bad, eval_every=every))
+    p = compare(ref, [cand], env, members).pairs[0]
+    assert p.verdict == BUG and p.first["series"] == "eval_loss" and p.first["step"] == 0, p.first
+
+
 # --------------------------------------------------------------------------- one verdict each
 def test_identical(fam):
     root, ref, members = fam

@@ -59,6 +59,10 @@ def test_the_logged_lr_is_the_nominal_one_and_the_applied_one_moves_from_its_ste
     b.hp, b.opts = hp, RunOptions(fault="lr_rel_1e-04_from_100")
     assert b.logged_lr(150) == lr_at(hp, 150) and b.lr_for(99) == lr_at(hp, 99)
     assert b.lr_for(150) == pytest.approx(lr_at(hp, 150) * (1 + 1e-4), rel=1e-12)
+    # the scheduler stepped before the optimizer: the update at 99 takes step 100's lr, the log stays the schedule's
+    b.opts = RunOptions(fault="lr_schedule_off_by_one")
+    assert b.lr_for(99) == lr_at(hp, 100) != lr_at(hp, 99) and b.lr_for(100) == lr_at(hp, 101)
+    assert [b.logged_lr(t) for t in (98, 99, 100)] == [lr_at(hp, t) for t in (98, 99, 100)]
 
 
 @pytest.mark.slow

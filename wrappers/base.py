@@ -194,14 +194,15 @@ class Backend:
 
     def lr_for(self, step: int) -> float:
         """The learning rate of the update at `step` (the schedule, with any lr fault applied)."""
-        lr = self.logged_lr(step)
+        lr = lr_at(self.hp, effective_step_for_lr(step, self.opts.fault))
         p = perturbation(self.opts.fault)
         return p.apply(lr) if p is not None and p.target == "lr" and step >= p.start else lr
 
     def logged_lr(self, step: int) -> float:
-        """The learning rate the run reports at `step`: lr_for without a perturbation (a perturbed lr is a bug
-        in what is applied, not in what is logged)."""
-        return lr_at(self.hp, effective_step_for_lr(step, self.opts.fault))
+        """The learning rate the run reports at `step`: the schedule's, whatever fault moves the one applied (a
+        perturbed lr, a schedule stepped early: a bug in what is applied, not in what is logged, so that the
+        exactly compared lr column does not give it away)."""
+        return lr_at(self.hp, step)
 
     # ---- environment
     def versions(self) -> dict[str, str]:
