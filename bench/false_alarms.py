@@ -144,6 +144,10 @@ def main() -> int:
     ap.add_argument("--results-name", default="false_alarms",
                     help="bench/results/<name>.{md,json} (a run over other models keeps the main table)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="train nothing: judge the complete runs already in each configuration's folder under --out "
+                         "(after a change of the harness, when a wrapper's source also changed in a way that moves no "
+                         "number, so that the run keys no longer match; the table says so)")
     a = ap.parse_args()
     models = tuple(a.models)
     confs = configurations(models)
@@ -162,13 +166,21 @@ def main() -> int:
     text = ""
     for n, conf in enumerate(confs):
         folder = out / conf["id"]
-        entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0)
-        print(f"[{n + 1}/{len(confs)}] {conf['id']}: {len(entries)} runs", file=sys.stderr, flush=True)
-        entries = M.run_entries(entries, folder, out, a.jobs, timeout=900, log=lambda s: None)
-        M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
-        failed = [e for e in entries if e.status == "failed"]
-        for e in failed:
-            print(f"  FAILED {e.name}: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
+        if a.compare_only:
+            if not (folder / "runs").is_dir():
+                print(f"[{n + 1}/{len(confs)}] {conf['id']}: no runs in {folder} (--compare-only), skipped",
+                      file=sys.stderr, flush=True)
+                continue
+            print(f"[{n + 1}/{len(confs)}] {conf['id']}: judging the runs in {folder} (--compare-only)",
+                  file=sys.stderr, flush=True)
+        else:
+            entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0)
+            print(f"[{n + 1}/{len(confs)}] {conf['id']}: {len(entries)} runs", file=sys.stderr, flush=True)
+            entries = M.run_entries(entries, folder, out, a.jobs, timeout=900, log=lambda s: None)
+            M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
+            failed = [e for e in entries if e.status == "failed"]
+            for e in failed:
+                print(f"  FAILED {e.name}: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
         t1 = time.time()
         compare_folder(folder, reference="torch", k=3, jobs=a.jobs, log=lambda s: None)
         got = verdicts(folder)
