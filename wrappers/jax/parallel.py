@@ -13,9 +13,9 @@ frameworks' replicas do; declared difference per_replica_batchnorm), running sta
 from replica 0's statistics (what DDP's buffer broadcast leaves); `--sync-bn`: statistics over the
 global batch, exactly the single-device math. Faults: grad_sum_replicas (the replicas' mean losses
 summed, not averaged: N x the gradient), overlapping_shards (every replica gets shard 0).
-`--hosts H` (train jobs; probe and replay jobs run in one process over all N devices): H processes (wrappers launcher, jax.distributed.initialize on
-127.0.0.1, gloo CPU collectives), N/H local devices each, the same mesh over all N devices and the
-same program; inputs and state are built per process with jax.make_array_from_callback, replicated
+`--hosts H` (train jobs; a probe or replay job runs in one process over all N devices): H processes
+(wrappers launcher, jax.distributed.initialize on 127.0.0.1, gloo CPU collectives), N/H local devices
+each, the same mesh over all N devices and the same program; inputs and state are built per process with jax.make_array_from_callback, replicated
 outputs read from the local shard; process 0 writes the results. Bitwise equal to one process.
 """
 from __future__ import annotations
