@@ -15,8 +15,9 @@ global batch, exactly the single-device math. Faults: grad_sum_replicas (the rep
 summed, not averaged: N x the gradient), overlapping_shards (every replica gets shard 0).
 `--hosts H` (train jobs; a probe or replay job runs in one process over all N devices): H processes
 (wrappers launcher, jax.distributed.initialize on 127.0.0.1, gloo CPU collectives), N/H local devices
-each, the same mesh over all N devices and the same program; inputs and state are built per process with jax.make_array_from_callback, replicated
-outputs read from the local shard; process 0 writes the results. Bitwise equal to one process.
+each, the same mesh over all N devices and the same program; inputs and state are built per process
+with jax.make_array_from_callback, replicated outputs read from the local shard; process 0 writes the
+results. Bitwise equal to one process.
 """
 from __future__ import annotations
 
