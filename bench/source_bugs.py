@@ -197,13 +197,8 @@ MUTATIONS = (
 )
 
 
-# the `duipai run` options a mutation's args may set (the script sets the model, backend, devices and --out);
-# those with a fixed set of values
-RUN_OPTIONS = ("--steps", "--batch-size", "--optimizer", "--lr", "--momentum", "--weight-decay", "--schedule",
-               "--seed", "--init-seed", "--data", "--dropout", "--dtype")
-CHOICES = {"--optimizer": ("sgd", "momentum", "nesterov", "adam", "adamw"),
-           "--schedule": ("constant", "step", "cosine", "warmup"), "--dropout": ("harness", "native"),
-           "--dtype": ("float32", "float64")}
+# the `duipai run` options the script sets itself for both runs: a mutation's args may not
+SET_BY_SCRIPT = ("-m", "--model", "-b", "--backend", "--devices", "--out", "--name")
 # each backend's own wrapper code; a file outside these is shared by every backend
 BACKEND_CODE = {"torch": "wrappers/torch/", "jax": "wrappers/jax/", "tensorflow": "wrappers/tensorflow/",
                 "numpy": "wrappers/numpy/", "keras-tensorflow": "wrappers/keras/", "keras-jax": "wrappers/keras/",
@@ -215,10 +210,16 @@ def run_args(m: Mutation) -> list[str]:
     return ([] if "--steps" in m.args else ["--steps", str(STEPS)]) + list(m.args)
 
 
+def parsed_args(m: Mutation) -> dict:
+    """run_args as `duipai run` parses them (its own click command: option names, choices, types); raises
+    click.ClickException for what it would refuse."""
+    from harness.cli import main as cli
+    return cli.get_command(None, "run").make_context("run", run_args(m)).params
+
+
 def steps_of(m: Mutation) -> int:
-    """The training steps of both runs (the last --steps of run_args, as the command line reads it)."""
-    a = run_args(m)
-    return int([v for o, v in zip(a[::2], a[1::2]) if o == "--steps"][-1])
+    """The training steps of both runs."""
+    return int(parsed_args(m)["steps"])
 
 
 def ref_key(m: Mutation) -> tuple[str, str, tuple[str, ...]]:
@@ -263,20 +264,14 @@ def problems(m: Mutation) -> list[str]:
                 py_compile.compile(str(src), cfile=str(Path(d) / "out.pyc"), doraise=True)
             except py_compile.PyCompileError as e:
                 out.append(f"does not compile: {e.msg.strip().splitlines()[-1]}")
-    if len(m.args) % 2:
-        out.append(f"args {m.args}: not option/value pairs")
-    for opt, val in zip(m.args[::2], m.args[1::2]):
-        if opt not in RUN_OPTIONS:
-            out.append(f"args: {opt} is not one of {', '.join(RUN_OPTIONS)}")
-        elif opt in CHOICES and val not in CHOICES[opt]:
-            out.append(f"args: {opt} {val} is not one of {', '.join(CHOICES[opt])}")
-        elif opt in ("--steps", "--batch-size", "--seed", "--init-seed") and not val.isdigit():
-            out.append(f"args: {opt} {val} is not a non-negative integer")
-        elif opt in ("--lr", "--momentum", "--weight-decay"):
-            try:
-                float(val)
-            except ValueError:
-                out.append(f"args: {opt} {val} is not a number")
+    import click
+    fixed = sorted(set(m.args) & set(SET_BY_SCRIPT))
+    if fixed:
+        out.append(f"args: {', '.join(fixed)} set by the script itself")
+    try:
+        parsed_args(m)
+    except click.ClickException as e:
+        out.append(f"args: {e.format_message()}")
     if m.reference not in BACKEND_CODE:
         out.append(f"unknown reference backend {m.reference!r}")
     elif not any(m.file.startswith(c) for c in BACKEND_CODE.values()):
@@ -330,19 +325,12 @@ def harness(tree: Path, args: list[str], cwd: Path, log: Path, timeout: float = 
 
 
 def run_folder(out: Path) -> Path:
-    found = [p.parent for p in out.glob("*/manifest.json")]
-    if len(found) != 1:
-        raise RuntimeError(f"{out}: expected one run folder, found {len(found)}")
-    return found[0]
-
-
-def reference_run(out: Path) -> Path:
-    """The reference's run folder in `out`, which also holds its envelope runs (--perturb-ulp, trained there by
-    compare, next to the reference) once a comparison has been made: a reused --work folder."""
+    """The one run folder in `out` that is not an envelope run: a reference's folder also holds its envelope
+    runs (--perturb-ulp, trained there by compare) once a comparison has been made (a reused --work folder)."""
     found = [p.parent for p in out.glob("*/manifest.json")
              if (json.loads(p.read_text()).get("init") or {}).get("perturb_ulp_seed") is None]
     if len(found) != 1:
-        raise RuntimeError(f"{out}: expected one reference run folder, found {len(found)}")
+        raise RuntimeError(f"{out}: expected one run folder besides envelope runs, found {len(found)}")
     return found[0]
 
 
@@ -409,7 +397,7 @@ def main() -> int:
                              user_dir, work / f"{name}.log")
                 if rc:
                     raise RuntimeError(f"reference run {name} failed (rc {rc}): {work / f'{name}.log'}")
-            refs[key] = reference_run(out)
+            refs[key] = run_folder(out)
         t1 = time.time()
         tree = work / f"tree-{m.name}"
         shutil.rmtree(tree, ignore_errors=True)
