@@ -148,6 +148,10 @@ def main() -> int:
                     help="train nothing: judge the complete runs already in each configuration's folder under --out "
                          "(after a change of the harness, when a wrapper's source also changed in a way that moves no "
                          "number, so that the run keys no longer match; the table says so)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is stopped (default 900)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="RUN",
+                    help="train only these runs (their names in the configuration's folder, e.g. the ones that timed "
+                         "out), keep the others as they are, then judge the whole folder")
     a = ap.parse_args()
     models = tuple(a.models)
     confs = configurations(models)
@@ -175,9 +179,16 @@ def main() -> int:
                   file=sys.stderr, flush=True)
         else:
             entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0)
+            if a.only:
+                unknown = sorted(set(a.only) - {e.name for e in entries})
+                if unknown:
+                    print(f"--only: no run {', '.join(unknown)} in configuration {conf['id']}", file=sys.stderr)
+                    return 2
+                entries = [e for e in entries if e.name in a.only]
             print(f"[{n + 1}/{len(confs)}] {conf['id']}: {len(entries)} runs", file=sys.stderr, flush=True)
-            entries = M.run_entries(entries, folder, out, a.jobs, timeout=900, log=lambda s: None)
-            M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
+            entries = M.run_entries(entries, folder, out, a.jobs, timeout=a.timeout, log=lambda s: None)
+            if not a.only:   # the status file lists the whole configuration
+                M.write_status(folder, type("S", (), {"name": conf["id"], "source": "bench/false_alarms.py"})(), entries)
             failed = [e for e in entries if e.status == "failed"]
             for e in failed:
                 print(f"  FAILED {e.name}: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
