@@ -108,7 +108,7 @@ MUTATIONS = (
              "averages already: every gradient halved (the reported loss unchanged)",
              reference="numpy"),
     Mutation("torch_eval_in_train_mode", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
-             "logits = self._forward(xt, False, None)", "logits = self._forward(xt, True, None)",
+             "p or self.p, x, train=False", "p or self.p, x, train=True",
              ("BUG",), ("eval",), "bn1",
              "model.eval() forgotten: the evaluation runs in training mode (BatchNorm on the test batch's statistics, "
              "moving the running ones; dropout on)",
@@ -146,6 +146,17 @@ MUTATIONS = (
              ("BUG",), ("forward",), "bn1",
              "training=True left out of the custom train step's stateless_call (its default is inference): BatchNorm "
              "normalises with the moving statistics and never updates them, dropout is off"),
+    Mutation("keras_tensorflow_train_step_inference_mode", "cnn2d_hard", "keras-tensorflow", 1,
+             "wrappers/keras/runtimes/tensorflow.py", "logits = self(x, training=True)", "logits = self(x)",
+             ("BUG",), ("forward",), "bn1",
+             "training=True left out of the custom train step's model call (Keras' default is inference): BatchNorm "
+             "normalises with the moving statistics and never updates them, dropout is off"),
+    Mutation("torch_train_step_in_eval_mode", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
+             "p or self.p, x, train=True", "p or self.p, x, train=False",
+             ("BUG",), ("forward",), "bn1",
+             "model.train() forgotten after an evaluation: the training forward runs in inference mode (BatchNorm on "
+             "the running statistics, which never move; dropout off)",
+             reference="numpy"),
     Mutation("keras_torch_eval_loss_from_probabilities", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/backend.py",
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")',
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")',

@@ -175,6 +175,7 @@ def collect(backend: str, path: str) -> None:
     b2 = cls(hard, hp_bn, b.opts)
     b2.load_params(init_params(hard, 0))
     res["bn"] = {"forward": b2.forward_layers(x, _masks(hard, hp_bn, 0)), "trace": tr}
+    res["step_forward"] = _step_forward_in_inference(b2, x, _masks(hard, hp_bn, 0))
     # 'same' average pooling, asymmetric and symmetric overhang
     res["avgpool"] = {}
     for key, (size, pool, stride) in {"asym": AVG_ASYM, "sym": AVG_SYM, "one": AVG_ONE}.items():
@@ -244,6 +245,28 @@ def collect(backend: str, path: str) -> None:
     res["kinds"] = _kinds(cls, "float32" if "refused" in res["float64"] else "float64")
     with open(path, "wb") as f:
         pickle.dump(res, f)
+
+
+def _step_forward_in_inference(b, x, masks) -> dict:
+    """The forward probe before and after the training step's model call loses its `training=True` (the source
+    of this runtime's step function edited in place, as a porting slip would: Keras' default is inference), and
+    the inference-mode probe for comparison."""
+    import inspect
+    import textwrap
+
+    from wrappers.keras.backend import RT
+    fn = RT.forward_loss if hasattr(RT, "forward_loss") else RT.step_with_gradients
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count("training=True") == 1, src
+    out = {"clean": b.forward_layers(x, masks), "eval": b.eval_layers(x)}
+    exec(compile(src.replace(", training=True", ""), inspect.getsourcefile(fn), "exec"), RT.__dict__)
+    try:
+        b.stepper.probe = b.stepper.layers_probe = None      # compiled again from the edited source
+        out["slipped"] = b.forward_layers(x, masks)
+    finally:
+        setattr(RT, fn.__name__, fn)
+        b.stepper.probe = b.stepper.layers_probe = None
+    return out
 
 
 def _kinds(cls, dtype: str) -> dict:
@@ -485,6 +508,18 @@ def test_the_gradient_probe_is_the_training_steps_gradient(backend, model, root)
     assert r["probe"]
     for k, g in r["probe"].items():
         np.testing.assert_array_equal(g, r["opt"][f"momentum/{k}"], err_msg=k)
+
+
+@pytest.mark.parametrize("backend", KERAS)
+def test_the_forward_probe_runs_the_training_steps_forward(backend, root):
+    """A slip in the training step's own model call (its `training=True` left out, Keras' default being inference)
+    shows in the forward probes: they run the step's forward (Stepper.layer_outputs), not a recorder of their own
+    in training mode. Before, the slipped step's forward probes were the clean ones and such a bug was localized
+    to the loss (bench/source_bugs.py keras_jax_train_step_inference_mode)."""
+    r = collected(backend, root)["step_forward"]
+    assert _rel(r["clean"]["bn1"], r["eval"]["bn1"]) > 0.1          # training-mode BatchNorm is not inference's
+    for k in r["eval"]:
+        np.testing.assert_allclose(r["slipped"][k], r["eval"][k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize("backend", KERAS)

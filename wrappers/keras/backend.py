@@ -79,11 +79,31 @@ class SmoothedSparseCrossentropy(keras.losses.Loss):
                                                      label_smoothing=self.label_smoothing)
 
 
+class LayerRecord:
+    """While a forward probe runs the step: the recorder model (every layer's output) and what it recorded.
+    A plain object: Keras and torch.nn track a model or a list set as a model's attribute, not this."""
+    recorder: "keras.Model | None" = None
+    outputs: list | None = None
+
+    def __init__(self, logits_at: int) -> None:
+        self.logits_at = logits_at
+
+
 class DuipaiModel(keras.Model):
     """A functional keras.Model whose `train_step` is the per-backend custom step; the helpers below
     are backend-neutral keras.ops code shared by the three steps."""
 
     train_step = RT.train_step
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        """The functional model's call; while a forward probe runs the training step's own forward
+        (Stepper.layer_outputs sets `layer_record.recorder`), the recorder's: the same layers and variables,
+        with the step's training flag and masks, every layer's output kept, the logits returned."""
+        rec = self.layer_record
+        if rec.recorder is None:
+            return super().call(inputs, training=training, mask=mask, **kwargs)
+        rec.outputs = list(rec.recorder.call(inputs, training=training, mask=mask, **kwargs))
+        return rec.outputs[rec.logits_at]
 
     def configure(self, *, grad_scale: float, coupled_wd: float, replicas: int = 1, sum_replicas: bool = False,
                   wd_share: float = 1.0) -> None:
@@ -161,6 +181,8 @@ class KerasBackend(Backend):
                              formula_kinds=RT.FLOAT64_FORMULA if opts.dtype == "float64" else frozenset())
             self.net = DuipaiModel(self.low.inputs, self.low.logits, name=f"duipai_{model.name}")
             self.recorder = keras.Model(self.low.inputs, list(self.low.outputs.values()), name="duipai_recorder")
+            self.net.layer_record = LayerRecord(next(i for i, t in enumerate(self.low.outputs.values())
+                                                     if t is self.low.logits))
             self.optimizer, coupled = optim.make_optimizer(self.hp, opts.fault)
             loss = (SmoothedSparseCrossentropy(model.num_classes, self.seams.label_smoothing)
                     if self.seams.label_smoothing
@@ -347,27 +369,24 @@ class KerasBackend(Backend):
         return [v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables]
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
-        """Training-mode outputs via stateless_call: BatchNorm's moving statistics are not touched.
-        Data parallel on TF: each replica on its shard, the outputs concatenated in replica order."""
+        """Training-mode outputs of every layer from the training step's own forward (Stepper.layer_outputs:
+        the step's training flag, dropout masks and replicas, compiled as the step is), no state change;
+        the labels are zeros (the forward does not read them)."""
         self._sync()
-        x, _, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
+        x, y, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
         self._set_masks(masks)
-        if self._per_replica():
-            return self._named(self.par.forward(self.recorder, self._xy(x)))
-        return self._recorded(x, training=True)
+        x, y = self._xy(x, y)
+        return self._named(self.stepper.layer_outputs(x, y, self.recorder))
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables)."""
+        """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables):
+        one stateless pass of the recorder, no variable written."""
         self._sync()
         if self._per_replica():
             return self._named(self.par.predict(self.recorder, self._xy(x)))
-        return self._recorded(x, training=False)
-
-    def _recorded(self, x: np.ndarray, training: bool) -> dict[str, np.ndarray]:
-        """Every layer's output from one stateless pass of the recorder (no variable is written)."""
         tv, ntv = self._state_values(self.recorder)
         with RT.no_grad():
-            outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=training)
+            outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=False)
         return self._named(outs)
 
     def _named(self, outs) -> dict[str, np.ndarray]:

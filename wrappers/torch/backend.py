@@ -166,12 +166,19 @@ class TorchBackend(DataParallel, Backend):
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, y, label_smoothing=self.seams.label_smoothing)
 
-    def _forward(self, x, train, masks, record=None, p=None):
-        return forward(self.model, p or self.p, x, train=train, masks=masks, fault=self.opts.fault, record=record,
+    def _train_forward(self, x, masks, record=None, p=None):
+        """The training-mode forward, one for the step (every data-parallel path) and its probes: a mode, mask or
+        layer slip here shows in the forward probes too, not first in the loss."""
+        return forward(self.model, p or self.p, x, train=True, masks=masks, fault=self.opts.fault, record=record,
+                       native_dropout=self.opts.dropout == "native", sync_bn=self._sync_bn_group())
+
+    def _eval_forward(self, x, record=None, p=None):
+        """The inference forward, one for `evaluate` and the evaluation probes (`eval_layers`)."""
+        return forward(self.model, p or self.p, x, train=False, masks=None, fault=self.opts.fault, record=record,
                        native_dropout=self.opts.dropout == "native", sync_bn=self._sync_bn_group())
 
     def _grads_single(self, xt, yt, masks):
-        logits = self._forward(xt, True, self._masks(masks))
+        logits = self._train_forward(xt, self._masks(masks))
         loss = self._loss(logits, yt)
         loss.backward()
         acc = (logits.argmax(1) == yt).to(self.dtype).mean()
@@ -236,7 +243,7 @@ class TorchBackend(DataParallel, Backend):
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)
-        logits = self._forward(xt, False, None)
+        logits = self._eval_forward(xt)
         return F.cross_entropy(logits, yt).item(), (logits.argmax(1) == yt).double().mean().item()
 
     def _scratch(self) -> dict[str, torch.Tensor]:
@@ -250,8 +257,8 @@ class TorchBackend(DataParallel, Backend):
         recs: list[dict[str, torch.Tensor]] = []
         for lo, hi in bounds:
             rec: dict[str, torch.Tensor] = {}
-            self._forward(self._input(x[lo:hi]), True, self._masks(self._shard_masks(masks, lo, hi)), rec,
-                          self._scratch())
+            self._train_forward(self._input(x[lo:hi]), self._masks(self._shard_masks(masks, lo, hi)), rec,
+                                self._scratch())
             recs.append(rec)
         return self._canonical_record(recs)
 
@@ -259,7 +266,7 @@ class TorchBackend(DataParallel, Backend):
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """Inference mode, as `evaluate`: per sample, so one pass over the whole batch whatever --devices."""
         rec: dict[str, torch.Tensor] = {}
-        self._forward(self._input(x), False, None, rec, self._scratch())
+        self._eval_forward(self._input(x), rec, self._scratch())
         return self._canonical_record([rec])
 
     def _canonical_record(self, recs: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
@@ -278,8 +285,8 @@ class TorchBackend(DataParallel, Backend):
         rscale = 1.0 if self.replicas == 1 or self.opts.fault == "grad_sum_replicas" else 1.0 / self.replicas
         losses, grads = [], [None] * len(params)
         for lo, hi in bounds:
-            logits = self._forward(self._input(x[lo:hi]), True, self._masks(self._shard_masks(masks, lo, hi)), None,
-                                   self._scratch())
+            logits = self._train_forward(self._input(x[lo:hi]), self._masks(self._shard_masks(masks, lo, hi)), None,
+                                         self._scratch())
             loss_r = self._loss(logits, torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device))
             g_r = torch.autograd.grad(loss_r, params, allow_unused=True)
             losses.append(loss_r.item())

@@ -76,11 +76,11 @@ class _Replica(nn.Module):
                 self.register_buffer(key, t)
 
     def forward(self, x: torch.Tensor, masks: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._backend._forward(x, True, masks)
+        return self._backend._train_forward(x, masks)
 
 
 class DataParallel:
-    """The data-parallel half of TorchBackend (a mixin: it uses the backend's `_forward`, `_input`, `_masks`,
+    """The data-parallel half of TorchBackend (a mixin: it uses the backend's `_train_forward`, `_input`, `_masks`,
     `_loss`, `_scratch` and its parameters `p`)."""
 
     def _init_rank(self) -> None:
@@ -210,7 +210,7 @@ class DataParallel:
         for (lo, hi), p in zip(self._shards(len(x)), reps):
             xt = self._input(x[lo:hi])
             yt = torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device)
-            logits = self._forward(xt, True, self._masks(self._shard_masks(masks, lo, hi)), None, p)
+            logits = self._train_forward(xt, self._masks(self._shard_masks(masks, lo, hi)), None, p)
             loss = self._loss(logits, yt)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             with torch.no_grad():

@@ -77,11 +77,7 @@ def step_with_gradients(self, state, data):
     x, y = data[0], data[1]
 
     def loss_fn(tv):
-        logits, ntv = self.stateless_call(tv, non_trainable, x, training=True)
-        loss = self.data_loss(y, logits)
-        reps = self.replica_losses(y, logits) if self.replicas > 1 else None   # each device's shard
-        objective = ops.sum(reps) if self.sum_replicas else loss   # fault grad_sum_replicas: N x the gradient
-        return objective, (loss, logits, ntv, reps)
+        return forward_loss(self, tv, non_trainable, x, y)
 
     (_, (loss, logits, non_trainable, reps)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     grads, grad_norm = self.prepare_grads(raw_grads, trainable)
@@ -90,6 +86,17 @@ def step_with_gradients(self, state, data):
     if reps is not None:
         logs["replica_losses"] = reps
     return logs, (new_trainable, non_trainable, opt_vars, metric_vars), raw_grads
+
+
+def forward_loss(self, tv, non_trainable, x, y):
+    """The step's forward and objective (differentiated by step_with_gradients; run alone, recording every
+    layer, by the forward probes: Stepper.layer_outputs), with its auxiliaries (loss, logits, new
+    non-trainable values, the replica losses)."""
+    logits, ntv = self.stateless_call(tv, non_trainable, x, training=True)
+    loss = self.data_loss(y, logits)
+    reps = self.replica_losses(y, logits) if self.replicas > 1 else None   # each device's shard
+    objective = ops.sum(reps) if self.sum_replicas else loss   # fault grad_sum_replicas: N x the gradient
+    return objective, (loss, logits, ntv, reps)
 
 
 class Stepper:
@@ -107,6 +114,7 @@ class Stepper:
         self.state: list[list[Any]] | None = None      # None: the Keras variables hold the state
         self.written: dict[int, np.ndarray] = {}       # the value last written into each slot (since the pull)
         self.probe: Callable | None = None             # the step with its gradients, compiled as the step is
+        self.layers_probe: tuple | None = None          # (recorder, the step's forward recording every layer)
 
     def step(self, x: np.ndarray, y: np.ndarray, values: list[tuple[Any, np.ndarray]]) -> dict[str, np.ndarray]:
         """One batch; `values`: (Keras variable, new value) written into the state first."""
@@ -148,6 +156,25 @@ class Stepper:
             x, y = self.parallel.distribute(x), self.parallel.distribute(y)
         logs, _, grads = self.probe(state, (x, y, None))
         return logs["loss"], list(grads)
+
+    def layer_outputs(self, x: np.ndarray, y: np.ndarray, recorder) -> list:
+        """Every layer's output of the training step's forward (forward_loss, jitted as the step is, the model
+        calling `recorder` in its place: its training flag and masks; data parallel: the global batch on
+        the mesh), on the state the Keras variables hold (call after sync); nothing is written."""
+        net = self.net
+        if self.layers_probe is None or self.layers_probe[0] is not recorder:
+            def record(state, data):
+                net.layer_record.recorder = recorder
+                try:
+                    forward_loss(net, state[0], state[1], data[0], data[1])
+                    return list(net.layer_record.outputs)
+                finally:
+                    net.layer_record.recorder = net.layer_record.outputs = None
+            self.layers_probe = (recorder, record if (net.run_eagerly or not net.jit_compile) else jax.jit(record))
+        state = tuple([v.value for v in vs] for vs in self.groups[:2])
+        if self.parallel is not None:
+            x, y = self.parallel.distribute(x), self.parallel.distribute(y)
+        return self.layers_probe[1](state, (x, y))
 
     def sync(self) -> None:
         """The state into the Keras variables (fit's jax_state_sync); they hold it again afterwards."""

@@ -105,6 +105,7 @@ class Stepper:
     def __init__(self, net, optimizer, parallel: "MirroredDataParallel | None" = None) -> None:
         self.net, self.optimizer, self.parallel = net, optimizer, parallel
         self.probe = None             # the step with its gradients, compiled as the step is
+        self.layers_probe = None      # (recorder, the step recording every layer's output, compiled as the step is)
 
     def gradients(self, x: np.ndarray, y: np.ndarray):
         """(data loss, gradients) of one batch from the training step's own body (step_with_gradients) in a
@@ -119,17 +120,48 @@ class Stepper:
                 logs, grads = par.strategy.run(step_with_gradients, args=(net, data))
                 return ({"loss": par.strategy.reduce("MEAN", logs["loss"], axis=None)},
                         [par.strategy.reduce("SUM", g, axis=None) for g in grads])
-            # as Keras' one_step_on_data: tf.function(do_not_convert(step)), no autograph rewriting of the body
-            self.probe = probe if net.run_eagerly else tf.function(tf.autograph.experimental.do_not_convert(probe),
-                                                                   reduce_retracing=True, jit_compile=net.jit_compile)
+            self.probe = self._compiled(probe)
+        logs, grads = self._undone(self.probe, x, y)
+        return logs["loss"], list(grads)
+
+    def layer_outputs(self, x: np.ndarray, y: np.ndarray, recorder) -> list:
+        """Every layer's output of the training step's own forward (step_with_gradients compiled as the
+        step, the model calling `recorder` in its place: its training flag, masks and replicas; data
+        parallel: each replica's shard, concatenated in replica order); the step's writes are undone."""
+        net, par = self.net, self.parallel
+        if self.layers_probe is None or self.layers_probe[0] is not recorder:
+            def replica(data):
+                net.layer_record.recorder = recorder
+                try:
+                    step_with_gradients(net, data)
+                    return list(net.layer_record.outputs)
+                finally:
+                    net.layer_record.recorder = net.layer_record.outputs = None
+
+            def record(data):
+                if par is None:
+                    return replica(data)
+                per = par.strategy.run(replica, args=(data,))
+                return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per]
+            self.layers_probe = (recorder, self._compiled(record))
+        return list(self._undone(self.layers_probe[1], x, y))
+
+    def _compiled(self, fn: Callable) -> Callable:
+        """As Keras' one_step_on_data: tf.function(do_not_convert(step)), no autograph rewriting of the body."""
+        net = self.net
+        return fn if net.run_eagerly else tf.function(tf.autograph.experimental.do_not_convert(fn),
+                                                      reduce_retracing=True, jit_compile=net.jit_compile)
+
+    def _undone(self, fn: Callable, x: np.ndarray, y: np.ndarray):
+        """fn(batch), then every variable the step writes back to its value before."""
+        net, par = self.net, self.parallel
         written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
         saved = [tf.identity(v.value) for v in written]
         try:
-            logs, grads = self.probe((x, y) if par is None else par.distribute(x, y))
+            return fn((x, y) if par is None else par.distribute(x, y))
         finally:
             for v, value in zip(written, saved):
                 v.assign(value)
-        return logs["loss"], list(grads)
 
     def step(self, x, y, values):
         for var, val in values:
@@ -248,26 +280,6 @@ class MirroredDataParallel(Parallel):
             self.eval_fns[id(net)] = tf.function(lambda t: net(t, training=False), autograph=False)   # as Keras' predict
         with tf.device(self.devices[0]):
             return tf.nest.map_structure(lambda t: t.numpy(), self.eval_fns[id(net)](tf.constant(x)))
-
-    def run_gathered(self, fn: Callable, *arrays: np.ndarray):
-        """fn(*shards) in every replica; each output concatenated over the replicas in replica order."""
-        per = self.strategy.run(fn, args=self.distribute(*arrays))
-        return tf.nest.map_structure(lambda v: tf.concat(self.strategy.experimental_local_results(v), 0), per)
-
-    def _replica_state(self, model) -> tuple[list, list]:
-        """In a replica: this replica's components of the model's variables, as tensors."""
-        return ([tf.identity(v.value) for v in model.trainable_variables],
-                [tf.identity(v.value) for v in model.non_trainable_variables])
-
-    def forward(self, recorder, x: np.ndarray) -> list:
-        """Every recorded layer output in training mode (stateless_call), each replica on its shard,
-        concatenated in replica order."""
-        def replica(xs):
-            tv, ntv = self._replica_state(recorder)
-            outs, _ = recorder.stateless_call(tv, ntv, xs, training=True)
-            return list(outs)
-        with self.strategy.scope():
-            return self.run_gathered(replica, x)
 
     def info(self, fault: str | None, has_bn: bool) -> dict[str, Any]:
         return {

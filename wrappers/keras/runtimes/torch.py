@@ -75,16 +75,33 @@ class Stepper:
             def probe(data):
                 return step_with_gradients(net, data)
             self.probe = torch.compile(probe) if (net.jit_compile and not net.run_eagerly) else probe
+        logs, grads = self._undone(self.probe, (x, y))
+        return logs["loss"], grads
+
+    def layer_outputs(self, x: np.ndarray, y: np.ndarray, recorder) -> list:
+        """Every layer's output of the training step's own forward (step_with_gradients, eager, the model
+        calling `recorder` in its place: its training flag and masks); the step's writes are undone."""
+        net = self.net
+        net.layer_record.recorder = recorder
+        try:
+            self._undone(lambda data: step_with_gradients(net, data), (x, y))
+            return [t.detach() for t in net.layer_record.outputs]
+        finally:
+            net.layer_record.recorder = net.layer_record.outputs = None
+
+    def _undone(self, body: Callable, data):
+        """body(data), then every variable the step writes (parameters, moving statistics, optimizer
+        state) back to its value before, the gradients cleared."""
+        net = self.net
         written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
         saved = [v.value.detach().clone() for v in written]
         try:
-            logs, grads = self.probe((x, y))
+            return body(data)
         finally:
             with torch.no_grad():
                 for v, value in zip(written, saved):
                     v.assign(value)
             net.zero_grad()
-        return logs["loss"], grads
 
     def sync(self) -> None:
         """Nothing to do: the variables are the state."""
