@@ -157,6 +157,14 @@ MUTATIONS = (
              "model.train() forgotten after an evaluation: the training forward runs in inference mode (BatchNorm on "
              "the running statistics, which never move; dropout off)",
              reference="numpy"),
+    Mutation("torch_grad_clip_copied", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
+             "        loss.backward()\n        acc = (logits.argmax(1) == yt)",
+             "        loss.backward()\n        torch.nn.utils.clip_grad_norm_([self.p[n] for n in self.trainable], 1.0)\n"
+             "        acc = (logits.argmax(1) == yt)",
+             ("BUG",), ("backward",), "",
+             "a gradient clip copied from another training script into the step (max norm 1): the optimizer gets "
+             "the clipped gradient whenever the norm exceeds 1",
+             reference="numpy"),
     Mutation("keras_torch_eval_loss_from_probabilities", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/backend.py",
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")',
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")',

@@ -190,10 +190,12 @@ class TorchBackend(DataParallel, Backend):
         scale = self.seams.grad_scale
         return g.mul_(scale) if scale != 1.0 else g
 
-    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+    def _step_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, list[float] | None, float]:
+        """(loss, replica losses, accuracy); the gradients left in each parameter's .grad, computed on the
+        path the run trains on (DDP ranks, emulated replicas, one process), the gradient seam applied: one
+        for the step and the gradient probe (`gradients`), so a slip here shows in both."""
         params = [self.p[n] for n in self.trainable]
         flat = self._flat_storage
-        before = self._params_flat(params)
         self.opt.zero_grad(set_to_none=False)
         if self.distributed:
             loss, replica_losses, acc = self._grads_ddp(x, y, masks)
@@ -210,6 +212,13 @@ class TorchBackend(DataParallel, Backend):
                     q.grad = torch.zeros_like(q)
                 else:
                     self._fault_grad(q.grad)
+        return loss, replica_losses, acc
+
+    def train_step(self, step: int, x: np.ndarray, y: np.ndarray, masks: Masks) -> StepStats:
+        params = [self.p[n] for n in self.trainable]
+        flat = self._flat_storage
+        before = self._params_flat(params)
+        loss, replica_losses, acc = self._step_gradients(x, y, masks)
         lr = self.lr_for(step)
         set_hyper(self.opt, params, self.hp, step, lr, self.prev_lr, self.opts.fault)
         self.prev_lr = lr
@@ -279,24 +288,17 @@ class TorchBackend(DataParallel, Backend):
         return out
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
-        """(loss, gradient); under --devices N the replicas' mean loss and their combined gradient."""
-        params = [self.p[n] for n in self.trainable]
-        bounds = self._shards(len(x)) if self.replicas > 1 else [(0, len(x))]
-        rscale = 1.0 if self.replicas == 1 or self.opts.fault == "grad_sum_replicas" else 1.0 / self.replicas
-        losses, grads = [], [None] * len(params)
-        for lo, hi in bounds:
-            logits = self._train_forward(self._input(x[lo:hi]), self._masks(self._shard_masks(masks, lo, hi)), None,
-                                         self._scratch())
-            loss_r = self._loss(logits, torch.as_tensor(y[lo:hi], dtype=torch.long, device=self.device))
-            g_r = torch.autograd.grad(loss_r, params, allow_unused=True)
-            losses.append(loss_r.item())
-            if self.replicas == 1:
-                grads = list(g_r)
-                continue
-            grads = [a if g is None else (g * rscale if a is None else a + g * rscale) for a, g in zip(grads, g_r)]
-        loss = losses[0] if self.replicas == 1 else sum(losses) / len(losses)
-        return loss, {n: self._canon(n, self._fault_grad(g if g is not None else torch.zeros_like(q)))
-                      for n, g, q in zip(self.trainable, grads, params)}
+        """(loss, gradient) from the training step's own gradient code (`_step_gradients`: its data-parallel
+        path, its seam); the running statistics it moved are put back and the gradients zeroed."""
+        buffers = {n: t.detach().clone() for n, t in self.p.items() if n.endswith(BUFFER_ROLES)}
+        try:
+            loss = self._step_gradients(x, y, masks)[0]
+            return loss, {n: self._canon(n, self.p[n].grad) for n in self.trainable}
+        finally:
+            with torch.no_grad():
+                for n, v in buffers.items():
+                    self.p[n].copy_(v)
+            self.opt.zero_grad(set_to_none=False)
 
 
 BACKEND = TorchBackend
