@@ -67,6 +67,14 @@ def _batch(backend: str, configs: list[dict], out_root: str) -> dict:
         out[c["key"]] = {"rows": rows, "declared": b.declared_differences(), "traces": b.net.traces,
                          "parallel": b.parallel_info(), "devices": b.devices(),
                          "final_finite": bool(all(np.isfinite(v).all() for v in final.values()))}
+        if prep.model.has("batchnorm2d"):      # the forward probe per replica: each shard's bn1 output mean
+            from wrappers.worker import masks_for
+            n = hp.batch_size          # the batch the model was built for (its dropout masks' shape)
+            x = np.random.default_rng(0).random((n, *prep.model.input_shape)).astype(np.float32)
+            bn1 = b.forward_layers(x, masks_for(prep.model, hp.seed, 0, n, "harness"))["bn1"]
+            out[c["key"]]["bn1_shard_means"] = [bn1[:n // 2].mean(axis=(0, 1, 2)).tolist(),
+                                                bn1[n // 2:].mean(axis=(0, 1, 2)).tolist()]
+            out[c["key"]]["bn1_beta"] = b.export_params()["bn1.beta"].tolist()
     return out
 
 
@@ -200,6 +208,22 @@ def test_batchnorm_statistics_are_declared_as_computed(backend, root):
         assert "per_replica_batchnorm" not in per["declared"]
         assert "global-batch" in per["parallel"]["batchnorm"]
         assert np.array_equal(per["rows"], sync["rows"])
+
+
+@pytest.mark.parametrize("backend", DP)
+def test_the_forward_probe_normalises_as_the_replicas_step_does(backend, root):
+    """The forward probe of a dp=2 run is the training step's forward on its replicas: with per-replica
+    BatchNorm (keras-tensorflow without --sync-bn) each replica's shard is normalised by its own statistics, so
+    each shard's bn1 output averages to beta; with global statistics (--sync-bn, or keras-jax's one GSPMD
+    program) only the two shards together do. (A probe that ran the global batch through one replica, or
+    whose replicas raced for one record, fails one side.)"""
+    res = batch(backend, root)
+    for key in ("hard_dp2", "hard_dp2_sync"):
+        means, beta = np.asarray(res[key]["bn1_shard_means"]), np.asarray(res[key]["bn1_beta"])
+        np.testing.assert_allclose(means.mean(axis=0), beta, atol=1e-5, err_msg=key)
+        per_replica = backend == "keras-tensorflow" and key == "hard_dp2"
+        gap = float(np.max(np.abs(means - beta)))
+        assert (gap < 1e-5) if per_replica else (gap > 1e-3), (key, gap)
 
 
 @pytest.mark.parametrize("backend", DP)

@@ -75,18 +75,26 @@ class Lowering:
             self.steps[key] = (tx, self.wrap(functools.partial(self._step_fn, tx, adam)))
         return self.steps[key]
 
+    def _train_forward(self, params, buffers, x, masks, key, record=None):
+        """The training-mode forward, one for the step (one device or the mesh) and the forward probes: a mode,
+        mask or layer slip here shows in the forward probes too, not first in the loss."""
+        return forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault, key=key,
+                       native_dropout=self.native_dropout, record=record, bn_groups=self.bn_groups)
+
+    def _eval_forward(self, params, buffers, x, key, record=None):
+        """The inference forward, one for `evaluate` and the evaluation probes."""
+        return forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key, record=record)
+
     def _loss_fn(self, params, buffers, x, y, masks, key):
         if self.mesh is not None:
             return self._dp_loss_fn(params, buffers, x, y, masks, key)
-        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault,
-                                      key=key, native_dropout=self.native_dropout)
+        logits, new_buffers = self._train_forward(params, buffers, x, masks, key)
         return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
 
     def _dp_loss_fn(self, params, buffers, x, y, masks, key):
         """Data parallel: the objective is the mean of the replicas' mean losses (the global-batch
         mean; with grad_sum_replicas their sum). aux carries the replica losses."""
-        logits, new_buffers = forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault,
-                                      key=key, native_dropout=self.native_dropout, bn_groups=self.bn_groups)
+        logits, new_buffers = self._train_forward(params, buffers, x, masks, key)
         per = per_example_cross_entropy(logits, y, self.label_smoothing)
         reps = jnp.mean(per.reshape(self.replicas, -1), axis=1)
         objective = jnp.sum(reps) if self.fault == "grad_sum_replicas" else jnp.mean(reps)
@@ -129,7 +137,7 @@ class Lowering:
         return new_params, new_buffers, opt_state, stats
 
     def _eval_fn(self, params, buffers, x, y, key):
-        logits, _ = forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key)
+        logits, _ = self._eval_forward(params, buffers, x, key)
         return cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype))
 
     def _grads_fn(self, params, buffers, x, y, masks, key):
@@ -140,13 +148,12 @@ class Lowering:
 
     def _eval_layers_fn(self, params, buffers, x, key):
         rec: dict[str, jax.Array] = {}
-        forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key, record=rec)
+        self._eval_forward(params, buffers, x, key, rec)
         return rec
 
     def _forward_layers_fn(self, params, buffers, x, masks, key):
         rec: dict[str, jax.Array] = {}
-        forward(self.model, params, buffers, x, train=True, masks=masks, fault=self.fault, key=key,
-                native_dropout=self.native_dropout, record=rec, bn_groups=self.bn_groups)
+        self._train_forward(params, buffers, x, masks, key, rec)
         return rec
 
 

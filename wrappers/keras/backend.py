@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import threading
 from typing import Any
 
 # XLA reads its flags when jax is first imported (the keras import below does that on keras-jax):
@@ -80,13 +81,21 @@ class SmoothedSparseCrossentropy(keras.losses.Loss):
 
 
 class LayerRecord:
-    """While a forward probe runs the step: the recorder model (every layer's output) and what it recorded.
-    A plain object: Keras and torch.nn track a model or a list set as a model's attribute, not this."""
-    recorder: "keras.Model | None" = None
-    outputs: list | None = None
+    """While a forward probe runs the step: the recorder model (every layer's output) and what it recorded,
+    per thread (a MirroredStrategy runs each replica's step in a thread of its own). A plain object: Keras
+    and torch.nn track a model or a list set as a model's attribute, not this."""
 
     def __init__(self, logits_at: int) -> None:
         self.logits_at = logits_at
+        self.recorder: "keras.Model | None" = None
+        self._outputs: dict[int, list] = {}
+
+    def keep(self, outputs: list) -> None:
+        self._outputs[threading.get_ident()] = outputs
+
+    def take(self) -> list:
+        """This thread's recorded outputs (the step must have called the model)."""
+        return self._outputs.pop(threading.get_ident())
 
 
 class DuipaiModel(keras.Model):
@@ -102,8 +111,9 @@ class DuipaiModel(keras.Model):
         rec = self.layer_record
         if rec.recorder is None:
             return super().call(inputs, training=training, mask=mask, **kwargs)
-        rec.outputs = list(rec.recorder.call(inputs, training=training, mask=mask, **kwargs))
-        return rec.outputs[rec.logits_at]
+        outs = list(rec.recorder.call(inputs, training=training, mask=mask, **kwargs))
+        rec.keep(outs)
+        return outs[rec.logits_at]
 
     def configure(self, *, grad_scale: float, coupled_wd: float, replicas: int = 1, sum_replicas: bool = False,
                   wd_share: float = 1.0) -> None:

@@ -83,14 +83,24 @@ class NumpyBackend(DataParallel, Backend):
         self.opt.load(state)
 
     # ---- computation
+    def _train_forward(self, xs: list[np.ndarray], masks: list[Masks], update_running: bool = False,
+                       record: list[dict[str, np.ndarray]] | None = None):
+        """The training-mode forward over the replicas' shards, one for the step and the forward probes."""
+        return forward(self.model, self.p, xs, train=True, masks=masks, sync_bn=self.sync_bn,
+                       update_running=update_running, record=record)
+
+    def _eval_forward(self, x: np.ndarray, record: dict[str, np.ndarray] | None = None):
+        """The inference forward, one for `evaluate` and the evaluation probes."""
+        return forward(self.model, self.p, [np.asarray(x, self.dtype)], train=False, masks=[{}],
+                       record=None if record is None else [record])
+
     def _grads(self, x: np.ndarray, y: np.ndarray, masks: Masks,
                update_running: bool) -> tuple[float, list[float], float, dict[str, np.ndarray]]:
         """(mean loss, replica losses, accuracy, all-reduced gradient): every replica's forward and
         backward on its shard, then the explicit reduction (mean; sum under grad_sum_replicas)."""
         bounds, xs, ms = shards(x, masks, self.replicas, self.opts.fault, self.dtype)
         p = self.p                   # update_running=False (a probe): the running buffers are left alone
-        logits, caches = forward(self.model, p, xs, train=True, masks=ms, sync_bn=self.sync_bn,
-                                 update_running=update_running)
+        logits, caches = self._train_forward(xs, ms, update_running)
         losses, dlogits, correct = [], [], 0
         for (lo, hi), z in zip(bounds, logits):
             loss, dz, pred = softmax_xent(z, y[lo:hi])
@@ -113,7 +123,7 @@ class NumpyBackend(DataParallel, Backend):
                          norm(list(after.values())), losses if self.replicas > 1 else None)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        logits, _ = forward(self.model, self.p, [np.asarray(x, self.dtype)], train=False, masks=[{}])
+        logits, _ = self._eval_forward(x)
         loss, _, pred = softmax_xent(logits[0], y)
         return loss, float(np.mean(pred == y))
 
@@ -121,12 +131,12 @@ class NumpyBackend(DataParallel, Backend):
         """Training mode, every replica's shard, concatenated in replica order; running buffers untouched."""
         _, xs, ms = shards(x, masks, self.replicas, self.opts.fault, self.dtype)
         recs: list[dict[str, np.ndarray]] = [{} for _ in xs]
-        forward(self.model, self.p, xs, train=True, masks=ms, sync_bn=self.sync_bn, record=recs)
+        self._train_forward(xs, ms, record=recs)
         return {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
         rec: dict[str, np.ndarray] = {}
-        forward(self.model, self.p, [np.asarray(x, self.dtype)], train=False, masks=[{}], record=[rec])
+        self._eval_forward(x, rec)
         return rec
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:

@@ -201,6 +201,15 @@ class TensorflowBackend(NativeOptimizer, Backend):
                        fault=self.fault, record=record, new_buffers=new_buffers,
                        native_dropout=self.native_dropout, dropout_seed=seed, moments=moments)
 
+    def _train_forward(self, x, masks, record=None, new_buffers=None, seed=None, params=None, moments=None):
+        """The training-mode forward, one for the step (every replica) and the forward probes: a mode, mask or
+        layer slip here shows in the forward probes too, not first in the loss."""
+        return self._forward(x, True, masks, record, new_buffers, seed, params, moments)
+
+    def _eval_forward(self, x, record=None, seed=None):
+        """The inference forward, one for `evaluate` and the evaluation probes."""
+        return self._forward(x, False, None, record, None, seed)
+
     def _loss(self, logits, y):
         return cross_entropy(logits, y, self.seams.label_smoothing)
 
@@ -208,7 +217,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
         params = [self.v[n] for n in self.trainable]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(params)
-            logits = self._forward(x, True, masks, None, new_buffers, seed)
+            logits = self._train_forward(x, masks, None, new_buffers, seed)
             loss = self._loss(logits, y)
         grads = tape.gradient(loss, params)
         grads = [tf.zeros_like(q) if g is None else g for g, q in zip(grads, params)]  # e.g. missing_bias
@@ -256,7 +265,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
 
     def _eval_impl(self, x, y, seed):
         self.traces["eval"] += 1
-        logits = self._forward(x, False, None, seed=seed)
+        logits = self._eval_forward(x, seed=seed)
         loss = cross_entropy(logits, y)
         acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float64))
         return loss, acc
@@ -273,7 +282,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
         xt, mt = self._tensors(x, masks)
         rec: dict[str, tf.Tensor] = {}
         with tf.device(self.device):
-            self._forward(xt, True, mt, rec, None, self._seed(self.hp.seed, 0))
+            self._train_forward(xt, mt, rec, None, self._seed(self.hp.seed, 0))
         return {k: v.numpy() for k, v in rec.items()}
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -281,7 +290,7 @@ class TensorflowBackend(NativeOptimizer, Backend):
         xt, _ = self._tensors(x, {})
         rec: dict[str, tf.Tensor] = {}
         with tf.device(self.device):
-            self._forward(xt, False, None, rec, None, self._seed(self.hp.seed + 1, 0))
+            self._eval_forward(xt, rec, self._seed(self.hp.seed + 1, 0))
         return {k: v.numpy() for k, v in rec.items()}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:

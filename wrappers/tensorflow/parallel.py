@@ -251,7 +251,7 @@ class DataParallel:
         new_buffers: dict[str, tf.Tensor] = {}
         params = [self.v[k] for k in self.trainable]
         with tf.GradientTape() as tape:
-            logits = self._forward(x, True, masks, None, new_buffers, self._replica_seed(seed),
+            logits = self._train_forward(x, masks, None, new_buffers, self._replica_seed(seed),
                                    params=self.v, moments=self._moments)
             per_sample = per_example_cross_entropy(logits, y, self.seams.label_smoothing)
             mean = tf.reduce_mean(per_sample)
@@ -328,7 +328,7 @@ class DataParallel:
 
     def _replica_record(self, x, masks, seed):
         rec: dict[str, tf.Tensor] = {}
-        self._forward(x, True, masks, rec, None, self._replica_seed(seed), params=self.v, moments=self._moments)
+        self._train_forward(x, masks, rec, None, self._replica_seed(seed), params=self.v, moments=self._moments)
         return tf.distribute.get_replica_context().all_gather(rec, axis=0)
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:

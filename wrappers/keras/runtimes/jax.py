@@ -167,9 +167,9 @@ class Stepper:
                 net.layer_record.recorder = recorder
                 try:
                     forward_loss(net, state[0], state[1], data[0], data[1])
-                    return list(net.layer_record.outputs)
+                    return net.layer_record.take()
                 finally:
-                    net.layer_record.recorder = net.layer_record.outputs = None
+                    net.layer_record.recorder = None
             self.layers_probe = (recorder, record if (net.run_eagerly or not net.jit_compile) else jax.jit(record))
         state = tuple([v.value for v in vs] for vs in self.groups[:2])
         if self.parallel is not None:

@@ -131,18 +131,18 @@ class Stepper:
         net, par = self.net, self.parallel
         if self.layers_probe is None or self.layers_probe[0] is not recorder:
             def replica(data):
-                net.layer_record.recorder = recorder
-                try:
-                    step_with_gradients(net, data)
-                    return list(net.layer_record.outputs)
-                finally:
-                    net.layer_record.recorder = net.layer_record.outputs = None
+                step_with_gradients(net, data)
+                return net.layer_record.take()
 
             def record(data):
-                if par is None:
-                    return replica(data)
-                per = par.strategy.run(replica, args=(data,))
-                return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per]
+                net.layer_record.recorder = recorder     # before the replicas' threads start
+                try:
+                    if par is None:
+                        return replica(data)
+                    per = par.strategy.run(replica, args=(data,))
+                    return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per]
+                finally:
+                    net.layer_record.recorder = None
             self.layers_probe = (recorder, self._compiled(record))
         return list(self._undone(self.layers_probe[1], x, y))
 

@@ -85,9 +85,9 @@ class Stepper:
         net.layer_record.recorder = recorder
         try:
             self._undone(lambda data: step_with_gradients(net, data), (x, y))
-            return [t.detach() for t in net.layer_record.outputs]
+            return [t.detach() for t in net.layer_record.take()]
         finally:
-            net.layer_record.recorder = net.layer_record.outputs = None
+            net.layer_record.recorder = None
 
     def _undone(self, body: Callable, data):
         """body(data), then every variable the step writes (parameters, moving statistics, optimizer
