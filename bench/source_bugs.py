@@ -165,6 +165,13 @@ MUTATIONS = (
              "a gradient clip copied from another training script into the step (max norm 1): the optimizer gets "
              "the clipped gradient whenever the norm exceeds 1",
              reference="numpy"),
+    Mutation("torch_zero_grad_forgotten", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
+             "        self.opt.zero_grad(set_to_none=False)\n        if self.distributed:",
+             "        if self.distributed:",
+             ("BUG",), ("backward", "optimizer"), "",
+             "starts after the first step: optimizer.zero_grad() dropped from the step, so backward accumulates every "
+             "step's gradient into the last ones; the gradients are state the checkpoint does not hold",
+             reference="numpy"),
     Mutation("keras_torch_eval_loss_from_probabilities", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/backend.py",
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")',
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")',

@@ -291,6 +291,9 @@ class TorchBackend(DataParallel, Backend):
         """(loss, gradient) from the training step's own gradient code (`_step_gradients`: its data-parallel
         path, its seam); the running statistics it moved are put back and the gradients zeroed."""
         buffers = {n: t.detach().clone() for n, t in self.p.items() if n.endswith(BUFFER_ROLES)}
+        # the .grad buffers put back as they were, not cleared: a step that forgets to zero them must meet the
+        # gradients it left, as in training
+        grads = [(q, None if q.grad is None else q.grad.detach().clone()) for q in (self.p[n] for n in self.trainable)]
         try:
             loss = self._step_gradients(x, y, masks)[0]
             return loss, {n: self._canon(n, self.p[n].grad) for n in self.trainable}
@@ -298,7 +301,11 @@ class TorchBackend(DataParallel, Backend):
             with torch.no_grad():
                 for n, v in buffers.items():
                     self.p[n].copy_(v)
-            self.opt.zero_grad(set_to_none=False)
+                for q, g in grads:
+                    if g is None:
+                        q.grad = None
+                    else:
+                        q.grad.copy_(g)       # in place: under the flat layout each .grad is a view of one vector
 
 
 BACKEND = TorchBackend

@@ -90,18 +90,21 @@ class Stepper:
             net.layer_record.recorder = None
 
     def _undone(self, body: Callable, data):
-        """body(data), then every variable the step writes (parameters, moving statistics, optimizer
-        state) back to its value before, the gradients cleared."""
+        """body(data), then everything the step writes back as it was: the variables (parameters, moving
+        statistics, optimizer state) and the parameters' .grad buffers (not cleared: a step that forgets to
+        zero them must meet the gradients it left, as in training)."""
         net = self.net
         written = list(net.trainable_variables) + list(net.non_trainable_variables) + list(self.optimizer.variables)
         saved = [v.value.detach().clone() for v in written]
+        grads = [(v.value, None if v.value.grad is None else v.value.grad.clone()) for v in net.trainable_variables]
         try:
             return body(data)
         finally:
             with torch.no_grad():
                 for v, value in zip(written, saved):
                     v.assign(value)
-            net.zero_grad()
+                for t, g in grads:
+                    t.grad = g
 
     def sync(self) -> None:
         """Nothing to do: the variables are the state."""
