@@ -42,6 +42,7 @@ from algorithms.spec import load_model
 
 from . import kinks, probes, runner
 from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
+from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
@@ -220,6 +221,9 @@ class Localizer(ProbeJobs):
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
         if chk:
             res["declared_check"] = chk
+        restart = self.restart0(cand)
+        if restart.get("checked"):
+            res["restart"] = restart
         summary, lines = describe(res, method)
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
@@ -244,6 +248,10 @@ class Localizer(ProbeJobs):
                             f"{len(res['disagreeing_keys'])} still disagree with it"))
         if chk.get("skipped"):
             lines.append(f"declared difference(s) {', '.join(chk['skipped_differences'])}: not verified ({chk['skipped']})")
+        if restart_differs(res):
+            lines.append(f"restart check: a fresh process loading the state {cand.name} exported after its first "
+                         f"probe step takes the second differently ({restart['key']} rel {restart['rel']:.2g}): state "
+                         "the checkpoint does not hold (e.g. gradients accumulated across steps)")
         rep = res.get("replay") or {}
         if rep.get("reproduced"):
             r = rep["reproduced"]

@@ -158,6 +158,14 @@ class ProbeJobs:
         f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
         return load_npz(f / f"{probe_file_stem(0)}.npz")
 
+    def restart0(self, run: Run) -> dict[str, Any]:
+        """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded."""
+        f = self._job(run, f"probe__{run.name}__{_tag(run)}", "probe")
+        try:
+            return json.loads((f / f"{probe_file_stem(0)}.json").read_text()).get("restart") or {}
+        except (OSError, ValueError):
+            return {}
+
     def probe64(self, ref: Run, cand: Run, **change: Any) -> dict[str, np.ndarray] | None:
         """The reference configuration (with `change`) probed in float64, for the tolerance of probes computed
         by two different code paths. None when the candidate runs the reference's own code path (same backend

@@ -281,6 +281,7 @@ class Backend:
         out["loss"] = np.asarray(loss, np.float64)
         for p in self.model.trainable:
             out[f"grad/{p.name}"] = np.asarray(grads[p.name])
+        self.after_first: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
         for i, masks in enumerate(masks_per_step):
             before = self.export_params()
             self.train_step(start_step + i, x, y, masks)
@@ -288,9 +289,38 @@ class Backend:
             for k in before:
                 tag = "buffer" if k.endswith(("running_mean", "running_var")) else "update"
                 out[f"{tag}{i}/{k}"] = (after[k].astype(np.float64) - before[k].astype(np.float64)) if tag == "update" else after[k]
-            for k, v in self.export_opt_state().items():
+            state = self.export_opt_state()
+            for k, v in state.items():
                 out[f"opt{i}/{k}"] = np.asarray(v)
+            if i == 0:
+                self.after_first = (after, state)
         return out
+
+    def restart_check(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], probed: dict[str, np.ndarray],
+                      start_step: int = 0) -> dict[str, Any]:
+        """After `probe`: a fresh backend loads the state this one exported after the probe's first step and
+        takes the second; its update should be `update1/` (same code, same inputs, the same state), up to the
+        rounding of the optimizer-state conversion. A difference means state the checkpoint does not hold
+        (gradients accumulated across steps, a counter or cache kept outside the optimizer state): the resync,
+        which starts every step from a loaded checkpoint, cannot see such a bug. {'checked', 'rel', 'key'}."""
+        if len(masks_per_step) < 2 or self.after_first is None:
+            return {"checked": False, "why": "fewer than two probe steps"}
+        if self.opts.dropout == "native" and self.model.has("dropout"):
+            return {"checked": False, "why": "native dropout: the framework's RNG is state no checkpoint holds"}
+        params, state = self.after_first
+        fresh = type(self)(self.model, self.hp, self.opts)
+        fresh.load_params({k: np.array(v, copy=True) for k, v in params.items()})
+        fresh.load_opt_state({k: np.array(v, copy=True) for k, v in state.items()}, start_step + 1)
+        fresh.train_step(start_step + 1, x, y, masks_per_step[1])
+        after = fresh.export_params()
+        worst, key = 0.0, None
+        for p in self.model.trainable:
+            cont = np.asarray(probed[f"update1/{p.name}"], np.float64)
+            mine = after[p.name].astype(np.float64) - params[p.name].astype(np.float64)
+            rel = float(np.max(np.abs(mine - cont))) / max(float(np.max(np.abs(cont))), 1e-30)
+            if rel > worst or key is None:
+                worst, key = rel, f"update1/{p.name}"
+        return {"checked": True, "rel": worst, "key": key}
 
 
 class UnsupportedError(RuntimeError):

@@ -149,9 +149,25 @@ def run_probe(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
         b.name = backend.name
         b.load_params(params)
         masks = [masks_for(b.model, b.hp.seed, s, len(idx), b.opts.dropout) for s in range(k)]
-        save_npz(out_dir / f"{probe_file_stem(i)}.npz", b.probe(x, y, masks))
-        (out_dir / f"{probe_file_stem(i)}.json").write_text(json.dumps({"declared_differences": b.declared_differences()}))
+        probed = b.probe(x, y, masks)
+        save_npz(out_dir / f"{probe_file_stem(i)}.npz", probed)
+        side: dict[str, Any] = {"declared_differences": b.declared_differences()}
+        if i == 0:
+            side["restart"] = restart_check(b, x, y, masks, probed)
+        (out_dir / f"{probe_file_stem(i)}.json").write_text(json.dumps(side))
     return {"probe_cases": len(cases)}
+
+
+def restart_check(b: Backend, x: np.ndarray, y: np.ndarray, masks: list[Masks], probed: dict[str, np.ndarray]
+                  ) -> dict[str, Any]:
+    """Backend.restart_check, never fatal to the probe: one process per job only (a second backend in a
+    multi-process job would need every process to build it in step), any failure recorded, not raised."""
+    if os.environ.get("DUIPAI_PROCESS_INDEX") is not None:
+        return {"checked": False, "why": "a multi-process job"}
+    try:
+        return b.restart_check(x, y, masks, probed)
+    except Exception as e:        # noqa: BLE001 -- the probe stands without it
+        return {"checked": False, "why": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
