@@ -159,11 +159,12 @@ class ProbeJobs:
         return load_npz(f / f"{probe_file_stem(0)}.npz")
 
     def restart0(self, run: Run) -> dict[str, Any]:
-        """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded."""
-        f = self._job(run, f"probe__{run.name}__{_tag(run)}", "probe")
+        """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded
+        (or the job failed: the localization says so on its own)."""
         try:
+            f = self._job(run, f"probe__{run.name}__{_tag(run)}", "probe")
             return json.loads((f / f"{probe_file_stem(0)}.json").read_text()).get("restart") or {}
-        except (OSError, ValueError):
+        except (BackendFailed, OSError, ValueError):
             return {}
 
     def probe64(self, ref: Run, cand: Run, **change: Any) -> dict[str, np.ndarray] | None:

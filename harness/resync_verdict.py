@@ -63,8 +63,9 @@ def _flipped_what(rs: dict[str, Any], dc: dict[str, Any]) -> str:
             f"{largest}; the reference's own steps jumped at {len(dc['reference_jumps'])} of {rs['n']} resynced steps)")
 
 
-# a restart from the exported state may differ from the continued step by the rounding of the optimizer-state
-# conversion (a Keras velocity from torch's buffer: ~1e-7); state the checkpoint misses moves it by far more
+# a restart from the exported state may differ from the continued step by the rounding of an optimizer-state
+# conversion (a velocity from the canonical buffer: ~1e-7; measured 0.0 everywhere); state the checkpoint misses
+# moves it by far more
 RESTART_TOL = 1e-4
 
 

@@ -1,11 +1,8 @@
 """Keras 3 backend (one module for keras-tensorflow, keras-jax and keras-torch): the spec as a functional
 keras.Model of Keras layers (layers.py), keras.optimizers (optim.py), a logits cross-entropy, trained by the
-model's own compiled train function around a custom `train_step` per Keras backend
-(runtimes/<backend>.py, chosen once: `RT`), driven by that module's Stepper: keras-torch `train_on_batch`;
-keras-tensorflow the model's `train_function` as train_on_batch calls it; keras-jax `fit`'s way (the
-state kept as JAX arrays between steps, the model's `train_function` called per batch, the Keras
-variables written back only before an export, an evaluation, a probe or a load -- train_on_batch's
-per-call read and write of every variable cost more than the step itself).
+model's own compiled train function around a custom `train_step` per Keras backend (runtimes/<backend>.py,
+chosen once: `RT`), driven by its Stepper (keras-jax keeps the state as JAX arrays between steps, as `fit`
+does: train_on_batch's per-call read and write of every variable cost more than the step itself).
 
 Conventions and conversions (canonical <-> Keras):
 * parameters: Keras layouts are the canonical ones; BatchNormalization(momentum = 1 - spec momentum,
@@ -20,8 +17,8 @@ Conventions and conversions (canonical <-> Keras):
 * dropout: harness masks live in a non-trainable variable of a small layer, set before each step.
 * data parallelism (--devices N): keras-jax keras.distribution.DataParallel, keras-tensorflow MirroredStrategy,
   contiguous shards (parallel.py, runtimes/); keras-torch refuses (Keras has none on torch), as --hosts.
-* probes: layer outputs by model.stateless_call (moving statistics untouched); gradients from the training
-  step's own body, compiled as the step is, its writes undone (runtimes/<backend>.Stepper.gradients).
+* probes: the training step's own body, compiled as the step is, its writes undone: its gradients and every
+  layer's output (the recorder called in the model's place: DuipaiModel.call, runtimes/<backend>.Stepper).
 * float64: keras-tensorflow and keras-jax (jax_enable_x64 on before the model exists); refused on
   keras-torch, where Keras 3.15 computes float64 matmuls in float32.
 """
@@ -58,10 +55,8 @@ RT = runtimes.current()          # this Keras backend's module: every per-backen
 
 
 def batch_mean(loss_fn: keras.losses.Loss, y, logits):
-    """loss_fn (reduction='sum') divided by the batch size: the sum-then-divide of Keras'
-    'sum_over_batch_size', bit for bit in float32, without its ops.divide_no_nan, whose result type
-    (Keras 3.15 dtypes.result_type maps 64-bit to 32-bit) rounds a float64 loss (to float32 on the
-    torch backend; keras-jax lost ~1e-11)."""
+    """loss_fn (reduction='sum') / batch size: Keras' 'sum_over_batch_size' bit for bit in float32, without its
+    ops.divide_no_nan, whose result type rounds a float64 loss (Keras 3.15 maps 64-bit to 32-bit)."""
     total = loss_fn(ops.convert_to_tensor(y), logits)
     return total / ops.cast(ops.shape(logits)[0], total.dtype)
 
@@ -81,9 +76,8 @@ class SmoothedSparseCrossentropy(keras.losses.Loss):
 
 
 class LayerRecord:
-    """While a forward probe runs the step: the recorder model (every layer's output) and what it recorded,
-    per thread (a MirroredStrategy runs each replica's step in a thread of its own). A plain object: Keras
-    and torch.nn track a model or a list set as a model's attribute, not this."""
+    """While a forward probe runs the step: the recorder (every layer's output) and what it recorded, per thread
+    (a MirroredStrategy runs each replica's step in a thread). A plain object: Keras and torch.nn track models."""
 
     def __init__(self, logits_at: int) -> None:
         self.logits_at = logits_at
@@ -94,20 +88,17 @@ class LayerRecord:
         self._outputs[threading.get_ident()] = outputs
 
     def take(self) -> list:
-        """This thread's recorded outputs (the step must have called the model)."""
         return self._outputs.pop(threading.get_ident())
 
 
 class DuipaiModel(keras.Model):
-    """A functional keras.Model whose `train_step` is the per-backend custom step; the helpers below
-    are backend-neutral keras.ops code shared by the three steps."""
+    """A functional keras.Model whose `train_step` is the per-backend custom step; backend-neutral helpers."""
 
     train_step = RT.train_step
 
     def call(self, inputs, training=None, mask=None, **kwargs):
-        """The functional model's call; while a forward probe runs the training step's own forward
-        (Stepper.layer_outputs sets `layer_record.recorder`), the recorder's: the same layers and variables,
-        with the step's training flag and masks, every layer's output kept, the logits returned."""
+        """The functional model's call; while a forward probe runs the step (`layer_record.recorder` set), the
+        recorder's: the same layers, variables, training flag and masks, every layer's output kept."""
         rec = self.layer_record
         if rec.recorder is None:
             return super().call(inputs, training=training, mask=mask, **kwargs)
@@ -342,10 +333,6 @@ class KerasBackend(Backend):
             out.append((layer.keep_mask, np.asarray(m, layer.keep_mask.dtype)))
         return out
 
-    def _set_masks(self, masks: Masks) -> None:
-        for var, m in self._mask_values(masks):
-            var.assign(m)
-
     def _xy(self, x: np.ndarray, y: np.ndarray | None = None):
         x = np.ascontiguousarray(x, keras.config.floatx())
         return x if y is None else (x, np.asarray(y, np.int32))
@@ -375,40 +362,37 @@ class KerasBackend(Backend):
         loss = float(_np(batch_mean(self.eval_loss, y, ops.convert_to_tensor(logits))))
         return loss, float(np.mean(np.argmax(logits, -1) == y))
 
-    def _state_values(self, m: keras.Model) -> tuple[list, list]:
-        return [v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables]
-
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
-        """Training-mode outputs of every layer from the training step's own forward (Stepper.layer_outputs:
-        the step's training flag, dropout masks and replicas, compiled as the step is), no state change;
-        the labels are zeros (the forward does not read them)."""
-        self._sync()
-        x, y, masks = self._arrange(x, np.zeros(len(x), np.int32), masks)
-        self._set_masks(masks)
-        x, y = self._xy(x, y)
-        return self._named(self.stepper.layer_outputs(x, y, self.recorder))
+        """Every layer's output of the training step's own forward (Stepper.layer_outputs: its training flag,
+        masks and replicas, compiled as the step is), no state change; labels zeros (the forward reads none)."""
+        return self._named(self.stepper.layer_outputs(*self._probe_batch(x, np.zeros(len(x), np.int32), masks),
+                                                      self.recorder))
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        """Inference-mode outputs, as `evaluate` computes them (data parallel on TF: replica 0's variables):
-        one stateless pass of the recorder, no variable written."""
+        """Inference-mode outputs as `evaluate` computes them (TF data parallel: replica 0's), stateless."""
         self._sync()
         if self._per_replica():
             return self._named(self.par.predict(self.recorder, self._xy(x)))
-        tv, ntv = self._state_values(self.recorder)
+        m = self.recorder
+        tv, ntv = [v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables]
         with RT.no_grad():
             outs, _ = self.recorder.stateless_call(tv, ntv, ops.convert_to_tensor(self._xy(x)), training=False)
         return self._named(outs)
+
+    def _probe_batch(self, x: np.ndarray, y: np.ndarray, masks: Masks):
+        """A probe's batch as the step takes it (the replicas' arrangement), its dropout masks in their variables."""
+        self._sync()
+        x, y, masks = self._arrange(x, y, masks)
+        for var, m in self._mask_values(masks):
+            var.assign(m)
+        return self._xy(x, y)
 
     def _named(self, outs) -> dict[str, np.ndarray]:
         return {name: _np(o) for name, o in zip(self.low.outputs, outs)}
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         """The gradient the optimizer is given (data parallel: the replicas' combined one), no state change."""
-        self._sync()
-        x, y, masks = self._arrange(x, y, masks)
-        self._set_masks(masks)
-        x, y = self._xy(x, y)
-        loss, grads = self.stepper.gradients(x, y)      # the training step's own (its program, its replicas)
+        loss, grads = self.stepper.gradients(*self._probe_batch(x, y, masks))   # the step's own program, replicas
         grads = self.net.fault_grads(list(grads))
         return float(_np(loss)), {n: self._canonical(n, _np(g)) for n, g in zip(self.trainable, grads)}
 
