@@ -249,7 +249,7 @@ class Localizer(ProbeJobs):
         if chk.get("skipped"):
             lines.append(f"declared difference(s) {', '.join(chk['skipped_differences'])}: not verified ({chk['skipped']})")
         if restart_differs(res):
-            lines.append(f"restart check: a fresh process loading the state {cand.name} exported after its first "
+            lines.append(f"restart check: a fresh backend loading the state {cand.name} exported after its first "
                          f"probe step takes the second differently ({restart['key']} rel {restart['rel']:.2g}): state "
                          "the checkpoint does not hold (e.g. gradients accumulated across steps)")
         rep = res.get("replay") or {}
