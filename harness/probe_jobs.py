@@ -153,16 +153,19 @@ class ProbeJobs:
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
                               replay=replay, manifest_extra={"run_key": key})
 
-    def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
+    def _probe0_job(self, run: Run, **change: Any) -> Path:
+        """The folder of the step-0 probe job of `run` (with `change`), run once and cached."""
         tag = "__" + change_tag(change) if change else ""
-        f = self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
-        return load_npz(f / f"{probe_file_stem(0)}.npz")
+        return self._job(run, f"probe__{run.name}__{_tag(run)}{tag}", "probe", **change)
+
+    def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
+        return load_npz(self._probe0_job(run, **change) / f"{probe_file_stem(0)}.npz")
 
     def restart0(self, run: Run) -> dict[str, Any]:
         """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded
         (or the job failed: the localization says so on its own)."""
         try:
-            f = self._job(run, f"probe__{run.name}__{_tag(run)}", "probe")
+            f = self._probe0_job(run)
             return json.loads((f / f"{probe_file_stem(0)}.json").read_text()).get("restart") or {}
         except (BackendFailed, OSError, ValueError):
             return {}
