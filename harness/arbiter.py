@@ -241,6 +241,7 @@ def arbitrate_comparison(c: Comparison, arbiter: str, *, timeout: float | None =
             p.notes.append(f"arbiter ({arbiter}): {a}")
         p.notes.insert(0, sec["statement"])
         pairs[p.b.name] = sec
+    loc.close()
     arb = {"backend": arbiter, "dtype": "float64", "margin": MARGIN, "rel_floor": REL_FLOOR, "pairs": pairs}
     arb["lead"] = lead_lines(arb)
     return ArbitratedComparison(**{f.name: getattr(c, f.name) for f in fields(c)}, arbiter=arb)

@@ -276,13 +276,14 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
             rule: Rule = DEFAULT_RULE, *, forced: list[str] | None = None,
             localize: Callable[[Pair], dict[str, Any] | None] | None = None,
             resync: Callable[[Pair, list[int]], dict[str, Any] | None] | None = None,
-            all_pairs: bool = True, jobs: int = 1) -> Comparison:
+            all_pairs: bool = True, jobs: int = 1, judged: Callable[[Pair], None] | None = None) -> Comparison:
     """Judge every candidate against the reference (localizing each excess when `localize` is given; the
     shared-state step comparison of every pair when `resync` is given, run first so that the localization
     reuses its replay; `resync(pair, extra)` gets the divergent steps of every pair as `extra`, so that the
     reference's resync jobs are the same for all), and, with >= 3 runs, every pair of candidates too (for
     the odd one out). The candidates' resync and localization jobs run `jobs` pairs at once (threads: the
-    jobs are processes; a job two pairs share runs once, see Localizer._job)."""
+    jobs are processes; a job two pairs share runs once, see Localizer._job); `judged(pair)` is called as each
+    candidate's pair is decided (the localization cache may then drop its jobs)."""
     from .localize import divergent_steps
     pairs: list[Pair] = []
     index: dict[tuple[str, str], Pair] = {}
@@ -297,6 +298,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
             p.localization = localize(p)
         resolve(p, localize is not None)
         apply_resync(p, resync is not None)
+        if judged is not None:
+            judged(p)
         return p
 
     if jobs > 1 and len(checked) > 1 and (resync is not None or localize is not None):

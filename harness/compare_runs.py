@@ -172,7 +172,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             loc = Localizer(ref.path.parent, timeout=timeout, log=say, parallel=jobs) if localize else None
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))
                   if loc is not None and resync_every > 0 else None)
-            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs, jobs=jobs)
+            c = compare(ref, cands, env, members, rule, forced=group_forced, localize=loc, resync=rs, jobs=jobs,
+                        judged=(lambda p, loc=loc: loc.release(p.b.name)) if loc is not None else None)
             if auto_stat and localize:   # framework-RNG dropout: no deterministic comparison; decided over seeds instead
                 from .autostat import decide, needs_stat
                 for p in c.pairs:
@@ -181,6 +182,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             if arbiter:   # which side of each BUG the exact computation supports
                 from .arbiter import arbitrate_comparison
                 c = arbitrate_comparison(c, arbiter, timeout=timeout, log=say)
+            if loc is not None:
+                loc.close()
             c.notes += group_notes
             results.append(c)
     if not results:

@@ -23,6 +23,7 @@ from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import runner
 from .errors import BackendFailed
+from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
 from .runs import Run, check_reproduces, config_of
 
@@ -130,12 +131,23 @@ class ProbeJobs:
         # probe, its replay) runs once: the second waits on the first's lock and finds its folder
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self.cache = CacheBudget(self.jobs, self.log)   # the cache's size limit (harness.localize_cache)
 
     def _job(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
         with self._locks_guard:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
-            return self._job_once(run, name, mode, replay, **change)
+            folder = self._job_once(run, name, mode, replay, **change)
+            self.cache.used(folder, run.name)
+            return folder
+
+    def release(self, run_name: str) -> None:
+        """The pairs that needed `run_name`'s jobs are judged: the cache may drop them (least recently used first)."""
+        self.cache.release(run_name)
+
+    def close(self) -> None:
+        """This comparison is done: the cache is trimmed to its limit."""
+        self.cache.release_all()
 
     def _job_once(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
         """The job's folder, run unless a complete one with the same content key is there: the key covers
