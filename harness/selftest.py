@@ -361,7 +361,7 @@ def run_selftest(out_root: Path, *, reduced: bool, backends: tuple[str, ...] | N
     pl = plan(backends, faults, variants, steps, models=models)
     entries = M.run_entries(pl.entries, folder, Path(out_root), jobs, timeout=timeout)
     M.write_status(folder, type("S", (), {"name": name, "source": "duipai selftest"})(), entries)
-    compare_folder(folder, reference=REFERENCE, k=3, jobs=jobs)
+    compare_folder(folder, reference=REFERENCE, k=3, jobs=jobs, timeout=timeout)
     rows = judge(pl, entries, folder)
     meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} cores)",

@@ -9,11 +9,13 @@ import click
 from algorithms.faults import FAULTS
 from algorithms.spec import model_names
 
-from ..selftest import DRIFT_VARIANTS, SCENARIO_MODELS, registered_backends, run_selftest
+from ..selftest import DRIFT_VARIANTS, REDUCED, SCENARIO_MODELS, registered_backends, run_selftest
 
 
 @click.command("selftest")
-@click.option("--reduced", is_flag=True, help="The CI version: the reference backend only, 40 steps, 9 faults and 3 variants.")
+@click.option("--reduced", is_flag=True,
+              help=f"The CI version: the reference backend only, {REDUCED['steps']} steps, {len(REDUCED['faults'])} "
+                   f"faults and {len(REDUCED['variants'])} variants.")
 @click.option("--backends", default=None, help="Comma-separated backends (default: every registered one, or the reference when reduced).")
 @click.option("--faults", default=None,
               help="Comma-separated faults of `duipai faults` to inject (default: all, or the reduced set); "
@@ -28,8 +30,10 @@ from ..selftest import DRIFT_VARIANTS, SCENARIO_MODELS, registered_backends, run
                    "resnet_tiny, convnext_tiny and the scenario models, or each fault's own model when reduced).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
 @click.option("-j", "--jobs", type=int, default=1, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1), default=900, show_default=True,
+              help="Seconds each run or localization job may take (a loaded machine or the 32x32x3 models need more).")
 def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, variants: str | None, steps: int | None,
-                 out: Path, jobs: int, models: str | None) -> None:
+                 out: Path, jobs: int, models: str | None, timeout: float) -> None:
     """Inject every catalogued fault and run every drift-only variant; print and write the detection
     matrix (<out>/selftest*/selftest.md). Exit 1 if a fault is missed or a variant is called a BUG.
 
@@ -50,4 +54,4 @@ def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, varian
     sys.exit(run_selftest(out, reduced=reduced, backends=names(backends, registered_backends(), "backend"),
                           faults=names(faults, tuple(FAULTS), "fault"),
                           variants=names(variants, tuple(DRIFT_VARIANTS), "variant"), steps=steps, jobs=jobs,
-                          models=names(models, tuple(model_names()) + SCENARIO_MODELS, "model")))
+                          timeout=timeout, models=names(models, tuple(model_names()) + SCENARIO_MODELS, "model")))
