@@ -18,7 +18,20 @@ def resync_what(rs: dict[str, Any]) -> str:
     return (f"{rs['n']} resynced steps {rs['points'][0]}..{rs['points'][-1]}; worst {w.get('worst_key')} at step "
             f"{w.get('step')}, {fmt_factor(w.get('worst_factor'))} its calibrated tolerance; sequential test "
             + (f"min p {seq['min_p']:.3g} >= {seq['threshold']:.3g}" if seq.get("min_p") is not None
-               else "not run (fewer than 3 points)") + flips_what(rs))
+               else "not run (fewer than 3 points)") + flips_what(rs) + _self_replay_what(rs))
+
+
+def _self_replay_what(rs: dict[str, Any]) -> str:
+    """Whether the candidate reproduced its own training from its checkpoint (harness.self_replay), when checked."""
+    sr = rs.get("self_replay") or {}
+    ref = rs.get("self_replay_reference") or {}
+    if sr.get("checked") and not sr.get("differs"):
+        return (f"; the candidate re-trained from its own checkpoint at step {sr['from']} reproduces its steps "
+                f"{sr['from']}..{sr['to']} (max rel {sr['max_rel']:.2g})"
+                + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))
+    if sr and not sr.get("checked"):
+        return f"; self-replay not made ({sr.get('why')})"
+    return ""
 
 
 def flips_what(rs: dict[str, Any]) -> str:
@@ -214,6 +227,29 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     superseded = superseded_by_resync(p.localization, rs)
+    sr, side = rs.get("self_replay") or {}, "the candidate"
+    if not sr.get("differs") and (rs.get("self_replay_reference") or {}).get("differs"):
+        sr, side = rs["self_replay_reference"], f"the reference {p.a.name}"
+    if sr.get("differs"):
+        from .self_replay import describe
+        side = p.b.name if side == "the candidate" else side
+        line = describe(side, sr)
+        p.verdict = BUG
+        drop_stat_advice(p)
+        if was != BUG or superseded or (p.localization or {}).get("stage") is None:
+            old = p.localization or {}
+            if old.get("note") in p.notes:   # what the replaced localization concluded goes with it
+                p.notes.remove(old["note"])
+            p.localization = {"stage": "state", "layer": None, "parameter": None, "probe": None, "method": "self-replay",
+                              "summary": f"state: training carries state its checkpoint does not hold (step {sr['step']})",
+                              "lines": [line]}
+        else:
+            p.notes.append(line)
+        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but "
+                       + ("the candidate" if side == p.b.name else side) + " does not reproduce its own "
+                       f"training from its checkpoint (self-replay): state the checkpoint does not hold, which a step "
+                       f"from a loaded state cannot show" + (f"; the free-running verdict was {was}" if was != BUG else ""))
+        return
     if was == BUG and superseded:
         from .implied import optimizer_only
         updates_only = optimizer_only((p.localization or {}).get("disagreeing_keys") or [])
