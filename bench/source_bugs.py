@@ -172,6 +172,14 @@ MUTATIONS = (
              "starts after the first step: optimizer.zero_grad() dropped from the step, so backward accumulates every "
              "step's gradient into the last ones; the gradients are state the checkpoint does not hold",
              reference="numpy"),
+    Mutation("jax_lr_scaled_by_its_own_step_count", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
+             "        lr = self.lr_for(step)\n",
+             "        self._taken = getattr(self, '_taken', 0) + 1\n"
+             "        lr = self.lr_for(step) * (1.02 if self._taken > 100 else 1.0)\n",
+             ("BUG",), ("state",), "",
+             "starts after step 100 on a chaotic model: the step counts the steps its backend object took and scales "
+             "the learning rate by 1.02 from the 101st (the logged lr is right); a counter no checkpoint holds, so "
+             "every step the resync starts from a checkpoint agrees"),
     Mutation("keras_torch_eval_loss_from_probabilities", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/backend.py",
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")',
              'self.eval_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")',
