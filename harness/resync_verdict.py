@@ -26,8 +26,12 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
     sr = rs.get("self_replay") or {}
     ref = rs.get("self_replay_reference") or {}
     if sr.get("checked") and not sr.get("differs"):
+        exact = sr.get("exact_rows", sr["rows"])
+        how = ("to the bit" if exact >= sr["rows"] else
+               f"within rel {sr['max_rel']:.2g}, bit-equal for {exact} of {sr['rows']} steps: its load of the checkpoint "
+               f"rounds, so state the checkpoint misses is not judged after step {sr['from'] + exact}")
         return (f"; the candidate re-trained from its own checkpoint at step {sr['from']} reproduces its steps "
-                f"{sr['from']}..{sr['to']} (max rel {sr['max_rel']:.2g})"
+                f"{sr['from']}..{sr['to']} {how}"
                 + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))
     if sr and not sr.get("checked"):
         return f"; self-replay not made ({sr.get('why')})"

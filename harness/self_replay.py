@@ -38,8 +38,9 @@ def replay_span(steps: int, checkpoint_steps: list[int], d: int) -> tuple[int, i
 
 def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[float]]) -> dict[str, Any]:
     """The replayed rows [step, loss, accuracy, grad_norm, update_norm, param_norm] against the run's own
-    series (on `steps`): {checked, rows, max_rel, differs, and where it jumped: step, series, run, replay}."""
-    out: dict[str, Any] = {"checked": True, "rows": len(replayed), "max_rel": 0.0, "differs": False}
+    series (on `steps`): {checked, rows, max_rel, differs, exact_rows (how many rows from the load on are
+    bit-equal: after the first that is not, nothing is judged), and where it jumped: step, series, run, replay}."""
+    out: dict[str, Any] = {"checked": True, "rows": len(replayed), "max_rel": 0.0, "differs": False, "exact_rows": 0}
     at = {int(t): i for i, t in enumerate(steps)}
     exact = True     # every row so far bit-equal to the run's
     for row in replayed:
@@ -56,6 +57,7 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
             out.update(differs=True, step=step, series=worst, rel=rel, run=float(values[worst][at[step]]),
                        replay=float(got[worst]))
         exact = exact and rel == 0.0
+        out["exact_rows"] += exact
     return out
 
 

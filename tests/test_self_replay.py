@@ -36,10 +36,10 @@ def _values(n=60):
 def test_bit_equal_rows_and_rows_that_part_from_a_rounding_reproduce():
     v, steps = _values(), np.arange(60)
     same = judge(steps, v, _rows(range(40, 50), v))
-    assert same["checked"] and not same["differs"] and same["max_rel"] == 0.0 and same["rows"] == 10
+    assert same["checked"] and not same["differs"] and same["max_rel"] == 0.0 and same["rows"] == same["exact_rows"] == 10
     # a load that rounds (1e-7) under a chaotic model: the difference grows 1.5x a step, past TOL
     grown = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + 1e-7 * 1.5 ** (t - 20)))
-    assert not grown["differs"] and grown["max_rel"] > TOL
+    assert not grown["differs"] and grown["max_rel"] > TOL and grown["exact_rows"] == 0
     # and then a kink flipped by that rounding jumps: still rounding's doing
     flip = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + (1e-7 if t < 30 else 3e-3)))
     assert not flip["differs"]
@@ -61,17 +61,17 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
     env = compute(ref, members)
     base = R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)
     nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
-    differs = {"checked": True, "rows": 1, "max_rel": 0.02, "differs": True, "step": 40, "series": "loss",
+    differs = {"checked": True, "rows": 1, "exact_rows": 0, "max_rel": 0.02, "differs": True, "step": 40, "series": "loss",
                "rel": 0.02, "run": 1.02, "replay": 1.0, "from": 40, "to": 40}
     p = compare(ref, [cand], env, members, localize=nothing,
                 resync=lambda pair, extra: dict(base, self_replay=differs)).pairs[0]
     assert p.verdict == BUG and p.localization["stage"] == "state", p.notes
     assert "checkpoint at step 40" in p.localization["lines"][0]
     assert "does not reproduce its own training" in p.notes[-1]
-    same = dict(differs, differs=False, max_rel=0.0)
+    same = dict(differs, differs=False, max_rel=0.0, exact_rows=1)
     q = compare(ref, [cand], env, members, localize=nothing,
                 resync=lambda pair, extra: dict(base, self_replay=same, self_replay_reference=same)).pairs[0]
-    assert q.verdict == DRIFT and "reproduces its steps 40..40 (max rel 0), and so does the reference" in q.notes[-1], \
+    assert q.verdict == DRIFT and "reproduces its steps 40..40 to the bit, and so does the reference" in q.notes[-1], \
         q.notes
     # the reference's own training carries such state: the pair is a BUG that names it
     r = compare(ref, [cand], env, members, localize=nothing,
