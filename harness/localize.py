@@ -137,10 +137,9 @@ class Localizer(ProbeJobs):
             out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))
         out["every"] = every
-        if pair.first is not None:   # the curves diverged: does each side reproduce its own training there?
-            d = int(pair.first["step"])
-            out["self_replay"] = self.self_replay(cand, d)
-            out["self_replay_reference"] = self.self_replay(ref, d)
+        if pair.first is not None or pair.saturated:   # the curves diverged or say nothing: does each side
+            out["self_replay"] = self.self_replay(cand)   # reproduce its own training from its own checkpoints?
+            out["self_replay_reference"] = self.self_replay(ref)
         if change is not None:
             out["against"] = {"emulated": chk.get("emulated"), "change": change}
         return out

@@ -317,28 +317,28 @@ class ProbeJobs:
             self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
             return None
 
-    def self_replay(self, run: Run, d: int) -> dict[str, Any]:
-        """harness.self_replay: `run`'s backend re-trains from the run's own checkpoint at or before step `d` through
-        d, in a fresh process; its rows must be the run's. {"checked": False, "why": ...} where no such
-        comparison is exact: several processes standing in for hosts (a replay emulates them in one),
-        framework-RNG dropout, a run not in deterministic mode, no checkpoint before d; or a job that failed."""
+    def self_replay(self, run: Run) -> dict[str, Any]:
+        """harness.self_replay: `run`'s backend re-trains every stretch between two of the run's checkpoints from
+        the first, in a fresh process (one job, about one run's training); its rows must be the run's.
+        {"checked": False, "why": ...} where no such comparison is exact: several processes standing in for
+        hosts (a replay emulates them in one), framework-RNG dropout, a run not in deterministic mode, fewer than
+        two checkpoints; or a job that failed."""
         from . import self_replay as S
         o = run.options
         why = ("several processes standing in for hosts" if o.hosts > 1 else "framework-RNG dropout" if o.dropout == "native"
                else "not in deterministic mode" if not o.deterministic else None)
         steps = int(run.manifest.get("hparams", {}).get("steps") or (int(run.step[-1]) + 1))
         cks = checkpoints(run)
-        span = None if why else S.replay_span(steps, sorted(cks), d)
-        if why or span is None:
-            return {"checked": False, "why": why or f"no checkpoint of {run.name} at or before step {d}"}
-        c, t = span
+        at = [] if why else S.stretches(steps, sorted(cks))
+        if why or not at:
+            return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}
         try:
-            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-from{c}-at{t}", "replay",
-                               Replay([t], checkpoints={c: str(cks[c])}, perturb_state_ulps=[]))
+            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}", "replay",
+                               Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[]))
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
         replayed = json.loads((folder / WORKER_FILE).read_text()).get("replayed") or []
-        return dict(S.judge(run.step, run.values, replayed), **{"from": c, "to": t - 1})
+        return S.judge(run.step, run.values, replayed, sorted(cks))
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""

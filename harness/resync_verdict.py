@@ -28,10 +28,10 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
     if sr.get("checked") and not sr.get("differs"):
         exact = sr.get("exact_rows", sr["rows"])
         how = ("to the bit" if exact >= sr["rows"] else
-               f"within rel {sr['max_rel']:.2g}, bit-equal for {exact} of {sr['rows']} steps: its load of the checkpoint "
-               f"rounds, so state the checkpoint misses is not judged after step {sr['from'] + exact}")
-        return (f"; the candidate re-trained from its own checkpoint at step {sr['from']} reproduces its steps "
-                f"{sr['from']}..{sr['to']} {how}"
+               f"within rel {sr['max_rel']:.2g}, {exact} of them bit-equal: its load of a checkpoint rounds, and after "
+               f"a stretch's first step that is not bit-equal, state the checkpoint misses is not judged")
+        return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches) reproduces "
+                f"its {sr['rows']} steps {how}"
                 + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))
     if sr and not sr.get("checked"):
         return f"; self-replay not made ({sr.get('why')})"

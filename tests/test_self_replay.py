@@ -9,18 +9,17 @@ import numpy as np
 from harness import resync as R
 from harness.compare import BUG, DRIFT, compare
 from harness.probe_analysis import analyse
-from harness.self_replay import TOL, judge, replay_span
+from harness.self_replay import TOL, judge, stretches
 
 from .conftest import need
 from .test_resync import LAYERS, _chaotic_candidate, _rep, _saturating_family
 
 
-def test_the_span_starts_at_the_latest_checkpoint_at_or_before_the_divergent_step():
-    assert replay_span(300, [0, 50, 100, 150], 120) == (100, 121)
-    assert replay_span(300, [0, 50, 100], 100) == (100, 101)    # a checkpoint at d itself: re-train step d
-    assert replay_span(300, [0, 50, 100], 0) == (0, 1)
-    assert replay_span(300, [0, 50], 299) == (50, 299)          # the last step's batch is the replay's probe
-    assert replay_span(300, [50], 10) is None                     # nothing to start from
+def test_each_stretch_between_two_checkpoints_is_re_trained_from_the_first():
+    assert stretches(300, [0, 50, 100, 150, 200, 250, 300]) == [49, 99, 149, 199, 249, 299]
+    assert stretches(300, [0, 100, 299, 300]) == [99, 298]     # the last step's batch is the job's probe step
+    assert stretches(300, [0, 1, 2]) == [299]                  # stretches of no step are left out
+    assert stretches(300, [300]) == []
 
 
 def _rows(steps, values, scale=lambda t: 1.0):
@@ -35,23 +34,27 @@ def _values(n=60):
 
 def test_bit_equal_rows_and_rows_that_part_from_a_rounding_reproduce():
     v, steps = _values(), np.arange(60)
-    same = judge(steps, v, _rows(range(40, 50), v))
+    same = judge(steps, v, _rows(range(40, 50), v), [40])
     assert same["checked"] and not same["differs"] and same["max_rel"] == 0.0 and same["rows"] == same["exact_rows"] == 10
     # a load that rounds (1e-7) under a chaotic model: the difference grows 1.5x a step, past TOL
-    grown = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + 1e-7 * 1.5 ** (t - 20)))
+    grown = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + 1e-7 * 1.5 ** (t - 20)), [20])
     assert not grown["differs"] and grown["max_rel"] > TOL and grown["exact_rows"] == 0
     # and then a kink flipped by that rounding jumps: still rounding's doing
-    flip = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + (1e-7 if t < 30 else 3e-3)))
+    flip = judge(steps, v, _rows(range(20, 50), v, lambda t: 1 + (1e-7 if t < 30 else 3e-3)), [20])
     assert not flip["differs"]
 
 
 def test_a_row_that_jumps_past_the_tolerance_differs_where_it_jumps():
     v, steps = _values(), np.arange(60)
-    got = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.02 if t >= 45 else 1.0))
-    assert got["differs"] and got["step"] == 45 and got["series"] in ("loss", "grad_norm")
+    got = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.02 if t >= 45 else 1.0), [40])
+    assert got["differs"] and got["step"] == 45 and got["from"] == 40 and got["series"] in ("loss", "grad_norm")
     assert got["rel"] > TOL
-    first = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.3))   # differs straight after the load
+    first = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.3), [40])   # differs straight after the load
     assert first["differs"] and first["step"] == 40
+    # a stretch that rounds from its load is not judged, the next stretch (its own load, exact) is
+    rows = _rows(range(0, 20), v, lambda t: 1 + 1e-7) + _rows(range(20, 40), v, lambda t: 1.02 if t >= 30 else 1.0)
+    two = judge(steps, v, rows, [0, 20])
+    assert two["stretches"] == 2 and two["differs"] and two["step"] == 30 and two["from"] == 20
 
 
 def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_not_reproduce_itself(tmp_path):
@@ -61,17 +64,17 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
     env = compute(ref, members)
     base = R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)
     nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
-    differs = {"checked": True, "rows": 1, "exact_rows": 0, "max_rel": 0.02, "differs": True, "step": 40, "series": "loss",
-               "rel": 0.02, "run": 1.02, "replay": 1.0, "from": 40, "to": 40}
+    differs = {"checked": True, "rows": 60, "stretches": 3, "exact_rows": 40, "max_rel": 0.02, "differs": True, "step": 40, "series": "loss",
+               "rel": 0.02, "run": 1.02, "replay": 1.0, "from": 40}
     p = compare(ref, [cand], env, members, localize=nothing,
                 resync=lambda pair, extra: dict(base, self_replay=differs)).pairs[0]
     assert p.verdict == BUG and p.localization["stage"] == "state", p.notes
     assert "checkpoint at step 40" in p.localization["lines"][0]
     assert "does not reproduce its own training" in p.notes[-1]
-    same = dict(differs, differs=False, max_rel=0.0, exact_rows=1)
+    same = dict(differs, differs=False, max_rel=0.0, exact_rows=60)
     q = compare(ref, [cand], env, members, localize=nothing,
                 resync=lambda pair, extra: dict(base, self_replay=same, self_replay_reference=same)).pairs[0]
-    assert q.verdict == DRIFT and "reproduces its steps 40..40 to the bit, and so does the reference" in q.notes[-1], \
+    assert q.verdict == DRIFT and "(3 stretches) reproduces its 60 steps to the bit, and so does the reference" in q.notes[-1], \
         q.notes
     # the reference's own training carries such state: the pair is a BUG that names it
     r = compare(ref, [cand], env, members, localize=nothing,
@@ -81,9 +84,9 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
 
 
 def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
-    """torch, 60 steps, checkpoints every 20: re-trained from step 40 in a fresh process it reproduces steps
-    40..45 to the bit; the same run with its rows from step 43 scaled (what state outside the checkpoint does
-    to a run) differs at step 43."""
+    """torch, 60 steps, checkpoints every 20: each stretch re-trained from its checkpoint in a fresh process
+    reproduces the run to the bit; the same run with its rows from step 43 scaled (what state outside the
+    checkpoint does to a run) differs at step 43, in the stretch from 40."""
     need("torch")
     from algorithms.contract import RunConfig
     from algorithms.optim import HParams
@@ -94,11 +97,11 @@ def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
                                       hparams=HParams(steps=60, eval_every=20, checkpoint_every=20)), tmp_path)
     run = load_run(folder)
     loc = Localizer(tmp_path, log=lambda m: None)
-    got = loc.self_replay(run, 45)
+    got = loc.self_replay(run)
     assert got["checked"] and not got["differs"] and got["max_rel"] == 0.0, got
-    assert (got["from"], got["to"], got["rows"]) == (40, 45, 6)
+    assert (got["stretches"], got["rows"], got["exact_rows"]) == (3, 57, 57)     # steps 0..18, 20..38, 40..58
     loss = run.values["loss"].copy()
     loss[43:] *= 1.01
     run.values["loss"] = loss
-    edited = loc.self_replay(run, 45)
-    assert edited["differs"] and edited["step"] == 43 and edited["series"] == "loss", edited
+    edited = loc.self_replay(run)
+    assert edited["differs"] and (edited["step"], edited["from"], edited["series"]) == (43, 40, "loss"), edited
