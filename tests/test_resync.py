@@ -121,7 +121,7 @@ def _noisy(p: dict[str, np.ndarray], rel: float, rng) -> dict[str, np.ndarray]:
     return {k: v * (1 + rel * rng.standard_normal(np.shape(v))) for k, v in p.items()}
 
 
-def _rep(points: list[int], late_fault_from: int | None = None, fault=lambda p: p, seed: int = 0) -> dict:
+def replay_of(points: list[int], late_fault_from: int | None = None, fault=lambda p: p, seed: int = 0) -> dict:
     """A replay result: the float32 reference 1e-7 (relative) from float64, the candidate 2e-7 from it,
     and from `late_fault_from` on the candidate computes `fault` of the step."""
     rng = np.random.default_rng(seed)
@@ -141,10 +141,10 @@ def _lr_scale(e: float):
 
 def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
     pts = [0, 25, 50, 75]
-    ok = R.judge(_rep(pts), LAYERS, analyse)
+    ok = R.judge(replay_of(pts), LAYERS, analyse)
     assert ok["agree"] and ok["n"] == 4 and ok["calibrated"] and ok["sequential"]["bias"] is None
     assert ok["worst"]["worst_factor"] < 1
-    bad = R.judge(_rep(pts, 50, _lr_scale(1e-3)), LAYERS, analyse)
+    bad = R.judge(replay_of(pts, 50, _lr_scale(1e-3)), LAYERS, analyse)
     assert not bad["agree"] and [p["agree"] for p in bad["per_point"]] == [True, True, False, False]
     fb = bad["first_disagreement"]
     assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
@@ -229,7 +229,7 @@ def test_a_flip_on_another_key_than_the_reference_s_jumps_agrees_but_not_a_forwa
 
 
 # --------------------------------------------------------------------------- the verdict
-def _saturating_family(root):
+def saturating_family(root):
     """A reference whose envelope saturates at step 30 (its members' loss moves O(1) from there)."""
     s, e = base_series(N), base_eval(N)
     ref = load_run(write_run(root, "ref", s, e))
@@ -241,7 +241,7 @@ def _saturating_family(root):
     return ref, members, s, e
 
 
-def _chaotic_candidate(root, s, e, name="cand", **man):
+def chaotic_candidate(root, s, e, name="cand", **man):
     c = {k: v.copy() for k, v in s.items()}
     c["loss"][40:] *= 2.5                               # far off, but only where the envelope is O(1)
     return load_run(write_run(root, name, c, e, **man))
@@ -249,12 +249,12 @@ def _chaotic_candidate(root, s, e, name="cand", **man):
 
 def test_clean_chaotic_pair_is_drift_when_every_resynced_step_agrees(tmp_path):
     from harness.envelope import compute
-    ref, members, s, e = _saturating_family(tmp_path)
-    cand = _chaotic_candidate(tmp_path, s, e)
+    ref, members, s, e = saturating_family(tmp_path)
+    cand = chaotic_candidate(tmp_path, s, e)
     env = compute(ref, members)
     nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
     p = compare(ref, [cand], env, members, localize=nothing,
-                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)).pairs[0]
+                resync=lambda pair, extra: R.judge(replay_of([0, 25, 50, 75]), LAYERS, analyse)).pairs[0]
     assert p.verdict == DRIFT, p.notes
     assert "trajectories diverged by accumulated rounding; every step agrees from a shared state (4 resynced" in p.notes[-1]
     assert p.to_dict()["resync"]["points"] == [0, 25, 50, 75]
@@ -271,10 +271,10 @@ def test_late_fault_inside_the_envelope_is_a_bug_from_the_resynced_step(tmp_path
     """Free-running curves identical to the reference's (inside the envelope); from step 50 on the
     candidate's update is x 1.001: BUG, optimizer, step 50."""
     from harness.envelope import compute
-    ref, members, s, e = _saturating_family(tmp_path)
+    ref, members, s, e = saturating_family(tmp_path)
     cand = load_run(write_run(tmp_path, "late", {k: v.copy() for k, v in s.items()}, e, backend="jax"))
     p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: None,
-                resync=lambda pair, extra: R.judge(_rep([0, 25, 50, 75], 50, _lr_scale(1e-3)), LAYERS, analyse)).pairs[0]
+                resync=lambda pair, extra: R.judge(replay_of([0, 25, 50, 75], 50, _lr_scale(1e-3)), LAYERS, analyse)).pairs[0]
     assert p.verdict == BUG, p.notes
     assert p.first["series"] == "resync" and p.first["step"] == 50
     assert p.localization["stage"] == "optimizer" and p.localization["step"] == 50
@@ -285,10 +285,10 @@ def test_late_fault_inside_the_envelope_is_a_bug_from_the_resynced_step(tmp_path
 def test_subtle_bias_inside_every_steps_tolerance_is_a_bug_by_the_sequential_test(tmp_path):
     """lr x (1 + 5e-6) at every one of 12 points: each step is inside its tolerance, the sequence is not."""
     from harness.envelope import compute
-    ref, members, s, e = _saturating_family(tmp_path)
-    cand = _chaotic_candidate(tmp_path, s, e, "subtle")
+    ref, members, s, e = saturating_family(tmp_path)
+    cand = chaotic_candidate(tmp_path, s, e, "subtle")
     pts = list(range(0, 300, 25))
-    rs = R.judge(_rep(pts, 0, _lr_scale(5e-6), seed=3), LAYERS, analyse)
+    rs = R.judge(replay_of(pts, 0, _lr_scale(5e-6), seed=3), LAYERS, analyse)
     assert all(x["agree"] for x in rs["per_point"])
     p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
                 resync=lambda pair, extra: rs).pairs[0]
@@ -299,8 +299,8 @@ def test_subtle_bias_inside_every_steps_tolerance_is_a_bug_by_the_sequential_tes
 def test_dropout_native_resync_is_skipped_and_stays_inconclusive(tmp_path):
     from harness.envelope import compute
     from harness.localize import Localizer
-    ref, members, s, e = _saturating_family(tmp_path)
-    cand = _chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}],
+    ref, members, s, e = saturating_family(tmp_path)
+    cand = chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}],
                               options={"threads": 1, "dtype": "float32", "fault": None, "devices": 1,
                                        "dropout": "native"})
     loc = Localizer(tmp_path, log=lambda m: None)
@@ -318,9 +318,9 @@ def test_a_dropout_pair_is_decided_over_seeds_automatically(tmp_path, monkeypatc
     evaluation scatters by seed, the candidate's shifted by `shift`)."""
     from harness import autostat, stats
     from harness.envelope import compute
-    ref, members, s, e = _saturating_family(tmp_path)
+    ref, members, s, e = saturating_family(tmp_path)
     native = {"threads": 1, "dtype": "float32", "fault": None, "devices": 1, "dropout": "native"}
-    cand = _chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}], options=native)
+    cand = chaotic_candidate(tmp_path, s, e, "native", declared=[{"id": "native_dropout_masks"}], options=native)
     p = compare(ref, [cand], compute(ref, members), members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
                 resync=lambda pair, extra: {"skipped": "framework-RNG dropout"}).pairs[0]
     assert p.verdict == INCONCLUSIVE and autostat.needs_stat(p)

@@ -12,7 +12,7 @@ from harness.probe_analysis import analyse
 from harness.self_replay import TOL, judge, stretches
 
 from .conftest import need
-from .test_resync import LAYERS, _chaotic_candidate, _rep, _saturating_family
+from .test_resync import LAYERS, chaotic_candidate, replay_of, saturating_family
 
 
 def test_each_stretch_between_two_checkpoints_is_re_trained_from_the_first():
@@ -59,10 +59,10 @@ def test_a_row_that_jumps_past_the_tolerance_differs_where_it_jumps():
 
 def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_not_reproduce_itself(tmp_path):
     from harness.envelope import compute
-    ref, members, s, e = _saturating_family(tmp_path)
-    cand = _chaotic_candidate(tmp_path, s, e)
+    ref, members, s, e = saturating_family(tmp_path)
+    cand = chaotic_candidate(tmp_path, s, e)
     env = compute(ref, members)
-    base = R.judge(_rep([0, 25, 50, 75]), LAYERS, analyse)
+    base = R.judge(replay_of([0, 25, 50, 75]), LAYERS, analyse)
     nothing = lambda pair: {"stage": None, "disagreeing_keys": []}
     differs = {"checked": True, "rows": 60, "stretches": 3, "exact_rows": 40, "max_rel": 0.02, "differs": True, "step": 40, "series": "loss",
                "rel": 0.02, "run": 1.02, "replay": 1.0, "from": 40}
