@@ -337,8 +337,9 @@ class ProbeJobs:
                                Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[]))
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
-        replayed = json.loads((folder / WORKER_FILE).read_text()).get("replayed") or []
-        return S.judge(run.step, run.values, replayed, sorted(cks))
+        worker = json.loads((folder / WORKER_FILE).read_text())
+        inexact = set() if worker.get("reload_exact", True) else set(cks)   # Backend.state_reload_exact
+        return S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks), inexact)
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""

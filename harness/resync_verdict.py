@@ -28,8 +28,10 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
     if sr.get("checked") and not sr.get("differs"):
         exact = sr.get("exact_rows", sr["rows"])
         how = ("to the bit" if exact >= sr["rows"] else
-               f"within rel {sr['max_rel']:.2g}, {exact} of them bit-equal: its load of a checkpoint rounds, and after "
-               f"a stretch's first step that is not bit-equal, state the checkpoint misses is not judged")
+               f"within rel {sr['max_rel']:.2g}, {exact} of them bit-equal and judged"
+               + (f" ({sr['inexact_loads']} of its checkpoints do not reload bit for bit: those stretches are judged "
+                  f"on their first step only)" if sr.get("inexact_loads") else
+                  " (after a stretch's first step that is not bit-equal, state the checkpoint misses is not judged)"))
         return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches) reproduces "
                 f"its {sr['rows']} steps {how}"
                 + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))

@@ -55,6 +55,11 @@ def test_a_row_that_jumps_past_the_tolerance_differs_where_it_jumps():
     rows = _rows(range(0, 20), v, lambda t: 1 + 1e-7) + _rows(range(20, 40), v, lambda t: 1.02 if t >= 30 else 1.0)
     two = judge(steps, v, rows, [0, 20])
     assert two["stretches"] == 2 and two["differs"] and two["step"] == 30 and two["from"] == 20
+    # a checkpoint the backend does not reload bit for bit: its stretch is judged on its first row only
+    late = judge(steps, v, _rows(range(20, 40), v, lambda t: 1.02 if t >= 30 else 1.0), [20], inexact={20})
+    assert not late["differs"] and late["exact_rows"] == 0 and late["inexact_loads"] == 1
+    first_row = judge(steps, v, _rows(range(20, 40), v, lambda t: 1.3), [20], inexact={20})
+    assert first_row["differs"] and first_row["step"] == 20
 
 
 def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_not_reproduce_itself(tmp_path):

@@ -296,6 +296,12 @@ class Backend:
                 self.after_first = (after, state)
         return out
 
+    def state_reload_exact(self) -> bool:
+        """Does loading an exported state give this backend the very state it had (so that re-training from a
+        checkpoint repeats the run bit for bit)? False where the load converts (harness.self_replay then
+        judges a re-training on its first step only)."""
+        return True
+
     def restart_check(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], probed: dict[str, np.ndarray],
                       start_step: int = 0) -> dict[str, Any]:
         """After `probe`: a fresh backend loads the state this one exported after the probe's first step and

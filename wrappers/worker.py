@@ -248,7 +248,9 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             save_npz(out_dir / f"{name}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
-    return {"replay_at": at, "replayed": replayed, "states": {str(t): p for t, p in states.items()}}
+    return {"replay_at": at, "replayed": replayed, "reload_exact": backend.state_reload_exact(),
+            "states": {str(t): p for t, p in states.items()}}
+
 
 
 def main(job_path: str) -> int:

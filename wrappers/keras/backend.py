@@ -289,8 +289,7 @@ class KerasBackend(Backend):
         self._sync()
         if self._per_replica():   # the mirrored parameters must not have diverged
             self.par.check_in_sync({n: self._var(n) for n in self.trainable})
-        return {q.name: self._canonical(q.name, self._read(self._var(q.name)))
-                for q in self.model.params}
+        return {q.name: self._canonical(q.name, self._read(self._var(q.name))) for q in self.model.params}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
         self._sync()
@@ -313,13 +312,13 @@ class KerasBackend(Backend):
             for kind, slot in self._opt_slots(n).items():
                 if f"{kind}/{n}" not in state:
                     continue
-                a = optim.from_canonical(kind, self._native(n, np.asarray(state[f"{kind}/{n}"])),
-                                         lr_prev)
+                a = optim.from_canonical(kind, self._native(n, np.asarray(state[f"{kind}/{n}"])), lr_prev)
                 slot.assign(a.astype(slot.dtype))
         it = int(float(state["step"])) if "step" in state else (step if state else 0)
         self.optimizer.iterations.assign(it)
         self.last_lr = lr_prev
 
+    state_reload_exact = optim.state_reload_exact   # Backend.state_reload_exact: not with momentum
     # ---- computation
     def _mask_values(self, masks: Masks) -> list[tuple[Any, np.ndarray]]:
         """(keep-mask variable, harness mask) of every dropout layer ([] with --dropout native)."""
