@@ -252,7 +252,6 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             "states": {str(t): p for t, p in states.items()}}
 
 
-
 def main(job_path: str) -> int:
     from .base import REGISTRY, UnsupportedError
     job = Job.read(job_path)
