@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
+import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -325,8 +327,12 @@ class ProbeJobs:
         two checkpoints; or a job that failed."""
         from . import self_replay as S
         o = run.options
+        host = run.manifest.get("host") or {}
+        elsewhere = host and (host.get("hostname"), host.get("platform")) != (socket.gethostname(), platform.platform())
         why = ("several processes standing in for hosts" if o.hosts > 1 else "framework-RNG dropout" if o.dropout == "native"
-               else "not in deterministic mode" if not o.deterministic else None)
+               else "not in deterministic mode" if not o.deterministic
+               else f"trained on another machine ({host.get('hostname')}, {host.get('platform')}): re-trained here it "
+                    f"need not be the same computation to the bit" if elsewhere else None)
         steps = int(run.manifest.get("hparams", {}).get("steps") or (int(run.step[-1]) + 1))
         cks = checkpoints(run)
         at = [] if why else S.stretches(steps, sorted(cks))

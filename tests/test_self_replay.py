@@ -110,3 +110,7 @@ def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
     run.values["loss"] = loss
     edited = loc.self_replay(run)
     assert edited["differs"] and (edited["step"], edited["from"], edited["series"]) == (43, 40, "loss"), edited
+    # a run trained on another machine is not re-trained here: its kernels need not be this machine's
+    run.manifest["host"] = dict(run.manifest["host"], hostname="elsewhere")
+    moved = loc.self_replay(run)
+    assert not moved["checked"] and "trained on another machine (elsewhere" in moved["why"], moved
