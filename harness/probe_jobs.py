@@ -323,8 +323,8 @@ class ProbeJobs:
         """harness.self_replay: `run`'s backend re-trains every stretch between two of the run's checkpoints from
         the first, in a fresh process (one job, about one run's training); its rows must be the run's.
         {"checked": False, "why": ...} where no such comparison is exact: several processes standing in for
-        hosts (a replay emulates them in one), framework-RNG dropout, a run not in deterministic mode, fewer than
-        two checkpoints; or a job that failed."""
+        hosts (a replay emulates them in one), framework-RNG dropout, a run not in deterministic mode, a run
+        trained on another machine, fewer than two checkpoints; or a job that failed."""
         from . import self_replay as S
         o = run.options
         host = run.manifest.get("host") or {}
