@@ -333,9 +333,8 @@ class ProbeJobs:
                else "not in deterministic mode" if not o.deterministic
                else f"trained on another machine ({host.get('hostname')}, {host.get('platform')}): re-trained here it "
                     f"need not be the same computation to the bit" if elsewhere else None)
-        steps = int(run.manifest.get("hparams", {}).get("steps") or (int(run.step[-1]) + 1))
         cks = checkpoints(run)
-        at = [] if why else S.stretches(steps, sorted(cks))
+        at = [] if why else S.stretches(run.steps_trained, sorted(cks))
         if why or not at:
             return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}
         try:
@@ -344,8 +343,8 @@ class ProbeJobs:
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
         worker = json.loads((folder / WORKER_FILE).read_text())
-        inexact = set() if worker.get("reload_exact", True) else set(cks)   # Backend.state_reload_exact
-        return S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks), inexact)
+        return S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks),
+                       reload_exact=worker.get("reload_exact", True))   # Backend.state_reload_exact
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""

@@ -26,11 +26,11 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
     sr = rs.get("self_replay") or {}
     ref = rs.get("self_replay_reference") or {}
     if sr.get("checked") and not sr.get("differs"):
-        exact = sr.get("exact_rows", sr["rows"])
+        exact = sr["exact_rows"]
         how = ("to the bit" if exact >= sr["rows"] else
                f"within rel {sr['max_rel']:.2g}, {exact} of them bit-equal and judged"
-               + (f" ({sr['inexact_loads']} of its checkpoints do not reload bit for bit: those stretches are judged "
-                  f"on their first step only)" if sr.get("inexact_loads") else
+               + (f" (its backend does not reload a checkpoint bit for bit: its {sr['inexact_loads']} stretches are "
+                  f"judged on their first step only)" if sr.get("inexact_loads") else
                   " (after a stretch's first step that is not bit-equal, state the checkpoint misses is not judged)"))
         return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches) reproduces "
                 f"its {sr['rows']} steps {how}"
@@ -117,6 +117,13 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
     if not all(i in rs.get("points", ()) for i in range(0, max(i for _, i in kinds) + 1)):
         return None
     return f"{len(keys)} key(s) such as {keys[0]}, rel {(loc or {}).get('rel') or 0:.2g}"
+
+
+def _drop_conclusion(p: Pair) -> None:
+    """The note of a localization about to be replaced goes with it (it would contradict the new verdict)."""
+    note = (p.localization or {}).get("note")
+    if note in p.notes:
+        p.notes.remove(note)
 
 
 # the step's order: a disagreement's stage is the earliest that shows it (the inference path apart, last)
@@ -233,26 +240,23 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     superseded = superseded_by_resync(p.localization, rs)
-    sr, side = rs.get("self_replay") or {}, "the candidate"
+    sr, of_reference = rs.get("self_replay") or {}, False
     if not sr.get("differs") and (rs.get("self_replay_reference") or {}).get("differs"):
-        sr, side = rs["self_replay_reference"], f"the reference {p.a.name}"
+        sr, of_reference = rs["self_replay_reference"], True
     if sr.get("differs"):
         from .self_replay import describe
-        side = p.b.name if side == "the candidate" else side
-        line = describe(side, sr)
+        said = f"the reference {p.a.name}" if of_reference else "the candidate"
+        line = describe(said if of_reference else p.b.name, sr)
         p.verdict = BUG
         drop_stat_advice(p)
         if was != BUG or superseded or (p.localization or {}).get("stage") is None:
-            old = p.localization or {}
-            if old.get("note") in p.notes:   # what the replaced localization concluded goes with it
-                p.notes.remove(old["note"])
+            _drop_conclusion(p)
             p.localization = {"stage": "state", "layer": None, "parameter": None, "probe": None, "method": "self-replay",
                               "summary": f"state: training carries state its checkpoint does not hold (step {sr['step']})",
                               "lines": [line]}
         else:
             p.notes.append(line)
-        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but "
-                       + ("the candidate" if side == p.b.name else side) + " does not reproduce its own "
+        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but {said} does not reproduce its own "
                        f"training from its checkpoint (self-replay): state the checkpoint does not hold, which a step "
                        f"from a loaded state cannot show" + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
@@ -269,8 +273,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"from the reference's own state, calibrated there, and found agreeing: {why}, not a "
                        f"different computation; decided by the resynced steps")
         old = p.localization or {}
-        if old.get("note") in p.notes:   # what the superseded localization concluded goes with it
-            p.notes.remove(old["note"])
+        _drop_conclusion(p)
         p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
                           "summary": "no different computation: the step-0 probes' " + (
                               "updates disagreed by an ill-conditioned formula the resynced steps check" if ill else

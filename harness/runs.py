@@ -59,6 +59,11 @@ class Run:
         return manifest_options(self.manifest, self.path / MANIFEST_FILE)
 
     @property
+    def steps_trained(self) -> int:
+        """The run's number of training steps (its hyper-parameters; else its last row + 1)."""
+        return int(self.manifest.get("hparams", {}).get("steps") or (int(self.step[-1]) + 1))
+
+    @property
     def perturb_ulp(self) -> int | None:
         return (self.manifest.get("init") or {}).get("perturb_ulp_seed")
 

@@ -39,16 +39,16 @@ def stretches(steps: int, checkpoint_steps: list[int]) -> list[int]:
 
 
 def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[float]],
-          starts: list[int], inexact: set[int] = frozenset()) -> dict[str, Any]:
+          starts: list[int], reload_exact: bool = True) -> dict[str, Any]:
     """The replayed rows [step, loss, accuracy, grad_norm, update_norm, param_norm] against the run's own
-    series (on `steps`), stretch by stretch (`starts`: the checkpoint steps each re-training began from; a stretch
-    from one of `inexact`, a checkpoint the backend does not reload exactly, is judged on its first row only,
-    whose gradient comes from the parameters as loaded, before anything rounded can reach a ReLU kink):
+    series (on `steps`), stretch by stretch (`starts`: the checkpoint steps each re-training began from; where the
+    backend does not reload a checkpoint exactly, `reload_exact` False, each stretch is judged on its first row
+    only, whose gradient comes from the parameters as loaded, before anything rounded can reach a ReLU kink):
     {checked, rows, stretches, max_rel, differs, exact_rows (rows bit-equal from their stretch's load on: after
-    a stretch's first row that is not, nothing in it is judged), and where it jumped: step, from, series, run,
-    replay}."""
+    a stretch's first row that is not, nothing in it is judged), inexact_loads (stretches judged on their first
+    row only), and where it jumped: step, from, series, run, replay}."""
     out: dict[str, Any] = {"checked": True, "rows": len(replayed), "stretches": 0, "max_rel": 0.0, "differs": False,
-                           "exact_rows": 0, "inexact_loads": len(inexact)}
+                           "exact_rows": 0, "inexact_loads": 0}
     at = {int(t): i for i, t in enumerate(steps)}
     start, exact = None, True
     for row in replayed:
@@ -57,6 +57,7 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
         if c != start:                     # a new stretch, from a loaded checkpoint
             start, exact = c, True
             out["stretches"] += 1
+            out["inexact_loads"] += not reload_exact
         got = dict(zip(SERIES, (row[1], row[3], row[4], row[5])))
         rels = {}
         for s, b in got.items():
@@ -68,7 +69,7 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
         if exact and rel > TOL and not out["differs"]:
             out.update({"differs": True, "step": step, "from": c, "series": worst, "rel": rel,
                         "run": float(values[worst][at[step]]), "replay": float(got[worst])})
-        exact = exact and rel == 0.0 and c not in inexact
+        exact = exact and rel == 0.0 and reload_exact
         out["exact_rows"] += exact
     return out
 
