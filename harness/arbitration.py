@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from harness.probes import running_mean_scale
+
 MARGIN = 3.0          # x the arbiter's own float32 RMS error at the key (Inductor: 2 for fp32; the probes use 3)
 REL_FLOOR = 1e-6      # keys a float32 computation gets (nearly) exact: ~8 float32 ULPs of the tensor's scale
 REL_TOL = 1e-4        # without a float32 calibration probe: the probes' fixed float32 tolerance (harness.probes)
@@ -32,24 +34,29 @@ def _finite_pair(x: np.ndarray, exact: np.ndarray) -> bool:
     return x.shape == exact.shape and bool(np.isfinite(x).all())
 
 
-def _relative(x: Any, exact: Any, size: Any) -> float:
-    """size(x - exact) over max(max|exact|, ABS_FLOOR); inf for a shape mismatch or a non-finite x."""
+def _relative(x: Any, exact: Any, size: Any, scale: np.ndarray | None = None) -> float:
+    """size(x - exact) over max(max|exact|, ABS_FLOOR), or size((x - exact) / scale) with a per-element `scale`
+    (a running mean's: harness.probes.running_mean_scale); inf for a shape mismatch or a non-finite x."""
     x, exact = np.asarray(x, np.float64), np.asarray(exact, np.float64)
     if not _finite_pair(x, exact):
         return float("inf")
     if not x.size:
         return 0.0
+    if scale is not None and np.shape(scale) == x.shape:
+        return float(size((x - exact) / scale))
     return float(size(x - exact)) / max(float(np.max(np.abs(exact))), ABS_FLOOR)
 
 
-def rms_rel(x: Any, exact: Any) -> float:
-    """RMS of x - exact, relative to the exact tensor's scale (inf: shape mismatch or non-finite x)."""
-    return _relative(x, exact, lambda d: np.sqrt(np.mean(d ** 2)))
+def rms_rel(x: Any, exact: Any, scale: np.ndarray | None = None) -> float:
+    """RMS of x - exact, relative to the exact tensor's scale or to `scale` per element (inf: shape mismatch or
+    non-finite x)."""
+    return _relative(x, exact, lambda d: np.sqrt(np.mean(d ** 2)), scale)
 
 
-def max_rel(x: Any, exact: Any) -> float:
-    """max|x - exact|, relative to the exact tensor's scale (inf: shape mismatch or non-finite x)."""
-    return _relative(x, exact, lambda d: np.max(np.abs(d)))
+def max_rel(x: Any, exact: Any, scale: np.ndarray | None = None) -> float:
+    """max|x - exact|, relative to the exact tensor's scale or to `scale` per element (inf: shape mismatch or
+    non-finite x)."""
+    return _relative(x, exact, lambda d: np.max(np.abs(d)), scale)
 
 
 # --------------------------------------------------------------------------- computation order
@@ -119,16 +126,16 @@ class Arbitration:
 
 
 def tolerance(exact: Any, calib: Any | None, own32: Any | None = None, own64: Any | None = None,
-              margin: float = MARGIN, floor: float = REL_FLOOR) -> float:
+              margin: float = MARGIN, floor: float = REL_FLOOR, scale: np.ndarray | None = None) -> float:
     """How far a float32 side may be off the exact values at one key: MARGIN x the larger of the arbiter's
     float32 RMS error (`calib`: a correct float32 computation of the same formulas) and the side's own float32
     vs float64 RMS error (`own32`, `own64`: its code path's rounding, PyTorch Inductor's yardstick), never below
-    REL_FLOOR; REL_TOL when neither is available."""
+    REL_FLOOR; REL_TOL when neither is available. `scale`: as rms_rel's."""
     parts = []
     if calib is not None:
-        parts.append(rms_rel(calib, exact))
+        parts.append(rms_rel(calib, exact, scale))
     if own32 is not None and own64 is not None:
-        parts.append(rms_rel(own32, own64))
+        parts.append(rms_rel(own32, own64, scale))
     parts = [x for x in parts if np.isfinite(x)]
     return max(floor, margin * max(parts)) if parts else REL_TOL
 
@@ -158,10 +165,11 @@ def arbitrate(candidate: dict[str, Any], reference: dict[str, Any], exact: dict[
             out.unjudged.append(k)
             continue
         cal = None if calib is None else calib.get(k)
-        tc = tolerance(ex, cal, candidate[k], c64.get(k), margin, floor)
-        tr = tolerance(ex, cal, reference[k], r64.get(k), margin, floor)
-        ke = KeyErrors(k, rms_rel(candidate[k], ex), rms_rel(reference[k], ex), tc, tr,
-                       max_rel(candidate[k], ex), max_rel(reference[k], ex))
+        per = running_mean_scale(k, exact)   # a running mean: on its channels' spread, as in the probes
+        tc = tolerance(ex, cal, candidate[k], c64.get(k), margin, floor, per)
+        tr = tolerance(ex, cal, reference[k], r64.get(k), margin, floor, per)
+        ke = KeyErrors(k, rms_rel(candidate[k], ex, per), rms_rel(reference[k], ex, per), tc, tr,
+                       max_rel(candidate[k], ex, per), max_rel(reference[k], ex, per))
         out.compared += 1
         c_off, r_off = ke.candidate > tc, ke.reference > tr
         out.candidate_keys += c_off

@@ -108,6 +108,25 @@ def test_tolerance_is_calibrated_per_key_by_the_float32_computation():
     assert a.side == "neither" and not a.calibrated
 
 
+def test_a_running_mean_is_arbitrated_on_its_channels_spread():
+    """As in the probe comparison (tests/test_probes.py): a running mean whose channels nearly cancel is off by
+    another summation order's rounding on its own max|value|, not on the spread of what it averages; a mean off
+    by 1e-3 of that spread is still the candidate leaving the exact values."""
+    rng = np.random.default_rng(4)
+    mean, var = rng.normal(size=8) * 1e-4, 1.0 + rng.random(8)
+    ex = {"buffer0/bn.running_mean": mean, "buffer0/bn.running_var": var}
+    ref = {"buffer0/bn.running_mean": mean + rng.normal(size=8) * 1e-9, "buffer0/bn.running_var": var}
+    cal = {"buffer0/bn.running_mean": mean + rng.normal(size=8) * 1e-9, "buffer0/bn.running_var": var}
+    cand = dict(ref, **{"buffer0/bn.running_mean": mean + rng.normal(size=8) * 1e-8})
+    assert arbitrate(cand, ref, ex, cal).side == "neither"
+    bad = dict(ref, **{"buffer0/bn.running_mean": mean + 1e-3 * np.sqrt(var)})
+    assert (arbitrate(bad, ref, ex, cal).side, arbitrate(bad, ref, ex, cal).key) == ("candidate", "buffer0/bn.running_mean")
+    # on the tensor's own scale the same rounding was the candidate leaving the exact values
+    alone = {"buffer0/bn.running_mean": mean}
+    assert arbitrate({k: cand[k] for k in alone}, {k: ref[k] for k in alone}, alone,
+                     {k: cal[k] for k in alone}).side == "candidate"
+
+
 def test_shape_mismatch_and_non_finite_values():
     ex = exact_probes()
     cand = dict(ex, **{"forward/fc1": ex["forward/fc1"].T})         # a transposed layout
