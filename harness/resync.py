@@ -250,6 +250,18 @@ def wants_more_sensitivity(out: dict[str, Any]) -> bool:
     return backward_only({kind_of(k)[0] for k in bad.get("disagreeing_keys") or []})
 
 
+def optimizer_rest(res: dict[str, Any]) -> list[str]:
+    """The disagreeing keys of the resynced step's own update and optimizer state (update0/, opt0/) whose
+    parameter's gradient agrees: a kink flipped upstream does not move them (its moves come through a
+    gradient), an ill-conditioned formula may (harness.implied). Adam on mobilenet_tiny (2026-12-03): a flip
+    moves the stem's gradients while a BatchNorm gamma's first update, its gradient agreeing, is off by the
+    formula's own conditioning; each explanation alone left the step unexplained, a false BUG."""
+    kinds = {d["key"]: d["kind"] for d in res["diffs"]}
+    keys = res["disagreeing_keys"]
+    off = {k.rsplit("/", 1)[-1] for k in keys if kinds.get(k) == "grad"}
+    return [k for k in keys if kind_of(k) in (("update", 0), ("opt", 0)) and k.rsplit("/", 1)[-1] not in off]
+
+
 def backward_only(kinds: set[str]) -> bool:
     """Kinds of disagreeing keys a flipped kink can produce: gradients (some), and what follows from them."""
     return "grad" in kinds and kinds <= set(BACKWARD_KINDS)
@@ -282,15 +294,18 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     With `implied` (harness.implied.ImpliedStep): a point whose every disagreeing key is the resynced step's
     update or optimizer state, every gradient agreeing, agrees *by its formula* when the candidate's update
     is what the reference optimizer's float64 formula gives from the candidate's own gradient (an
-    ill-conditioned update: Adam's first step on a gradient within rounding of zero)."""
+    ill-conditioned update: Adam's first step on a gradient within rounding of zero); and beside a flip or a
+    crossing, the update and optimizer state of a parameter whose gradient agrees (`optimizer_rest`) are
+    explained the same way, by their formula, never by the flip."""
     results, evidence, devs, by_formula = [], [], [], {}
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))
         results.append((int(t), res, z is not None))
-        if implied is not None and res["disagreeing_keys"] and not res["missing_keys"]:
-            got = implied(int(t), pa, pb, res["disagreeing_keys"])
+        rest = optimizer_rest(res)
+        if implied is not None and rest and not res["missing_keys"]:
+            got = implied(int(t), pa, pb, rest)
             if got is not None:
                 by_formula[int(t)] = got
         if plain is not None:
@@ -299,14 +314,19 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         devs.append(signed_deviations(pa, pb))
     jumps = discontinuities({t: res["diffs"] for t, res, _ in results})
 
-    def flip(res: dict[str, Any]) -> list[str] | None:
-        """The disagreeing keys, when some is a gradient and every one is of BACKWARD_KINDS, within margin x
-        the reference's own largest jump on its kind, or the update or optimizer state of a parameter whose
-        gradient disagrees within it."""
+    def by_its_formula(t: int) -> set[str]:
+        """The keys the optimizer's formula explains at step t (optimizer_rest's, when harness.implied agrees)."""
+        got = by_formula.get(t) or {}
+        return set(got.get("keys") or ()) if got.get("agree") else set()
+
+    def flip(t: int, res: dict[str, Any]) -> list[str] | None:
+        """The disagreeing keys (less those its formula explains), when some is a gradient and every one is of
+        BACKWARD_KINDS, within margin x the reference's own largest jump on its kind, or the update or optimizer
+        state of a parameter whose gradient disagrees within it."""
         if res["missing_keys"] or not res["disagreeing_keys"]:
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
-        keys = res["disagreeing_keys"]
+        keys = [k for k in res["disagreeing_keys"] if k not in by_its_formula(t)]
         if not any(diffs[k]["kind"] == "grad" for k in keys):
             return None   # no gradient among them: not a flip (an update-only point is harness.implied's to judge)
         def within(k: str) -> bool:
@@ -326,7 +346,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         from every sample) upstream of each: all of BACKWARD_KINDS, some gradient among them, every one a
         parameter of a layer the crossed kink's derivative reaches."""
         found = crossings.get(t)
-        keys = res["disagreeing_keys"]
+        keys = [k for k in res["disagreeing_keys"] if k not in by_its_formula(t)]
         if not found or res["missing_keys"] or not keys:
             return None
         kinds = {d["key"]: d["kind"] for d in res["diffs"]}
@@ -336,7 +356,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         return keys if all(param_layer(k.rsplit("/", 1)[-1]) in reach for k in keys) else None
 
     seen = {t: crossed(t, res) for t, res, _ in results}
-    flips = {t: None if seen[t] else flip(res) for t, res, _ in results}
+    flips = {t: None if seen[t] else flip(t, res) for t, res, _ in results}
     flipped = [t for t, keys in flips.items() if keys]
     ref_jumps = jumps["points"]
     allow_flips = len(flipped) <= len(ref_jumps)
@@ -347,14 +367,16 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         agree = res["stage"] is None and not res["disagreeing_keys"]
         by_flip = not agree and allow_flips and bool(flips[t])
         by_crossing = not agree and bool(seen[t])
-        by_implied = not (agree or by_flip or by_crossing) and by_formula.get(t, {}).get("agree", False)
+        by_implied = not (agree or by_flip or by_crossing) and by_its_formula(t) >= set(res["disagreeing_keys"])
+        # beside a flip or a crossing: the updates of parameters whose gradient agrees, by their formula
+        beside = (by_flip or by_crossing) and bool(by_its_formula(t))
         explained = agree or by_flip or by_crossing or by_implied
         points.append({"step": t, "agree": explained, "disagreeing": len(res["disagreeing_keys"]),
                        "worst_key": worst["key"] if worst else None,
                        "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
                        "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {}),
                        **({"crossed": crossings[t]} if by_crossing else {}),
-                       **({"implied": by_formula[t]} if by_implied else {})})
+                       **({"implied": by_formula[t]} if by_implied or beside else {})})
         if not explained and first_bad is None:
             first_bad = dict(res, step=t)
     worst_pt = max(points, key=lambda p: p["worst_factor"] or 0.0, default=None)
@@ -377,5 +399,5 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
+__all__ = ["optimizer_rest", "resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
            "MARGIN", "FLOOR", "SEQ_ALPHA"]

@@ -51,12 +51,15 @@ def _implied_what(rs: dict[str, Any]) -> str:
     by = {p["step"]: p["implied"] for p in rs.get("per_point") or () if p.get("implied")}
     if not by:
         return ""
-    said = "; ".join(f"step {t}: " + ", ".join(
-        f"{k} {v['rel']:.2g} of its scale from it (the reference's own {v['own']:.2g} from it on its gradient; "
-        f"allowed {v['tol']:.2g})" for k, v in got["keys"].items()) for t, got in by.items())
-    return (f"; step(s) {', '.join(map(str, by))} agree by the optimizer's formula: every gradient agrees within its "
-            f"tolerance, the update does not, and the candidate's update is what the reference optimizer's float64 "
-            f"formula gives from the candidate's own gradient: {said}")
+    beside = {p["step"] for p in rs.get("per_point") or () if p.get("implied") and
+              (p.get("discontinuity") or p.get("crossed"))}
+    said = "; ".join(f"step {t}" + (" (beside the discontinuity or crossing above)" if t in beside else "") + ": "
+                     + ", ".join(f"{k} {v['rel']:.2g} of its scale from it (the reference's own {v['own']:.2g} from "
+                                 f"it on its gradient; allowed {v['tol']:.2g})" for k, v in got["keys"].items())
+                     for t, got in by.items())
+    return (f"; step(s) {', '.join(map(str, by))} agree by the optimizer's formula: the updates named here disagree "
+            f"while their own parameter's gradient agrees within its tolerance, and each is what the reference "
+            f"optimizer's float64 formula gives from the candidate's own gradient: {said}")
 
 
 def _crossed_what(dc: dict[str, Any]) -> str:

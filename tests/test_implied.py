@@ -223,3 +223,36 @@ def test_a_superseded_update_only_finding_says_what_the_resync_found(by_formula)
         assert "what the candidate's own gradient implies" in said and "ill-conditioned" in p.localization["summary"]
     else:
         assert "not reproduced from the reference's state" in said and "ill-conditioned" not in said
+
+
+@pytest.mark.parametrize("lr_gain", [1.0, 1.001])
+def test_a_flip_and_an_ill_conditioned_update_at_one_step_are_each_explained_by_their_own_evidence(tmp_path, lr_gain):
+    """mobilenet_tiny Adam cosine, tensorflow XLA (2026-12-03): at the resynced step 0 a kink flipped by rounding
+    moved the stem's gradients (within the reference's own jumps) while a BatchNorm gamma's first Adam update,
+    its gradient agreeing, was off by the formula's conditioning. Each explanation alone left keys over: a false
+    BUG. Together the step agrees, the note saying both; the same step with that parameter's learning rate off
+    by 1e-3 (its update no longer what its gradient implies) still disagrees."""
+    from tests.test_resync import LAYERS as RESYNC_LAYERS, kinked_rep
+    h, p, ref, cand = adam_case(tmp_path)
+    if lr_gain != 1.0:
+        cand = dict(cand, **adam_first_step32(h, p, cand["grad/w"].astype(f32), lr_gain=lr_gain))
+    rep = kinked_rep(list(range(0, 300, 25)), ref_jumps=[100, 150, 200], cand_jumps=[0])
+    t, c0, r0, z0, _ = rep["probes"][0]
+    z = dict(z0, **{k: v for k, v in ref.items() if k.startswith(("grad/", "opt0/"))},
+             **{"update0/w": ref["update0/w"] * (1 + 1e-9)})
+    rep["probes"][0] = (t, dict(c0, **cand), dict(r0, **ref), z, None)
+    plain = R.judge(rep, RESYNC_LAYERS, analyse)
+    assert not plain["agree"] and plain["first_disagreement"]["step"] == 0
+    assert R.optimizer_rest(analyse(dict(c0, **cand), dict(r0, **ref), RESYNC_LAYERS, rel_tol=R.FLOOR, ref64=z,
+                                    margin=R.MARGIN)) == ["update0/w"]
+    implied = ImpliedStep(h, state_file(tmp_path, p), frozenset(), margin=R.MARGIN, floor=R.FLOOR)
+    got = R.judge(rep, RESYNC_LAYERS, analyse, implied=implied)
+    if lr_gain != 1.0:
+        assert not got["agree"] and got["first_disagreement"]["step"] == 0
+        return
+    assert got["agree"], got["first_disagreement"]
+    point = got["per_point"][0]
+    assert point["discontinuity"] == ["grad/conv1.kernel", "update0/conv1.kernel"]
+    assert list(point["implied"]["keys"]) == ["update0/w"]
+    said = resync_what(got)
+    assert "agree by discontinuity" in said and "beside the discontinuity" in said and "update0/w" in said
