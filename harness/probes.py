@@ -21,7 +21,8 @@ REL_TOL = 1e-4
 # (those move derivatives: gradients, updates, optimizer state). With a float64 reference their floor is
 # CONTINUOUS_TOL, not REL_TOL's room for derivatives. Measured (bench/forward_floor.py, 78 model x backend
 # configurations, clean): the worst continuous key is 0.12x this tolerance (3.6e-6 RMS-relative, a channels-last
-# BatchNorm running mean on resnet_tiny, summed in another order); a GELU tanh approximation is 1.6x it
+# BatchNorm running mean on resnet_tiny, summed in another order, on the tensor's own scale: since 2026-12-03 a
+# running mean is held on its channels' spread, running_mean_scale); a GELU tanh approximation is 1.6x it
 # (4.9e-5), so it is seen where it happens, not one layer early in the backward pass (the resync's floor is
 # 3e-5 too).
 CONTINUOUS_KINDS = frozenset({"forward", "loss", "buffer", "eval"})
