@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .probe_analysis import param_layer
+from .implied import optimizer_rest
 from .probes import EPS32, kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
@@ -250,18 +251,6 @@ def wants_more_sensitivity(out: dict[str, Any]) -> bool:
     return backward_only({kind_of(k)[0] for k in bad.get("disagreeing_keys") or []})
 
 
-def optimizer_rest(res: dict[str, Any]) -> list[str]:
-    """The disagreeing keys of the resynced step's own update and optimizer state (update0/, opt0/) whose
-    parameter's gradient agrees: a kink flipped upstream does not move them (its moves come through a
-    gradient), an ill-conditioned formula may (harness.implied). Adam on mobilenet_tiny (2026-12-03): a flip
-    moves the stem's gradients while a BatchNorm gamma's first update, its gradient agreeing, is off by the
-    formula's own conditioning; each explanation alone left the step unexplained, a false BUG."""
-    kinds = {d["key"]: d["kind"] for d in res["diffs"]}
-    keys = res["disagreeing_keys"]
-    off = {k.rsplit("/", 1)[-1] for k in keys if kinds.get(k) == "grad"}
-    return [k for k in keys if kind_of(k) in (("update", 0), ("opt", 0)) and k.rsplit("/", 1)[-1] not in off]
-
-
 def backward_only(kinds: set[str]) -> bool:
     """Kinds of disagreeing keys a flipped kink can produce: gradients (some), and what follows from them."""
     return "grad" in kinds and kinds <= set(BACKWARD_KINDS)
@@ -399,5 +388,5 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["optimizer_rest", "resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
+__all__ = ["resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
            "MARGIN", "FLOOR", "SEQ_ALPHA"]

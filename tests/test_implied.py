@@ -11,7 +11,7 @@ import pytest
 from algorithms.optim import HParams, declared_update, float32_bias_corrections, lr_at, reference_init
 from algorithms.params import save_npz
 from harness import resync as R
-from harness.implied import ImpliedStep, formulas_of, optimizer_only, state_of
+from harness.implied import ImpliedStep, formulas_of, optimizer_only, optimizer_rest, state_of
 from harness.probe_analysis import analyse
 from harness.resync_verdict import resync_what
 
@@ -243,7 +243,7 @@ def test_a_flip_and_an_ill_conditioned_update_at_one_step_are_each_explained_by_
     rep["probes"][0] = (t, dict(c0, **cand), dict(r0, **ref), z, None)
     plain = R.judge(rep, RESYNC_LAYERS, analyse)
     assert not plain["agree"] and plain["first_disagreement"]["step"] == 0
-    assert R.optimizer_rest(analyse(dict(c0, **cand), dict(r0, **ref), RESYNC_LAYERS, rel_tol=R.FLOOR, ref64=z,
+    assert optimizer_rest(analyse(dict(c0, **cand), dict(r0, **ref), RESYNC_LAYERS, rel_tol=R.FLOOR, ref64=z,
                                     margin=R.MARGIN)) == ["update0/w"]
     implied = ImpliedStep(h, state_file(tmp_path, p), frozenset(), margin=R.MARGIN, floor=R.FLOOR)
     got = R.judge(rep, RESYNC_LAYERS, analyse, implied=implied)
