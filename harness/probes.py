@@ -22,7 +22,8 @@ REL_TOL = 1e-4
 # CONTINUOUS_TOL, not REL_TOL's room for derivatives. Measured (bench/forward_floor.py, 78 model x backend
 # configurations, clean): the worst continuous key is 0.12x this tolerance (3.6e-6 RMS-relative, a channels-last
 # BatchNorm running mean on resnet_tiny, summed in another order, on the tensor's own scale: since 2026-12-03 a
-# running mean is held on its channels' spread, running_mean_scale); a GELU tanh approximation is 1.6x it
+# running mean is held on its channels' spread, running_mean_scale: re-measured at 8170b62, worst 0.053x, a running
+# variance); a GELU tanh approximation is 1.6x it
 # (4.9e-5), so it is seen where it happens, not one layer early in the backward pass (the resync's floor is
 # 3e-5 too).
 CONTINUOUS_KINDS = frozenset({"forward", "loss", "buffer", "eval"})
@@ -112,7 +113,7 @@ def running_mean_scale(key: str, ref64: dict[str, np.ndarray]) -> np.ndarray | N
     Why not the tensor's own max|running_mean|: a batch mean over N x H x W values (16,384 on mobilenet_tiny)
     rounds relative to those values' magnitude, and a channel whose values nearly cancel (zero-mean inputs
     after a BatchNorm and a linear convolution) has a mean far smaller than that; another summation order
-    (TensorFlow's against torch's pairwise one) then moves it by many times the reference's own error, a
+    (one framework's against the reference's pairwise one) then moves it by many times the reference's own error, a
     false BUG (docs/verdict.md). On this scale the error is in units of the channel's spread, the unit in
     which the running mean moves the inference forward ((x - mean) / sqrt(var + eps)), where CONTINUOUS_TOL
     holds it as it holds an activation."""
