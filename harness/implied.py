@@ -53,9 +53,8 @@ def optimizer_rest(res: dict[str, Any]) -> list[str]:
     gradient), an ill-conditioned formula may (this module's check). Adam on mobilenet_tiny (2026-12-03): a flip
     moves the stem's gradients while a BatchNorm gamma's first update, its gradient agreeing, is off by the
     formula's own conditioning; each explanation alone left the step unexplained, a false BUG."""
-    kinds = {d["key"]: d["kind"] for d in res["diffs"]}
     keys = res["disagreeing_keys"]
-    off = {k.rsplit("/", 1)[-1] for k in keys if kinds.get(k) == "grad"}
+    off = {k.rsplit("/", 1)[-1] for k in keys if kind_of(k)[0] == "grad"}
     return [k for k in keys if kind_of(k) in (("update", 0), ("opt", 0)) and k.rsplit("/", 1)[-1] not in off]
 
 

@@ -83,6 +83,11 @@ def rms(d: np.ndarray) -> float:
     return float(np.sqrt(np.mean(d ** 2))) if np.isfinite(d).all() else float("inf")
 
 
+def _rms_over(d: np.ndarray, norm: float | np.ndarray) -> float:
+    """RMS of a difference over a scale: one number (a tensor's), or one per element (running_mean_scale's)."""
+    return rms(d) / norm if np.ndim(norm) == 0 else rms(d / norm)
+
+
 def rms_rel(x: np.ndarray, y: np.ndarray) -> float:
     """RMS of x - y over the tensor's scale max|y| (inf for shape mismatch or non-finite values)."""
     if x.shape != y.shape or not np.isfinite(x).all() or not np.isfinite(y).all():
@@ -174,32 +179,27 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rel_tol: float =
     for k in common:
         x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
         kind, step = kind_of(k)
-        norm: float | np.ndarray
         if ref64 is not None and k in ref64:
             z = np.asarray(ref64[k], np.float64)
             d, scale, _ = _rel(x, z)
-            rel = rms_rel(x, z)
-            own_err = rms_rel(y, z)
-            norm = scale
             floor = continuous_tol if kind in CONTINUOUS_KINDS else rel_tol
+            # a running mean: per channel, since a batch mean rounds relative to what it sums, not to the mean
+            norm: float | np.ndarray | None = running_mean_scale(k, ref64)
+            if norm is None or not x.shape == y.shape == np.shape(norm):
+                norm = None
+                if x.shape == y.shape == z.shape and _exactly_zero(y, z, kind_scales[(kind, step)]):
+                    # zero in exact arithmetic (a conv bias right before a BatchNorm), or at float32's resolution
+                    # of its kind: both float32 values are rounding noise, with no scale of their own; held at
+                    # their kind's
+                    scale = norm = max(kind_scales[(kind, step)], ABS_FLOOR)
+            rel = rms_rel(x, z) if norm is None else _rms_over(x - z, norm)
+            own_err = rms_rel(y, z) if norm is None else _rms_over(y - z, norm)
+            norm = scale if norm is None else norm
             tol = max(floor, margin * own_err)
-            channel = running_mean_scale(k, ref64)
-            if channel is not None and x.shape == y.shape == channel.shape:
-                # a batch mean's rounding is relative to the magnitude of what it sums, not to the mean
-                norm = channel
-                rel, own_err = rms((x - z) / norm), rms((y - z) / norm)
-                tol = max(floor, margin * own_err)
-            elif x.shape == y.shape == z.shape and _exactly_zero(y, z, kind_scales[(kind, step)]):
-                # zero in exact arithmetic (a conv bias right before a BatchNorm), or at float32's resolution
-                # of its kind: both float32 values are rounding noise, with no scale of their own; held at
-                # their kind's
-                scale = norm = max(kind_scales[(kind, step)], ABS_FLOOR)
-                rel, own_err = rms(x - z) / scale, rms(y - z) / scale
-                tol = max(floor, margin * own_err)
         else:
             d, scale, rel = _rel(x, y)
             tol, own_err, norm = rel_tol, 0.0, scale
-        own = [rms((np.asarray(n[k], np.float64) - y) / norm) for n in (nudged or ())
+        own = [_rms_over(np.asarray(n[k], np.float64) - y, norm) for n in (nudged or ())
                if k in n and np.shape(n[k]) == y.shape]
         if own:   # the reference's own 1-ULP sensitivity, on the scale `rel` is on
             tol = max(tol, margin * max(own))

@@ -292,8 +292,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))
         results.append((int(t), res, z is not None))
-        rest = optimizer_rest(res)
-        if implied is not None and rest and not res["missing_keys"]:
+        rest = optimizer_rest(res) if implied is not None and not res["missing_keys"] else []
+        if rest:
             got = implied(int(t), pa, pb, rest)
             if got is not None:
                 by_formula[int(t)] = got
