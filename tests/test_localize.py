@@ -2,6 +2,8 @@
 replay job mode of the worker on real torch runs."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -273,7 +275,8 @@ def test_a_job_two_threads_ask_for_runs_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Localizer, "_job_once", fake)
     names = ["shared"] * 4 + ["a", "b"]
-    threads = [threading.Thread(target=loc._job, args=(None, n, "replay")) for n in names]
+    run = SimpleNamespace(name="the_run")       # the cache's bookkeeping reads only its name
+    threads = [threading.Thread(target=loc._job, args=(run, n, "replay")) for n in names]
     for t in threads:
         t.start()
     for t in threads:

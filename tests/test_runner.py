@@ -197,7 +197,7 @@ def test_a_cached_probe_job_is_reused_only_for_the_same_code(torch_run, tmp_path
     run = load_run(torch_run / NAME)
     jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
     first = jobs.probe0(run)
-    folder = next((tmp_path / ".localize").iterdir())
+    folder, = (tmp_path / ".localize").glob("probe__*")     # not the .tmp folder runs are staged in
     stamp = (folder / "manifest.json").stat().st_mtime_ns
     again = jobs.probe0(run)                                  # same code: the cached folder, not re-run
     assert (folder / "manifest.json").stat().st_mtime_ns == stamp
