@@ -169,6 +169,7 @@ def resolve(p: Pair, localized: bool) -> None:
         left = not_moved(p, sa["differences"])
         if not left:
             p.verdict, p.declared = DECLARED, sa["differences"]
+            p.evidence = "not verified (no emulation; its probes and series only)"
             p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(sa['differences'])} "
                            "name as theirs, and so is every diverging series (not verified: no emulation)")
         else:
@@ -180,6 +181,7 @@ def resolve(p: Pair, localized: bool) -> None:
         left = not_moved(p, chk["emulated"])
         if chk.get("evidence") and not left and not chk.get("skipped"):
             p.verdict, p.declared = DECLARED, list(chk["emulated"])
+            p.evidence = f"verified ({_compared(loc)} agree with the reference computing the formula)"
             p.notes.append(f"{', '.join(chk['emulated'])} verified: the reference computing the declared formula "
                            f"({change_of(chk)}) agrees with the candidate on every probe compared ({_compared(loc)}); "
                            f"{len(chk['evidence'])} of them disagree with the plain reference")
@@ -211,6 +213,21 @@ def resolve(p: Pair, localized: bool) -> None:
         p.notes.append(f"excess from step {p.first['step']} ({p.first['series']}, {fmt_factor(p.first['factor'])}) "
                        f"that no one-step probe reproduces ({_compared(loc)} agree): a bifurcation of the trajectory, "
                        "or a bug too small for one step; decide with --stat")
+
+
+def through_reference(p: Pair, px: Pair, py: Pair) -> None:
+    """Two candidates that each compute the reference's step at every resynced step (DRIFT or IDENTICAL against
+    it, decided with the shared-state comparison) compute the same step as each other: when their own curves
+    part (INCONCLUSIVE or DIFFER, a pair without the reference has no resync of its own), the parting is
+    accumulated rounding, DRIFT. Nothing else is inferred: a BUG or a DECLARED side leaves the pair as it is."""
+    def agrees(q: Pair) -> bool:
+        rs = q.resync or {}
+        return q.verdict in (DRIFT, IDENTICAL) and rs.get("agree") is True and bool(rs.get("n"))
+    if p.verdict in (INCONCLUSIVE, DIFFER) and agrees(px) and agrees(py):
+        p.notes.append(f"was {p.verdict}: both runs agree with the reference at every resynced step "
+                       f"({px.resync['n']} and {py.resync['n']} steps from its state), so they compute the same step; "
+                       "their curves part by accumulated rounding")
+        p.verdict = DRIFT
 
 
 def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:
@@ -319,6 +336,7 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 p.declared = sorted(declared_of(p.a, p.b))
                 if p.verdict == BUG:
                     p.verdict = DIFFER
+                through_reference(p, index[(reference.name, x.name)], index[(reference.name, y.name)])
                 pairs.append(p)
                 index[(x.name, y.name)] = p
     odd = odd_one_out(runs, index)

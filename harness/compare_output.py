@@ -172,26 +172,47 @@ def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> s
                                       if first else "")
 
 
-def other_pairs_lines(rows: list[tuple[str, str, str, dict[str, Any] | None, float]], margin: float,
-                      verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
+def declared_apart(sides: dict[str, tuple[str, list[str]]], a: str, b: str) -> str | None:
+    """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it, and
+    their declared differences are not the same (`sides`: run -> (verdict against the reference, declared))."""
+    (va, da), (vb, db) = sides.get(a, ("", [])), sides.get(b, ("", []))
+    if not {va, vb} <= set(AGREE) | {DECLARED} or DECLARED not in (va, vb) or set(da) == set(db):
+        return None
+    return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
+
+
+def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
-    inside): one line when they all agree (the answer is the table above), each disagreeing pair
-    listed, every pair with verbose."""
+    inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
+    table above), one for those whose difference the verified declarations explain, each other disagreeing
+    pair listed, every pair with verbose."""
     if not rows:
         return []
     head = f"pairs without the reference (margin x{margin:g})"
     if verbose:
-        return [head + ":"] + ["  " + _pair_words(*r[:4]) for r in rows]
+        return [head + ":"] + ["  " + _pair_words(*r[:4]) + (f" (expected: {r[5]})" if r[5:] and r[5] else "")
+                               for r in rows]
+    declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
+    rows = [r for r in rows if r not in declared]
+    expected = ([f"pairs without the reference: {len(declared)} differ as their verified declared differences "
+                 "say they must: " + "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)] if declared else [])
+    if not rows:
+        return expected
     agree = [r for r in rows if r[2] in AGREE]
     by = {v: sum(r[2] == v for r in agree) for v in AGREE}
     counts = ", ".join(f"{n} {v}" for v, n in by.items() if n)
     said = counts if sum(n > 0 for n in by.values()) == 1 else f"{len(agree)} agree: {counts}"
     if len(agree) == len(rows):
-        inside = f"max {max(r[4] for r in agree):.2g}x of the envelope, " if by[DRIFT] else ""
-        return [f"pairs without the reference: all {said} ({inside}margin x{margin:g}{hint})"]
+        # a pair past the envelope (or its saturation) found DRIFT through the reference has no factor to give
+        within = [r[4] for r in agree if r[2] == DRIFT and r[4] is not None]
+        past = sum(r[2] == DRIFT and r[4] is None for r in agree)
+        inside = ((f"max {max(within):.2g}x of the envelope, " if within else "")
+                  + (f"{past} past it, both runs agreeing with the reference at every resynced step; " if past else ""))
+        return [f"pairs without the reference: {'the other ' if declared else 'all '}{said} "
+                f"({inside}margin x{margin:g}{hint})"] + expected
     rest = [r for r in rows if r[2] not in AGREE]
     return [f"{head}: " + (f"{said}; " if agree else "") + f"{len(rest)} do not:"] + [
-        "  " + _pair_words(*r[:4]) for r in rest]
+        "  " + _pair_words(*r[:4]) for r in rest] + expected
 
 
 def _max_inside(p: Pair) -> float:
@@ -228,8 +249,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
         where = ""
         if p.verdict in (BUG, DECLARED) and loc:
             where = loc.get("summary", "")
-        if p.verdict == DECLARED:
-            where = (f"declared: {', '.join(p.declared)}; " + where).rstrip("; ")
+        if p.verdict == DECLARED:    # its evidence, not the localization's "not localized" (nothing disagrees)
+            where = f"declared: {', '.join(p.declared)}; {p.evidence or 'not verified'}"
         rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
                      f.get("series", "-"), fmt_factor(f.get("factor")) if p.first else f"max {_max_inside(p):.2g}x",
                      where))
@@ -263,8 +284,10 @@ def render(c: Comparison, verbose: bool = False) -> str:
             lines.append("  " + line)
         for n in p.notes:
             lines.append(f"  note: {n}")
-    others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first, _max_inside(p))
-              for p in c.pairs if not p.with_reference]
+    sides = {lab[p.b.name]: (p.verdict, p.declared) for p in c.pairs if p.with_reference}
+    others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first,
+               None if p.verdict == DRIFT and (p.first or p.saturated) else _max_inside(p),
+               declared_apart(sides, lab[p.a.name], lab[p.b.name])) for p in c.pairs if not p.with_reference]
     if others:
         lines.append("")
         lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,
@@ -278,5 +301,5 @@ def render(c: Comparison, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "to_csv", "jsonable",
+__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "to_csv", "jsonable",
            "pair_row", "steps_csv"]

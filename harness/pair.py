@@ -27,6 +27,7 @@ class Pair:
     first: dict[str, Any] | None = None
     saturated: dict[str, int] = field(default_factory=dict)
     declared: list[str] = field(default_factory=list)
+    evidence: str | None = None     # what makes a DECLARED verdict: "verified (...)" or "not verified (...)"
     localization: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     resync: dict[str, Any] | None = None   # the shared-state step comparison (harness/resync.py)
@@ -40,7 +41,8 @@ class Pair:
         return {"reference": self.a.name, "candidate": self.b.name, "reference_backend": self.a.backend,
                 "candidate_backend": self.b.backend, "with_reference": self.with_reference,
                 "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
-                "declared_differences": self.declared, "checksum_first_difference_step": self.checksum_step,
+                "declared_differences": self.declared,
+                "declared_evidence": self.evidence if self.verdict == DECLARED else None, "checksum_first_difference_step": self.checksum_step,
                 "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
                 "localization": self.localization, "resync": resync_doc(self.resync), "stat": self.stat,
                 "notes": self.notes}

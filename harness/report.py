@@ -18,7 +18,7 @@ import pandas as pd
 
 from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
 
-from .compare_output import odd_one_out_line, other_pairs_lines
+from .compare_output import declared_apart, odd_one_out_line, other_pairs_lines
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
@@ -175,6 +175,8 @@ def verdict_table(comp: dict[str, Any]) -> str:
         extra = ""
         if p.get("declared_differences"):
             extra = "declared: " + esc(", ".join(p["declared_differences"]))
+            if p["verdict"] == "DECLARED":
+                extra += "; " + esc(p.get("declared_evidence") or "not verified")
         if odd.get("run") == p.get("candidate"):
             extra += " odd one out"
         if p.get("arbiter"):
@@ -261,8 +263,12 @@ def _finite(x: Any) -> float:
 def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
     """The lines about the pairs without the reference (harness/compare.py other_pairs_lines)."""
     ref = comp["reference"]["run"]
+    sides = {_short(p["candidate"], ref): (p["verdict"], p.get("declared_differences") or [])
+             for p in comp["pairs"] if p.get("with_reference")}
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
-             max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0))
+             None if p["verdict"] == "DRIFT" and (p.get("first_divergence") or p.get("saturated")) else
+             max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0),
+             declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref)))
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
     return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint)
@@ -286,9 +292,12 @@ def markdown(folder: Path, verbose: bool = False) -> str:
             if p.get("with_reference"):
                 f = p.get("first_divergence") or {}
                 loc = p.get("localization") or {}
+                where = " / ".join(str(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
+                if p["verdict"] == "DECLARED":
+                    where = (f"declared: {', '.join(p.get('declared_differences') or [])}; "
+                             f"{p.get('declared_evidence') or 'not verified'}")
                 md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
-                          f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | "
-                          f"{' / '.join(str(x) for x in (loc.get('stage'), loc.get('layer') or loc.get('parameter')) if x) or '-'} |")
+                          f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | {where or '-'} |")
         md.append("")
         md += [f"- {x.strip()}" for x in arbiter_lines(comp)] + ([""] if arbiter_lines(comp) else [])
         more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])

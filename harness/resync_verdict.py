@@ -287,6 +287,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])
+        p.evidence = "verified (every resynced step agrees with the reference computing the formula)"
         drop_stat_advice(p)
         p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
                        f"the declared formula agrees with the candidate at every resynced step, the plain reference "

@@ -57,13 +57,16 @@ def _missing(backend: str) -> bool:
 
 
 def test_keras_adamw_clean_is_declared_and_verified(adamw):
-    pairs, clean, _ = adamw
+    pairs, clean, faulty = adamw
     p = pairs[clean]
     assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat", "keras_float32_betas"], p.notes
     chk = p.localization["declared_check"]
     both = "adam_eps_hat+adam_float32_betas"
     assert chk["verified"] and chk["agree"] and chk["change"] == {"fault": both} and chk["evidence"]
     assert f"verified: the reference computing the declared formula (fault {both}) agrees" in p.notes[-1]
+    # the table's "where" and comparison.json say what makes it DECLARED (not the localization's "not localized")
+    assert p.evidence.startswith("verified (step-0 probes") and p.to_dict()["declared_evidence"] == p.evidence
+    assert pairs[faulty].to_dict()["declared_evidence"] is None
 
 
 def test_keras_adamw_coupled_l2_is_a_bug_in_the_optimizer(adamw):

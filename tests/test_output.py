@@ -141,6 +141,31 @@ def test_disagreeing_pairs_without_the_reference_are_each_listed():
     assert len(other_pairs_lines(rows, 6.0, verbose=True)) == 4 and other_pairs_lines([], 6.0) == []
 
 
+def test_a_pair_that_differs_as_a_verified_declaration_says_is_not_listed_as_a_disagreement():
+    """jax and keras-torch both against torch: jax DRIFT, keras-torch DECLARED (Adam's epsilon-hat, verified). The
+    pair jax ~ keras-torch differs from step 0, as it must: said on one line as expected, with the declaration,
+    not as one that "does not" agree. Two candidates with the same declarations, or one that is a BUG, still are."""
+    from harness.compare_output import declared_apart, other_pairs_lines
+    sides = {"jax": ("DRIFT", []), "keras-torch": ("DECLARED", ["adam_epsilon_hat"]),
+             "keras-jax": ("DECLARED", ["adam_epsilon_hat"]), "tensorflow": ("BUG", [])}
+    assert declared_apart(sides, "jax", "keras-torch") == "keras-torch declares adam_epsilon_hat"
+    assert declared_apart(sides, "keras-jax", "keras-torch") is None        # the same declaration: must agree
+    assert declared_apart(sides, "tensorflow", "keras-torch") is None       # a BUG explains nothing
+    assert declared_apart(sides, "jax", "tensorflow") is None
+    first = {"step": 0, "series": "update_norm", "factor": 21.0}
+    rows = [("jax", "keras-torch", "DIFFER", first, 21.0, declared_apart(sides, "jax", "keras-torch")),
+            ("jax", "numpy", "DRIFT", None, 1.2, None)]
+    assert other_pairs_lines(rows, 6.0) == [
+        "pairs without the reference: the other 1 DRIFT (max 1.2x of the envelope, margin x6; -v lists them)",
+        "pairs without the reference: 1 differ as their verified declared differences say they must: "
+        "jax ~ keras-torch (keras-torch declares adam_epsilon_hat)"]
+    bug = [("jax", "tensorflow", "DIFFER", first, 21.0, None)]
+    assert other_pairs_lines(rows + bug, 6.0)[:2] == [
+        "pairs without the reference (margin x6): 1 DRIFT; 1 do not:", "  jax ~ tensorflow: DIFFER from step 0 "
+        "(update_norm, 21x)"]
+    assert other_pairs_lines(rows, 6.0, verbose=True)[1].endswith("(expected: keras-torch declares adam_epsilon_hat)")
+
+
 # --------------------------------------------------------------------------- progress
 class FakeExecute:
     """runner.execute without a framework: a few step messages, then a folder (or a failure)."""
@@ -236,3 +261,30 @@ def test_activity_is_plain_off_a_terminal_and_a_spinner_on_one():
     with Activity("comparing", said.append, live=True, console=Console(file=buf, force_terminal=True)) as say:
         say("localize: probe [tensorflow] (y)")
     assert "localize: probe [tensorflow] (y)" in buf.getvalue() and len(said) == 1
+
+
+def test_two_candidates_that_each_agree_with_the_reference_at_every_resynced_step_drift_from_each_other():
+    """numpy and tensorflow --xla, both DRIFT against torch with every resynced step agreeing: their own curves part
+    past the envelope's saturation (INCONCLUSIVE, a pair without the reference has no resync of its own), yet both
+    compute the reference's step from its state, so each other's: DRIFT, said why. A BUG side, a side decided
+    without the shared-state comparison, or a disagreeing resync infer nothing."""
+    from types import SimpleNamespace as NS
+
+    from harness.compare import through_reference
+
+    def side(verdict="DRIFT", agree=True, n=13):
+        return NS(verdict=verdict, resync={"agree": agree, "n": n})
+
+    def pair(verdict="INCONCLUSIVE"):
+        return NS(verdict=verdict, notes=[])
+    p = pair()
+    through_reference(p, side(), side(verdict="IDENTICAL"))
+    assert p.verdict == "DRIFT" and "agree with the reference at every resynced step (13 and 13" in p.notes[0]
+    p = pair("DIFFER")
+    through_reference(p, side(), side())
+    assert p.verdict == "DRIFT" and p.notes[0].startswith("was DIFFER")
+    for other in (side("BUG", agree=False), side(agree=False), NS(verdict="DRIFT", resync=None),
+                  side("DECLARED"), side(n=0)):
+        p = pair()
+        through_reference(p, side(), other)
+        assert p.verdict == "INCONCLUSIVE" and not p.notes

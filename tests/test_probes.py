@@ -24,8 +24,9 @@ MODELS = [pytest.param(m, marks=pytest.mark.slow) if m == "cnn2d_3conv_3fc" or m
           for m in model_names()]
 # cnn2d_hard's layers (BatchNorm, 'same' padding, dropout, global pooling) under two cases in `make test`: L2 coupled
 # into the gradient and Adam's decoupled decay, both on the BatchNorm parameters too; every optimizer case of
-# every layer is the slow set's (cnn2d_2conv_2fc takes all six in make test: the optimizers' own lowering)
-FAST_CASES = {"cnn2d_hard": ("sgd_l2", "adamw")}
+# every layer is the slow set's; cnn2d_2conv_2fc takes the other four (plain SGD, momentum and Nesterov under a
+# halving step schedule, Adam), so that make test checks each backend's lowering of all six optimizer cases once
+FAST_CASES = {"cnn2d_hard": ("sgd_l2", "adamw"), "cnn2d_2conv_2fc": ("sgd", "momentum_step", "nesterov_step", "adam")}
 
 
 def lowers(backend: str, model: str) -> bool:
