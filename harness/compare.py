@@ -216,15 +216,25 @@ def resolve(p: Pair, localized: bool) -> None:
 
 
 def through_reference(p: Pair, px: Pair, py: Pair) -> None:
-    """Two candidates that each compute the reference's step at every resynced step (DRIFT or IDENTICAL against
-    it, decided with the shared-state comparison) compute the same step as each other: when their own curves
-    part (INCONCLUSIVE or DIFFER, a pair without the reference has no resync of its own), the parting is
-    accumulated rounding, DRIFT. Nothing else is inferred: a BUG or a DECLARED side leaves the pair as it is."""
-    def agrees(q: Pair) -> bool:
+    """Two candidates that each compute one and the same step at every resynced step compute the same step as
+    each other: when their own curves part (INCONCLUSIVE or DIFFER; a pair without the reference has no resync of
+    its own), the parting is accumulated rounding, DRIFT. "The same step": both DRIFT or IDENTICAL against the
+    plain reference, or both verified DECLARED against the reference computing the same declared formula (the
+    resync then ran against that emulating reference). Nothing else is inferred: a BUG, an unverified
+    DECLARED, a side without the shared-state comparison, or two different formulas leave the pair as it is."""
+    def computes(q: Pair) -> str | None:
         rs = q.resync or {}
-        return q.verdict in (DRIFT, IDENTICAL) and rs.get("agree") is True and bool(rs.get("n"))
-    if p.verdict in (INCONCLUSIVE, DIFFER) and agrees(px) and agrees(py):
-        p.notes.append(f"was {p.verdict}: both runs agree with the reference at every resynced step "
+        if rs.get("agree") is not True or not rs.get("n"):
+            return None
+        against = rs.get("against")
+        if against:
+            verified = q.verdict in (DRIFT, IDENTICAL) or (
+                q.verdict == DECLARED and (q.evidence or "").startswith("verified"))
+            return f"the reference computing {change_of(against)}" if verified else None
+        return "the reference" if q.verdict in (DRIFT, IDENTICAL) else None
+    step = computes(px)
+    if p.verdict in (INCONCLUSIVE, DIFFER) and step is not None and computes(py) == step:
+        p.notes.append(f"was {p.verdict}: both runs agree with {step} at every resynced step "
                        f"({px.resync['n']} and {py.resync['n']} steps from its state), so they compute the same step; "
                        "their curves part by accumulated rounding")
         p.verdict = DRIFT

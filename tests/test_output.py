@@ -288,3 +288,18 @@ def test_two_candidates_that_each_agree_with_the_reference_at_every_resynced_ste
         p = pair()
         through_reference(p, side(), other)
         assert p.verdict == "INCONCLUSIVE" and not p.notes
+
+    # keras-jax and keras-tensorflow, both DECLARED (verified) for Keras' velocity convention: each resynced against
+    # the reference computing that formula, so the same step as each other; not so with another formula, an
+    # unverified declaration, or against a plain DRIFT side (which computes the plain reference's step)
+    def declared(fault="keras_momentum_schedule", evidence="verified (step-0 probes agree ...)"):
+        return NS(verdict="DECLARED", evidence=evidence,
+                  resync={"agree": True, "n": 32, "against": {"change": {"fault": fault}}})
+    p = pair()
+    through_reference(p, declared(), declared())
+    assert p.verdict == "DRIFT" and "the reference computing fault keras_momentum_schedule" in p.notes[0], p.notes
+    for x, y in ((declared(), declared("adam_eps_hat")), (declared(), declared(evidence="not verified (no emulation)")),
+                 (declared(), side())):
+        p = pair()
+        through_reference(p, x, y)
+        assert p.verdict == "INCONCLUSIVE" and not p.notes
