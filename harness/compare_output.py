@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -194,8 +195,14 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False, h
                                for r in rows]
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
     rows = [r for r in rows if r not in declared]
+    if len(declared) <= 3:
+        said_why = "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)
+    else:   # many: by what the pairs' runs declare (-v lists each)
+        why = Counter(", ".join(sorted({d for part in r[5].split("; ") for d in part.split(" declares ")[1].split(", ")}))
+                      for r in declared)
+        said_why = "; ".join(f"{n} by {w}" for w, n in why.most_common()) + hint
     expected = ([f"pairs without the reference: {len(declared)} differ as their verified declared differences "
-                 "say they must: " + "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)] if declared else [])
+                 f"say they must: {said_why}"] if declared else [])
     if not rows:
         return expected
     agree = [r for r in rows if r[2] in AGREE]
