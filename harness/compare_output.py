@@ -182,7 +182,8 @@ def declared_apart(sides: dict[str, tuple[str, list[str]]], a: str, b: str) -> s
     return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
 
 
-def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
+def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
+                      hint: str = "; -v lists them") -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
     inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
     table above), one for those whose difference the verified declarations explain, each other disagreeing
@@ -198,8 +199,8 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False, h
     if len(declared) <= 3:
         said_why = "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)
     else:   # many: by what the pairs' runs declare (-v lists each)
-        why = Counter(", ".join(sorted({d for part in r[5].split("; ") for d in part.split(" declares ")[1].split(", ")}))
-                      for r in declared)
+        why = Counter(", ".join(sorted({d for part in r[5].split("; ")
+                                        for d in part.split(" declares ")[1].split(", ")})) for r in declared)
         said_why = "; ".join(f"{n} by {w}" for w, n in why.most_common()) + hint
     expected = ([f"pairs without the reference: {len(declared)} differ as their verified declared differences "
                  f"say they must: {said_why}"] if declared else [])
@@ -308,5 +309,5 @@ def render(c: Comparison, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "to_csv", "jsonable",
-           "pair_row", "steps_csv"]
+__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "to_csv",
+           "jsonable", "pair_row", "steps_csv"]

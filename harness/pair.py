@@ -42,7 +42,8 @@ class Pair:
                 "candidate_backend": self.b.backend, "with_reference": self.with_reference,
                 "verdict": self.verdict, "first_divergence": self.first, "saturated": self.saturated,
                 "declared_differences": self.declared,
-                "declared_evidence": self.evidence if self.verdict == DECLARED else None, "checksum_first_difference_step": self.checksum_step,
+                "declared_evidence": self.evidence if self.verdict == DECLARED else None,
+                "checksum_first_difference_step": self.checksum_step,
                 "steps": self.steps, "series": {s: c.to_dict() for s, c in self.checks.items()},
                 "localization": self.localization, "resync": resync_doc(self.resync), "stat": self.stat,
                 "notes": self.notes}
