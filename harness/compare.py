@@ -105,7 +105,7 @@ def declared_of(*runs: Run) -> dict[str, dict[str, Any]]:
 
 
 def _compared(loc: dict[str, Any]) -> str:
-    """What the localization compared, for notes on a verdict that is not DECLARED."""
+    """What the localization compared, for a verdict's notes and a DECLARED verdict's evidence."""
     rep = loc.get("replay") or {}
     return "step-0 probes" + (f" and the replay of steps {rep.get('at')}" if rep.get("at") else "")
 

@@ -173,6 +173,17 @@ def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> s
                                       if first else "")
 
 
+def declared_where(declared: list[str], evidence: str | None) -> str:
+    """A DECLARED row's place: what it declares and what makes it DECLARED (terminal, summary.md, report)."""
+    return f"declared: {', '.join(declared)}; {evidence or 'not verified'}"
+
+
+def inside_factor(verdict: str, parted: bool, max_ratio: float) -> float | None:
+    """The factor of the envelope a pair without the reference stayed within; None for a DRIFT pair whose curves
+    parted past the envelope or its saturation (DRIFT through the reference: no factor to give)."""
+    return None if verdict == DRIFT and parted else max_ratio
+
+
 def declared_apart(sides: dict[str, tuple[str, list[str]]], a: str, b: str) -> str | None:
     """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it, and
     their declared differences are not the same (`sides`: run -> (verdict against the reference, declared))."""
@@ -258,7 +269,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
         if p.verdict in (BUG, DECLARED) and loc:
             where = loc.get("summary", "")
         if p.verdict == DECLARED:    # its evidence, not the localization's "not localized" (nothing disagrees)
-            where = f"declared: {', '.join(p.declared)}; {p.evidence or 'not verified'}"
+            where = declared_where(p.declared, p.evidence)
         rows.append((lab[p.b.name], p.verdict, "-" if f.get("step") is None else str(f["step"]),
                      f.get("series", "-"), fmt_factor(f.get("factor")) if p.first else f"max {_max_inside(p):.2g}x",
                      where))
@@ -294,7 +305,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
             lines.append(f"  note: {n}")
     sides = {lab[p.b.name]: (p.verdict, p.declared) for p in c.pairs if p.with_reference}
     others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first,
-               None if p.verdict == DRIFT and (p.first or p.saturated) else _max_inside(p),
+               inside_factor(p.verdict, bool(p.first or p.saturated), _max_inside(p)),
                declared_apart(sides, lab[p.a.name], lab[p.b.name])) for p in c.pairs if not p.with_reference]
     if others:
         lines.append("")
@@ -309,5 +320,5 @@ def render(c: Comparison, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "to_csv",
-           "jsonable", "pair_row", "steps_csv"]
+__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart",
+           "declared_where", "inside_factor", "to_csv", "jsonable", "pair_row", "steps_csv"]

@@ -18,7 +18,7 @@ import pandas as pd
 
 from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
 
-from .compare_output import declared_apart, odd_one_out_line, other_pairs_lines
+from .compare_output import declared_apart, declared_where, inside_factor, odd_one_out_line, other_pairs_lines
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
@@ -174,9 +174,8 @@ def verdict_table(comp: dict[str, Any]) -> str:
         series = "".join(_series_cell(p["series"].get(s)) for s in SERIES)
         extra = ""
         if p.get("declared_differences"):
-            extra = "declared: " + esc(", ".join(p["declared_differences"]))
-            if p["verdict"] == "DECLARED":
-                extra += "; " + esc(p.get("declared_evidence") or "not verified")
+            extra = esc(declared_where(p["declared_differences"], p.get("declared_evidence"))
+                        if p["verdict"] == "DECLARED" else "declared: " + ", ".join(p["declared_differences"]))
         if odd.get("run") == p.get("candidate"):
             extra += " odd one out"
         if p.get("arbiter"):
@@ -266,8 +265,8 @@ def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v l
     sides = {_short(p["candidate"], ref): (p["verdict"], p.get("declared_differences") or [])
              for p in comp["pairs"] if p.get("with_reference")}
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
-             None if p["verdict"] == "DRIFT" and (p.get("first_divergence") or p.get("saturated")) else
-             max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0),
+             inside_factor(p["verdict"], bool(p.get("first_divergence") or p.get("saturated")),
+                           max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0)),
              declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref)))
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
@@ -294,8 +293,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
                 loc = p.get("localization") or {}
                 where = " / ".join(str(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
                 if p["verdict"] == "DECLARED":
-                    where = (f"declared: {', '.join(p.get('declared_differences') or [])}; "
-                             f"{p.get('declared_evidence') or 'not verified'}")
+                    where = declared_where(p.get("declared_differences") or [], p.get("declared_evidence"))
                 md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
                           f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | {where or '-'} |")
         md.append("")
