@@ -279,6 +279,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "options": options.to_dict(), "fault": cfg.fault, "config": _stored_config(cfg),
         "versions": worker.get("versions", {}), "code_hash": code_hash(cfg.backend), "devices": worker.get("devices", []),
         "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
+        "imported": worker.get("imported"),   # the frameworks its process imported (wrappers.worker)
         "declared_differences": describe(worker.get("declared_differences", [])),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
                  "cpu_count": os.cpu_count(), "python": platform.python_version()},

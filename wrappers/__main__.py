@@ -131,7 +131,8 @@ def main(argv: list[str]) -> int:
         return launch(entry, job_path, job)
     if argv[0] == "rank":
         os.environ["DUIPAI_PROCESS_INDEX"] = argv[2]
-    from .worker import main as run
+    from .worker import keep_to_own_framework, main as run
+    keep_to_own_framework(entry.requires)
     return run(job_path)
 
 

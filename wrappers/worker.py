@@ -41,6 +41,28 @@ def masks_for(model: ModelSpec, seed: int, step: int, batch: int, mode: str) -> 
             for l in model.layers if l.kind == "dropout"}
 
 
+# Packages a framework imports only because they happen to be installed: Keras' set_random_seed imports
+# TensorFlow whatever Keras' backend, Keras' scikit-learn wrapper imports scikit-learn (with pandas and
+# matplotlib), TensorFlow loads Keras eagerly and Keras loads JAX. None of them computes anything of a run,
+# and together they cost 2-4 s of every process start (bench/process_start.py).
+OPTIONAL_IMPORTS = ("tensorflow", "jax", "torch", "keras", "sklearn", "pandas", "matplotlib")
+
+
+def keep_to_own_framework(requires: tuple[str, ...]) -> list[str]:
+    """Make the OPTIONAL_IMPORTS a backend does not require unimportable in this process (importing one raises
+    ModuleNotFoundError, which every optional import catches), so that its process runs the framework it
+    names and no other. Call before the framework is imported; returns the names blocked."""
+    blocked = [m for m in OPTIONAL_IMPORTS if m not in requires and m not in sys.modules]
+    for m in blocked:
+        sys.modules[m] = None   # the import system's own marker for "not importable"
+    return blocked
+
+
+def imported_frameworks() -> list[str]:
+    """Which of OPTIONAL_IMPORTS this process has imported (worker.json records it)."""
+    return [m for m in OPTIONAL_IMPORTS if sys.modules.get(m) is not None]
+
+
 def progress(out: TextIO, **kw: Any) -> None:
     out.write(json.dumps(kw) + "\n")
     out.flush()
@@ -279,6 +301,7 @@ def main(job_path: str) -> int:
         extra = modes[job.mode]()
         info.update(extra or {})
         info["wall_s"] = time.perf_counter() - t0
+        info["imported"] = imported_frameworks()
     except UnsupportedError as e:
         progress(channel, unsupported=str(e))
         return 3
