@@ -12,7 +12,7 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
-from .pair import BUG, DECLARED, DRIFT, IDENTICAL, Pair, fmt_factor
+from .pair import BUG, DECLARED, DRIFT, IDENTICAL, Pair, change_of, fmt_factor
 from .runs import SERIES, Run
 
 # --------------------------------------------------------------------------- output
@@ -184,13 +184,28 @@ def inside_factor(verdict: str, parted: bool, max_ratio: float) -> float | None:
     return None if verdict == DRIFT and parted else max_ratio
 
 
-def declared_apart(sides: dict[str, tuple[str, list[str]]], a: str, b: str) -> str | None:
-    """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it, and
-    their declared differences are not the same (`sides`: run -> (verdict against the reference, declared))."""
-    (va, da), (vb, db) = sides.get(a, ("", [])), sides.get(b, ("", []))
-    if not {va, vb} <= set(AGREE) | {DECLARED} or DECLARED not in (va, vb) or set(da) == set(db):
+def side_of(verdict: str, declared: list[str], evidence: str | None, resync: dict[str, Any] | None) -> tuple:
+    """What a run computes, as its comparison with the reference found it: (verdict, declared differences,
+    verified: it agrees with the reference or is DECLARED with evidence, the formula the reference computed for
+    its shared-state comparison or None). The terminal and the report both build declared_apart's sides here."""
+    verified = verdict in AGREE or (verdict == DECLARED and (evidence or "").startswith("verified"))
+    against = (resync or {}).get("against")
+    return verdict, list(declared or []), verified, change_of(against) if against else None
+
+
+def declared_apart(sides: dict[str, tuple], a: str, b: str) -> str | None:
+    """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it with
+    evidence, and they do not compute the same thing: other declared differences, or the same names checked
+    against other formulas (`sides`: run -> side_of). None when nothing explains their difference."""
+    none = ("", [], False, None)
+    (va, da, oka, fa), (vb, db, okb, fb) = sides.get(a, none), sides.get(b, none)
+    if not (oka and okb) or DECLARED not in (va, vb) or (set(da) == set(db) and fa == fb):
         return None
-    return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
+    if set(da) != set(db):
+        return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
+    # the same names, verified against two formulas (e.g. where the running statistics come from)
+    return "; ".join(f"{n} declares {', '.join(d)} (the reference with {f.replace(', ', ' + ')})"
+                     for n, d, f in ((a, da, fa), (b, db, fb)) if d)
 
 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
@@ -211,7 +226,8 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         said_why = "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)
     else:   # many: by what the pairs' runs declare (-v lists each)
         why = Counter(", ".join(sorted({d for part in r[5].split("; ")
-                                        for d in part.split(" declares ")[1].split(", ")})) for r in declared)
+                                        for d in part.split(" declares ")[1].split(" (")[0].split(", ")}))
+                      for r in declared)
         said_why = "; ".join(f"{n} by {w}" for w, n in why.most_common()) + hint
     expected = ([f"pairs without the reference: {len(declared)} differ as their verified declared differences "
                  f"say they must: {said_why}"] if declared else [])
@@ -303,7 +319,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
             lines.append("  " + line)
         for n in p.notes:
             lines.append(f"  note: {n}")
-    sides = {lab[p.b.name]: (p.verdict, p.declared) for p in c.pairs if p.with_reference}
+    sides = {lab[p.b.name]: side_of(p.verdict, p.declared, p.evidence, p.resync) for p in c.pairs if p.with_reference}
     others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first,
                inside_factor(p.verdict, bool(p.first or p.saturated), _max_inside(p)),
                declared_apart(sides, lab[p.a.name], lab[p.b.name])) for p in c.pairs if not p.with_reference]
@@ -320,5 +336,5 @@ def render(c: Comparison, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart",
+__all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "side_of",
            "declared_where", "inside_factor", "to_csv", "jsonable", "pair_row", "steps_csv"]

@@ -18,7 +18,7 @@ import pandas as pd
 
 from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
 
-from .compare_output import declared_apart, declared_where, inside_factor, odd_one_out_line, other_pairs_lines
+from .compare_output import declared_apart, declared_where, inside_factor, odd_one_out_line, other_pairs_lines, side_of
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
@@ -262,7 +262,8 @@ def _finite(x: Any) -> float:
 def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v lists them") -> list[str]:
     """The lines about the pairs without the reference (harness/compare.py other_pairs_lines)."""
     ref = comp["reference"]["run"]
-    sides = {_short(p["candidate"], ref): (p["verdict"], p.get("declared_differences") or [])
+    sides = {_short(p["candidate"], ref): side_of(p["verdict"], p.get("declared_differences") or [],
+                                                   p.get("declared_evidence"), p.get("resync"))
              for p in comp["pairs"] if p.get("with_reference")}
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
              inside_factor(p["verdict"], bool(p.get("first_divergence") or p.get("saturated")),

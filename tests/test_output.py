@@ -145,13 +145,28 @@ def test_a_pair_that_differs_as_a_verified_declaration_says_is_not_listed_as_a_d
     """jax and keras-torch both against torch: jax DRIFT, keras-torch DECLARED (Adam's epsilon-hat, verified). The
     pair jax ~ keras-torch differs from step 0, as it must: said on one line as expected, with the declaration,
     not as one that "does not" agree. Two candidates with the same declarations, or one that is a BUG, still are."""
-    from harness.compare_output import declared_apart, other_pairs_lines
-    sides = {"jax": ("DRIFT", []), "keras-torch": ("DECLARED", ["adam_epsilon_hat"]),
-             "keras-jax": ("DECLARED", ["adam_epsilon_hat"]), "tensorflow": ("BUG", [])}
+    from harness.compare_output import declared_apart, other_pairs_lines, side_of
+    verified, eps_hat = "verified (step-0 probes agree with the reference computing the formula)", {
+        "against": {"change": {"fault": "adam_eps_hat"}}}
+    sides = {"jax": side_of("DRIFT", [], None, {"agree": True}),
+             "keras-torch": side_of("DECLARED", ["adam_epsilon_hat"], verified, eps_hat),
+             "keras-jax": side_of("DECLARED", ["adam_epsilon_hat"], verified, eps_hat),
+             "tensorflow": side_of("BUG", [], None, None),
+             "keras-tensorflow": side_of("DECLARED", ["adam_epsilon_hat"], "not verified (no emulation)", None)}
     assert declared_apart(sides, "jax", "keras-torch") == "keras-torch declares adam_epsilon_hat"
     assert declared_apart(sides, "keras-jax", "keras-torch") is None        # the same declaration: must agree
     assert declared_apart(sides, "tensorflow", "keras-torch") is None       # a BUG explains nothing
     assert declared_apart(sides, "jax", "tensorflow") is None
+    assert declared_apart(sides, "jax", "keras-tensorflow") is None         # nor does a declaration without evidence
+    # the same name checked against two formulas (where dp 2's running statistics come from): they differ as declared
+    sides["tensorflow dp2"] = side_of("DECLARED", ["per_replica_batchnorm"], verified, {
+        "against": {"change": {"fault": "bn_replica_mean_running_stats", "devices": 2}}})
+    sides["torch dp2"] = side_of("DECLARED", ["per_replica_batchnorm"], verified, {"against": {"change": {"devices": 2}}})
+    sides["jax dp2"] = sides["torch dp2"]
+    assert declared_apart(sides, "jax dp2", "torch dp2") is None
+    assert declared_apart(sides, "tensorflow dp2", "torch dp2") == (
+        "tensorflow dp2 declares per_replica_batchnorm (the reference with devices 2 + fault "
+        "bn_replica_mean_running_stats); torch dp2 declares per_replica_batchnorm (the reference with devices 2)")
     first = {"step": 0, "series": "update_norm", "factor": 21.0}
     rows = [("jax", "keras-torch", "DIFFER", first, 21.0, declared_apart(sides, "jax", "keras-torch")),
             ("jax", "numpy", "DRIFT", None, 1.2, None)]
@@ -168,9 +183,12 @@ def test_a_pair_that_differs_as_a_verified_declaration_says_is_not_listed_as_a_d
     many = [(f"r{i}", "keras-torch", "DIFFER", first, 21.0, "keras-torch declares adam_epsilon_hat") for i in range(3)]
     many.append(("jax dp2", "keras-torch", "DIFFER", first, 21.0,
                  "jax dp2 declares per_replica_batchnorm; keras-torch declares adam_epsilon_hat"))
+    many.append(("tensorflow dp2", "torch dp2", "INCONCLUSIVE", first, 21.0,
+                 declared_apart(sides, "tensorflow dp2", "torch dp2")))
     assert other_pairs_lines(many, 6.0) == [
-        "pairs without the reference: 4 differ as their verified declared differences say they must: "
-        "3 by adam_epsilon_hat; 1 by adam_epsilon_hat, per_replica_batchnorm; -v lists them"]
+        "pairs without the reference: 5 differ as their verified declared differences say they must: "
+        "3 by adam_epsilon_hat; 1 by adam_epsilon_hat, per_replica_batchnorm; 1 by per_replica_batchnorm; "
+        "-v lists them"]
 
 
 # --------------------------------------------------------------------------- progress
