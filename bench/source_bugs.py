@@ -228,6 +228,31 @@ MUTATIONS = (
              "no bug: LayerNorm's statistics from tf.nn.moments, which stops the gradient through the mean inside "
              "the variance; that gradient is -2/C sum(x - mean) = 0 exactly, so only rounding changes",
              args=("--steps", "100")),
+    # ---- written 2026-12-03 (session 6): seams no mutation above touched, three of them subtle
+    Mutation("tf_dropout_not_rescaled", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             'x = x * tf.cast(masks[layer.name], x.dtype) / (1.0 - o["rate"])',
+             "x = x * tf.cast(masks[layer.name], x.dtype)", ("BUG",), ("forward",), "drop1",
+             "inverted dropout without its 1 / (1 - rate) rescaling (the kept units are not scaled up in training)"),
+    Mutation("tf_dropout_scale_folded", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             'x = x * tf.cast(masks[layer.name], x.dtype) / (1.0 - o["rate"])',
+             'x = x * (tf.cast(masks[layer.name], x.dtype) / (1.0 - o["rate"]))', ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the dropout mask scaled before it multiplies (another rounding of the same product)"),
+    Mutation("jax_bn_running_var_biased", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
+             "unbiased = var_sg * (n / (n - 1)) if n > 1 else var_sg         # stored: unbiased (torch)",
+             "unbiased = var_sg         # stored: unbiased (torch)", ("BUG",), (), "bn1",
+             "buffer-only: the running variance from the biased batch variance (Keras' convention); training is "
+             "unchanged, only the running statistics and so the evaluation move (by n/(n-1) - 1 = 0.4% at 4x4x64)",
+             args=("--optimizer", "nesterov", "--schedule", "cosine", "--weight-decay", "0.0005")),
+    Mutation("tf_l2_doubled", "cnn2d_3conv_3fc", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             "g = g + h.weight_decay * var", "g = g + 2.0 * h.weight_decay * var", ("BUG",), ("optimizer",), "",
+             "subtle: the coupled L2 term doubled (a 0.5 wd |w|^2 penalty's gradient taken as wd |w|^2's); at "
+             "weight decay 5e-4 it moves one update by ~1e-3 relative",
+             args=("--optimizer", "momentum", "--schedule", "warmup", "--weight-decay", "0.0005")),
+    Mutation("keras_adam_epsilon_keras_default", "cnn2d_2conv_2fc", "keras-tensorflow", 1, "wrappers/keras/optim.py",
+             "beta_2=hp.beta2, epsilon=hp.eps)", "beta_2=hp.beta2, epsilon=1e-7)", ("BUG",), ("optimizer",), "",
+             "subtle: Keras' Adam epsilon default (1e-7) where the spec says 1e-8; it moves an update only where "
+             "sqrt(v) is near epsilon",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine")),
 )
 
 
