@@ -309,8 +309,12 @@ def render(c: Comparison, verbose: bool = False) -> str:
             if f["series"] == "batch_checksum":
                 lines.append(f"  step {f['step']}: batch checksum {f['b_value']} vs reference {f['a_value']}")
             elif f["series"] in ("resync", "resync-sequential"):
-                lines.append("  the free-running curves stay inside the envelope; the shared-state step comparison "
-                             "disagrees" + (f" at step {f['step']}" if f.get("step") is not None else " (a bias)"))
+                parted = f.get("parted")
+                lines.append("  the shared-state step comparison disagrees" +
+                             (f" at step {f['step']}" if f.get("step") is not None else " (a bias)") +
+                             (f"; the free-running curves part later, from step {parted['step']} ({parted['series']}, "
+                              f"{fmt_factor(parted['factor'])} the envelope)" if parted else
+                              "; the free-running curves stay inside the envelope"))
             else:
                 lines.append(f"  step {f['step']} {f['series']}: {f['b_value']!r} vs reference {f['a_value']!r}, "
                              f"|diff| {f['deviation']:.3g} = {fmt_factor(f['factor'])} the envelope {f['envelope']:.3g} "

@@ -216,10 +216,15 @@ def apply_resync(p: Pair, requested: bool) -> None:
                                           if k in ("declared_check", "replay")})
         p.verdict = BUG
         drop_stat_advice(p)
-        if p.first is None:
+        # the earliest evidence of another computation: a resynced step that disagrees before the free-running
+        # curves part (which a clean run's rounding can make them do too) is where the bug is seen first
+        parted = p.first if p.first is not None and p.first.get("step") is not None else None
+        if p.first is None or (parted is not None and t < parted["step"]):
             p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
                        "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
                        "probe": worst["worst_key"]}
+            if parted is not None:   # said with the step: the curves do part, later
+                p.first["parted"] = {k: parted.get(k) for k in ("step", "series", "factor")}
         p.notes.append(f"resynced step {t} disagrees: one step from the reference's state computes something else "
                        f"({fb.get('probe') or worst['worst_key']}; worst {worst['worst_key']}, "
                        f"{fmt_factor(worst['worst_factor'])} its calibrated tolerance; {rs['n']} resynced steps)"

@@ -511,3 +511,31 @@ def test_the_optimizer_state_of_a_flipped_gradient_follows_from_it():
     assert follows["agree"] and "opt0/exp_avg/conv1.kernel" in follows["discontinuities"]["keys"], follows["first_disagreement"]
     other = R.judge(with_moments("fc1.kernel"), LAYERS, analyse)
     assert not other["agree"] and other["first_disagreement"]["step"] == 75
+
+
+def _bug_with_resync_disagreeing_at(t: int, first_step: int):
+    from harness.pair import Pair
+    from harness.resync_verdict import apply_resync
+    first = {"step": first_step, "series": "update_norm", "factor": 17.7, "reason": "sustained"}
+    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict="BUG",
+             localization=None, notes=[], first=first)
+    fb = {"step": t, "stage": "forward", "layer": "bn1", "probe": f"buffer{t}/bn1.running_var", "rel": 4e-5,
+          "disagreeing_keys": [f"buffer{t}/bn1.running_var"]}
+    p.resync = {"points": [0, 25, 50], "agree": False, "n": 3, "first_disagreement": fb,
+                "per_point": [{"step": s, "worst_key": f"buffer{s}/bn2.running_var", "worst_factor": 2.5}
+                              for s in (0, 25, 50)],
+                "sequential": {"min_p": 1e-12, "threshold": 0.002}}
+    apply_resync(p, requested=True)
+    return p
+
+
+def test_a_resynced_step_that_disagrees_before_the_curves_part_is_the_bugs_first_step():
+    """jax with its running variance biased (bench/source_bugs.py jax_bn_running_var_biased): training is unchanged,
+    so the free-running curves part at step 13 exactly as the clean jax run's do (rounding, DRIFT there), while the
+    resynced step 0 disagrees in buffer0/bn1.running_var. The BUG's first step is the evidence, step 0, with the
+    curves' parting said beside it; a resynced step that disagrees only after the curves part leaves their step."""
+    p = _bug_with_resync_disagreeing_at(0, 13)
+    assert p.verdict == "BUG" and p.first["step"] == 0 and p.first["series"] == "resync"
+    assert p.first["parted"] == {"step": 13, "series": "update_norm", "factor": 17.7}
+    later = _bug_with_resync_disagreeing_at(25, 13)
+    assert later.first["step"] == 13 and later.first["series"] == "update_norm" and "parted" not in later.first
