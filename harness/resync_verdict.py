@@ -167,6 +167,25 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
             + f"bias in {kd} (p {st['p']:.2g})", "lines": [line], "disagreeing_keys": []}
 
 
+# a disagreeing step inherits an upstream bias only where the bias is there: its first key deviates at that step
+# by at least this share of its mean deviation over the resynced steps
+BIAS_PRESENT = 0.1
+
+
+def bias_present_at(seq: dict[str, Any], fb: dict[str, Any]) -> bool:
+    """Does the bias the sequential test found show at the first disagreeing resynced step itself? A bias that
+    grows with training is absent at step 0: a conv layer's missing bias (zero at initialisation) leaves step 0's
+    forward equal to rounding and its gradient missing, while the forward keys after it drift by 4e4 ULP later on.
+    There the step's own disagreement (backward, conv1.bias) is the finding, not the later bias (forward, relu_1).
+    Without the first key's deviation at that step (no per-key test, the key not probed): as before, inherited."""
+    where = seq.get("where") or {}
+    first = where.get("first")
+    at = next((d for d in fb.get("diffs") or [] if d.get("key") == first), None) if first else None
+    if at is None:
+        return True
+    return at["rel"] * 2.0 ** 23 >= BIAS_PRESENT * abs(where["keys"][first]["mean_ulp"])
+
+
 def apply_resync(p: Pair, requested: bool) -> None:
     """The shared-state step comparison's part of the verdict, after the free-running one (`resolve`).
 
@@ -209,7 +228,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         # a bias upstream of the disagreeing step's stage: that step inherits it
         loc = bias_localization(seq) if seq.get("bias") is not None else None
         if loc is not None and (p.localization or {}).get("stage") is not None \
-                and upstream_of(loc["stage"], p.localization):
+                and upstream_of(loc["stage"], p.localization) and bias_present_at(seq, fb):
             loc["lines"].append(f"(resynced step {t} disagrees at {fb.get('probe')}, a later stage: "
                                 f"{(p.localization or {}).get('summary')})")
             p.localization = dict(loc, **{k: v for k, v in (p.localization or {}).items()

@@ -539,3 +539,18 @@ def test_a_resynced_step_that_disagrees_before_the_curves_part_is_the_bugs_first
     assert p.first["parted"] == {"step": 13, "series": "update_norm", "factor": 17.7}
     later = _bug_with_resync_disagreeing_at(25, 13)
     assert later.first["step"] == 13 and later.first["series"] == "update_norm" and "parted" not in later.first
+
+
+def test_a_step_inherits_an_upstream_bias_only_where_the_bias_is_there():
+    """missing_bias on cnn2d_3conv_3fc at default settings (duipai selftest --models cnn2d_3conv_3fc, 2026-12-03):
+    resynced step 0 disagrees at grad/conv1.bias (the gradient of a bias the port dropped), its forward equal to
+    rounding (the bias is zero at initialisation), and the sequential test finds the forward keys after conv1
+    biased by ~4e4 ULP over the later steps (the missing trained bias). The forward bias is not there at step 0:
+    step 0 keeps its own place (backward, conv1.bias). A bias present at the step (a BatchNorm eps) is inherited."""
+    from harness.resync_verdict import bias_present_at
+    seq = {"where": {"first": "forward/relu_1", "keys": {"forward/relu_1": {"mean_ulp": 3.76e4, "p": 3e-5}}}}
+    at_step0 = {"diffs": [{"key": "forward/relu_1", "rel": 1.3e-8}, {"key": "grad/conv1.bias", "rel": 0.416}]}
+    assert not bias_present_at(seq, at_step0)
+    there = {"diffs": [{"key": "forward/relu_1", "rel": 3.76e4 / 2.0 ** 23}]}
+    assert bias_present_at(seq, there)
+    assert bias_present_at(seq, {"diffs": []}) and bias_present_at({"where": None}, at_step0)   # nothing to look at
