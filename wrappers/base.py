@@ -65,6 +65,8 @@ class Entry:
     """One backend configuration as the harness sees it: a name, what it needs, how to load it."""
     name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()      # importable modules (checked without importing)
+    # what its process may import of worker.OPTIONAL_IMPORTS besides `requires` (the rest are made unimportable)
+    also_imports: ClassVar[tuple[str, ...]] = ()
     module: ClassVar[str] = ""                    # module holding the Backend subclass
     env: ClassVar[dict[str, str]] = {}            # set before the framework is imported
     description: ClassVar[str] = ""
