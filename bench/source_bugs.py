@@ -253,6 +253,42 @@ MUTATIONS = (
              "subtle: Keras' Adam epsilon default (1e-7) where the spec says 1e-8; it moves an update only where "
              "sqrt(v) is near epsilon",
              args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine")),
+    # ---- written 2026-12-03 (session 7): a flag that stops reaching the math, two conventions from other
+    #      libraries, a decay that skips some parameters, one rewrite of the loss (no bug) on a chaotic model
+    Mutation("jax_sync_bn_ignored", "cnn2d_hard", "jax", 2, "wrappers/jax/backend.py",
+             "self.bn_groups = 1 if (self.mesh is None or self.sync_bn) else self.replicas",
+             "self.bn_groups = 1 if self.mesh is None else self.replicas", ("BUG",), ("forward",), "bn1",
+             "--sync-bn accepted and recorded but never reaching the layers: BatchNorm statistics per replica while the "
+             "run declares synchronized ones (so no declared difference may explain it)",
+             args=("--sync-bn",)),
+    Mutation("tf_adamw_decay_without_lr", "cnn2d_2conv_2fc", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             "1.0 - lr * h.weight_decay]", "1.0 - h.weight_decay]", ("BUG",), ("optimizer",), "",
+             "AdamW's decoupled decay as TensorFlow Addons wrote it (var -= wd * var, not lr * wd * var): every "
+             "parameter shrinks 1,000x faster than asked",
+             args=("--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.0001")),
+    Mutation("tf_l2_skips_biases", "cnn2d_3conv_3fc", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             "if h.weight_decay and not self.decoupled:", "if h.weight_decay and not self.decoupled and len(var.shape) > 1:",
+             ("BUG",), ("optimizer",), "",
+             "subtle: the 'no weight decay on biases' convention of many training scripts, where the spec decays "
+             "every parameter; only the biases' updates move, by ~wd |b| / |g|",
+             args=("--schedule", "cosine", "--weight-decay", "0.0005")),
+    Mutation("torch_sgd_dampening_copied", "cnn2d_hard", "torch", 1, "wrappers/torch/optim.py",
+             "momentum=hp.momentum, nesterov=hp.optimizer == \"nesterov\",",
+             "momentum=hp.momentum, dampening=hp.momentum, nesterov=hp.optimizer == \"nesterov\",",
+             ("BUG",), ("optimizer",), "",
+             "starts after the first step: SGD's dampening set to the momentum (an old Lua-torch config); torch "
+             "initialises the buffer with the undampened gradient, so step 0 is right and every later gradient "
+             "enters the buffer x 0.1",
+             reference="numpy"),
+    Mutation("jax_log_softmax_via_logsumexp", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/layers.py",
+             '"""Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""\n'
+             "    logp = jax.nn.log_softmax(logits, axis=-1)\n",
+             '"""Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""\n'
+             "    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug, on a chaotic model: log_softmax written out as logits - logsumexp (another rounding of the "
+             "same function and its gradient)",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "warmup")),
 )
 
 
