@@ -28,7 +28,9 @@ these mutations sit elsewhere in the lowering: in the data-parallel loss scaling
 the evaluation function, BatchNorm's arguments, a pooling divisor, an activation; in the torch wrapper's DDP
 step, evaluation and optimizer; in the Keras runtimes' own train steps (keras-torch, keras-jax) and
 keras-jax's data-parallel L2 share; in the graph models' LayerNorm; and bugs that start late: a step schedule
-one step early, a momentum buffer rescaled at the schedule's first decay, gradients accumulated from step 1.
+one step early, a momentum buffer rescaled at the schedule's first decay, gradients accumulated from step 1,
+SGD dampening that bites from step 1; a --sync-bn flag that never reaches the layers; conventions of other
+libraries (AdamW's decay without lr, no weight decay on biases).
 """
 from __future__ import annotations
 

@@ -18,7 +18,9 @@ In this order, the first that finds a disagreement answers:
                d-1 and d and saves its state there; both backends probe those steps from exactly
                those states (`replay` job mode of wrappers/worker.py).
 A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
-combination across replicas (stage reduction), or in how replicas split the batch (data).
+combination across replicas (stage reduction), in how replicas split the batch (data), or, when its first
+layer computes batch statistics (BatchNorm) and every layer before it agrees over the global batch, in those
+statistics across replicas (forward, at that layer).
 
 Declared differences are verified, not trusted: when the step-0 disagreement touches probes that a
 difference declared by the candidate may move, and that difference has an emulation (`emulated_by`: a
@@ -41,7 +43,7 @@ from algorithms.faults import combine
 from algorithms.spec import load_model
 
 from . import kinks, probes, runner
-from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
+from .probe_analysis import BATCH_STATISTICS, agrees, analyse, change_text, describe, layer_kind, spec_layers
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
@@ -351,10 +353,18 @@ class Localizer(ProbeJobs):
             single = self.probe0(cand, devices=1, fault=None)
         one = analyse(single, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change))
         if one["stage"] is None:
-            stage = "data" if res["stage"] == "forward" else "reduction"
-            res = dict(res, stage=stage, note=f"agrees with --devices 1: the replicas "
-                       f"{'split the batch' if stage == 'data' else 'combine gradients'} differently "
-                       f"(first disagreement {res['probe']})")
+            first = f"(first disagreement {res['probe']})"
+            if res["stage"] != "forward":
+                res = dict(res, stage="reduction",
+                           note=f"agrees with --devices 1: the replicas combine gradients differently {first}")
+            elif layer_kind(ref.manifest, res.get("layer")) in BATCH_STATISTICS:
+                # every layer before it agrees over the whole global batch, so each replica was fed its samples:
+                # what differs is the statistics over them (per replica, or combined another way)
+                res = dict(res, across_replicas=f"agrees with --devices 1: the replicas' batch statistics at "
+                                                f"{res['layer']} are not the single-device ones")
+            else:
+                res = dict(res, stage="data",
+                           note=f"agrees with --devices 1: the replicas split the batch differently {first}")
         return res
 
 

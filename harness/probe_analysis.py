@@ -20,6 +20,15 @@ def spec_layers(man: dict[str, Any]) -> list[str]:
     return [l["name"] for l in (man.get("spec") or {}).get("layers", [])]
 
 
+# layer kinds whose training forward reads the other samples of the batch (its statistics)
+BATCH_STATISTICS = frozenset({"batchnorm2d"})
+
+
+def layer_kind(man: dict[str, Any], layer: str | None) -> str | None:
+    """The spec's kind of `layer` in a run's manifest (None: no such layer)."""
+    return next((l.get("type") for l in (man.get("spec") or {}).get("layers", []) if l["name"] == layer), None)
+
+
 def param_layer(param: str) -> str:
     return param.rsplit(".", 1)[0]
 
@@ -182,6 +191,8 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
              f"gradients agree)")
     else:
         s = f"{st} ({res.get('probe')}" + (f"; {res['note']})" if res.get("note") else ")")
+    if res.get("across_replicas"):
+        s += f"; {res['across_replicas']}"
     where = res.get("layer") if st in ("forward", "eval") else (res.get("parameter") or res.get("layer"))
     summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")

@@ -116,6 +116,44 @@ def test_running_statistics_are_the_forward_stage_of_their_layer():
     assert res["stage"] == "forward" and res["layer"] == "bn1" and res["note"] == "running statistics"
 
 
+@pytest.mark.parametrize("first, stage, words", [
+    ("conv2", "data", "the replicas split the batch differently"),
+    ("relu_1", "forward", "the replicas' batch statistics at relu_1 are not the single-device ones"),
+])
+def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first, stage, words):
+    """A candidate on two replicas disagrees from `first` on and agrees once probed on one device. If `first`
+    computes batch statistics (relu_1 is made a batchnorm2d here) and every layer before it agrees over the global
+    batch, each replica had its samples: the statistics across replicas differ (forward, at that layer: a
+    --sync-bn that never reached the layers). Otherwise the replicas were fed other samples (data)."""
+    from harness.localize import Localizer
+
+    kinds = {l: ("batchnorm2d" if l == "relu_1" else "conv2d") for l in LAYERS}
+    man = {"spec": {"layers": [{"name": l, "type": kinds[l]} for l in LAYERS]}}
+    ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
+    cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
+    ref = probes()
+    two = dict(ref)
+    for l in LAYERS[LAYERS.index(first):]:
+        two[f"forward/{l}"] = ref[f"forward/{l}"] + 0.5
+
+    class OnTheseProbes(Localizer):
+        def __init__(self):
+            pass
+
+        def probe0(self, run, **change):
+            return two if run is cand_run and change.get("devices") != 1 else ref
+
+        def probe64(self, ref, cand, **change):
+            return None
+
+    res = analyse(two, ref, LAYERS)
+    assert res["stage"] == "forward" and res["layer"] == first
+    got = OnTheseProbes()._reduction(ref_run, cand_run, res, LAYERS, {})
+    assert got["stage"] == stage and got["layer"] == first
+    assert words in (got.get("across_replicas") if stage == "forward" else got["note"])
+    assert words in describe(got, "step-0 probes")[1][0]
+
+
 def test_eval_path_is_localized_when_training_agrees():
     ref = probes()
     ref.update({f"eval/{l}": v * 0.9 for l, v in ((l, ref[f"forward/{l}"]) for l in LAYERS)})
