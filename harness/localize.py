@@ -357,9 +357,10 @@ class Localizer(ProbeJobs):
             if res["stage"] != "forward":
                 res = dict(res, stage="reduction",
                            note=f"agrees with --devices 1: the replicas combine gradients differently {first}")
-            elif layer_kind(ref.manifest, res.get("layer")) in BATCH_STATISTICS:
-                # every layer before it agrees over the whole global batch, so each replica was fed its samples:
-                # what differs is the statistics over them (per replica, or combined another way)
+            elif layer_kind(ref.manifest, res.get("layer")) in BATCH_STATISTICS and layers.index(res["layer"]) > 0:
+                # the layers before it agree over the whole global batch, so each replica was fed its samples:
+                # what differs is the statistics over them (per replica, or combined another way); a first layer
+                # has no such witness
                 res = dict(res, across_replicas=f"agrees with --devices 1: the replicas' batch statistics at "
                                                 f"{res['layer']} are not the single-device ones")
             else:

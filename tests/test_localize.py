@@ -119,15 +119,17 @@ def test_running_statistics_are_the_forward_stage_of_their_layer():
 @pytest.mark.parametrize("first, stage, words", [
     ("conv2", "data", "the replicas split the batch differently"),
     ("relu_1", "forward", "the replicas' batch statistics at relu_1 are not the single-device ones"),
+    ("conv1", "data", "the replicas split the batch differently"),    # a batchnorm2d first: no layer before it
 ])
 def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first, stage, words):
     """A candidate on two replicas disagrees from `first` on and agrees once probed on one device. If `first`
-    computes batch statistics (relu_1 is made a batchnorm2d here) and every layer before it agrees over the global
-    batch, each replica had its samples: the statistics across replicas differ (forward, at that layer: a
-    --sync-bn that never reached the layers). Otherwise the replicas were fed other samples (data)."""
+    computes batch statistics (conv1 and relu_1 are made batchnorm2d layers here) and the layers before it agree
+    over the global batch, each replica had its samples: the statistics across replicas differ (forward, at that
+    layer: a --sync-bn that never reached the layers). Otherwise (conv2; conv1, which has no layer before it to
+    vouch for the samples) the replicas were fed other samples (data)."""
     from harness.localize import Localizer
 
-    kinds = {l: ("batchnorm2d" if l == "relu_1" else "conv2d") for l in LAYERS}
+    kinds = {l: ("batchnorm2d" if l in ("conv1", "relu_1") else "conv2d") for l in LAYERS}
     man = {"spec": {"layers": [{"name": l, "type": kinds[l]} for l in LAYERS]}}
     ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
     cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
