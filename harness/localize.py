@@ -19,8 +19,8 @@ In this order, the first that finds a disagreement answers:
                those states (`replay` job mode of wrappers/worker.py).
 A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
 combination across replicas (stage reduction), in how replicas split the batch (data), or, when its first
-layer computes batch statistics (BatchNorm) and every layer before it agrees over the global batch, in those
-statistics across replicas (forward, at that layer).
+layer computes batch statistics (BatchNorm) and has a layer upstream (agreeing over the global batch: each replica
+had its samples), in those statistics across replicas (forward, at that layer).
 
 Declared differences are verified, not trusted: when the step-0 disagreement touches probes that a
 difference declared by the candidate may move, and that difference has an emulation (`emulated_by`: a
@@ -43,11 +43,14 @@ from algorithms.faults import combine
 from algorithms.spec import load_model
 
 from . import kinks, probes, runner
-from .probe_analysis import BATCH_STATISTICS, agrees, analyse, change_text, describe, layer_kind, spec_layers
+from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
+
+# layer kinds whose training forward reads the other samples of the batch (its statistics)
+BATCH_STATISTICS = ("batchnorm2d",)
 
 
 def divergent_steps(pair) -> list[int]:
@@ -336,6 +339,15 @@ class Localizer(ProbeJobs):
         r["set_aside"] = {"differences": used, "keys": aside, "all": False, "statistical": statistical}
         return r
 
+    def _statistics_of_fed_samples(self, ref: Run, layer: str | None) -> bool:
+        """Is `layer` one whose training forward reads the batch's statistics (BATCH_STATISTICS) and that has a
+        layer upstream, whose agreement over the whole global batch (Muffin's rule: its input agrees) vouches that
+        every replica was fed its samples? Then a disagreement there only across replicas is in the statistics."""
+        if layer is None:
+            return False
+        model = load_model(model_ref(ref.manifest, self.root))
+        return model.layer(layer).kind in BATCH_STATISTICS and bool(kinks.upstream(model, layer))
+
     def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str],
                    change: dict[str, Any]) -> dict[str, Any]:
         """A candidate on several replicas that agrees with the reference once run on one (the reference with
@@ -357,10 +369,7 @@ class Localizer(ProbeJobs):
             if res["stage"] != "forward":
                 res = dict(res, stage="reduction",
                            note=f"agrees with --devices 1: the replicas combine gradients differently {first}")
-            elif layer_kind(ref.manifest, res.get("layer")) in BATCH_STATISTICS and layers.index(res["layer"]) > 0:
-                # the layers before it agree over the whole global batch, so each replica was fed its samples:
-                # what differs is the statistics over them (per replica, or combined another way); a first layer
-                # has no such witness
+            elif self._statistics_of_fed_samples(ref, res["layer"]):
                 res = dict(res, across_replicas=f"agrees with --devices 1: the replicas' batch statistics at "
                                                 f"{res['layer']} are not the single-device ones")
             else:

@@ -20,15 +20,6 @@ def spec_layers(man: dict[str, Any]) -> list[str]:
     return [l["name"] for l in (man.get("spec") or {}).get("layers", [])]
 
 
-# layer kinds whose training forward reads the other samples of the batch (its statistics)
-BATCH_STATISTICS = frozenset({"batchnorm2d"})
-
-
-def layer_kind(man: dict[str, Any], layer: str | None) -> str | None:
-    """The spec's kind of `layer` in a run's manifest (None: no such layer)."""
-    return next((l.get("type") for l in (man.get("spec") or {}).get("layers", []) if l["name"] == layer), None)
-
-
 def param_layer(param: str) -> str:
     return param.rsplit(".", 1)[0]
 

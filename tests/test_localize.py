@@ -116,31 +116,43 @@ def test_running_statistics_are_the_forward_stage_of_their_layer():
     assert res["stage"] == "forward" and res["layer"] == "bn1" and res["note"] == "running statistics"
 
 
+BN_MODEL = {"name": "bn_after_conv", "input_shape": [6, 6, 1], "num_classes": 10, "layers": [
+    {"type": "batchnorm2d", "name": "bn0"},
+    {"type": "conv2d", "name": "conv1", "filters": 4, "kernel": 3, "padding": "same", "use_bias": False},
+    {"type": "batchnorm2d", "name": "bn1"},
+    {"type": "conv2d", "name": "conv2", "filters": 4, "kernel": 3, "padding": "same"},
+    {"type": "flatten", "name": "flat"},
+    {"type": "dense", "name": "fc", "units": 10}]}
+
+
 @pytest.mark.parametrize("first, stage, words", [
     ("conv2", "data", "the replicas split the batch differently"),
-    ("relu_1", "forward", "the replicas' batch statistics at relu_1 are not the single-device ones"),
-    ("conv1", "data", "the replicas split the batch differently"),    # a batchnorm2d first: no layer before it
+    ("bn1", "forward", "the replicas' batch statistics at bn1 are not the single-device ones"),
+    ("bn0", "data", "the replicas split the batch differently"),    # a batchnorm2d on the input: nothing upstream
 ])
-def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first, stage, words):
+def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first, stage, words, tmp_path):
     """A candidate on two replicas disagrees from `first` on and agrees once probed on one device. If `first`
-    computes batch statistics (conv1 and relu_1 are made batchnorm2d layers here) and the layers before it agree
-    over the global batch, each replica had its samples: the statistics across replicas differ (forward, at that
-    layer: a --sync-bn that never reached the layers). Otherwise (conv2; conv1, which has no layer before it to
-    vouch for the samples) the replicas were fed other samples (data)."""
+    computes batch statistics and has a layer upstream (whose agreement over the global batch vouches that each
+    replica had its samples), the statistics across replicas differ: forward, at that layer (a --sync-bn that
+    never reached the layers). Otherwise (conv2; bn0, which reads the input) the replicas were fed other samples."""
+    from algorithms.spec import build_model
     from harness.localize import Localizer
 
-    kinds = {l: ("batchnorm2d" if l in ("conv1", "relu_1") else "conv2d") for l in LAYERS}
-    man = {"spec": {"layers": [{"name": l, "type": kinds[l]} for l in LAYERS]}}
+    model = build_model(BN_MODEL)
+    layers = [l.name for l in model.layers]
+    man = {"model": "bn_after_conv", "spec_hash": model.hash(), "spec": model.to_dict()}
     ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
     cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
-    ref = probes()
+    rng = np.random.default_rng(0)
+    ref = {f"forward/{l}": rng.standard_normal((4, 8)) for l in layers}
+    ref["loss"] = np.asarray(2.3)
     two = dict(ref)
-    for l in LAYERS[LAYERS.index(first):]:
+    for l in layers[layers.index(first):]:
         two[f"forward/{l}"] = ref[f"forward/{l}"] + 0.5
 
     class OnTheseProbes(Localizer):
         def __init__(self):
-            pass
+            self.root = tmp_path
 
         def probe0(self, run, **change):
             return two if run is cand_run and change.get("devices") != 1 else ref
@@ -148,9 +160,9 @@ def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first,
         def probe64(self, ref, cand, **change):
             return None
 
-    res = analyse(two, ref, LAYERS)
+    res = analyse(two, ref, layers)
     assert res["stage"] == "forward" and res["layer"] == first
-    got = OnTheseProbes()._reduction(ref_run, cand_run, res, LAYERS, {})
+    got = OnTheseProbes()._reduction(ref_run, cand_run, res, layers, {})
     assert got["stage"] == stage and got["layer"] == first
     assert words in (got.get("across_replicas") if stage == "forward" else got["note"])
     assert words in describe(got, "step-0 probes")[1][0]
