@@ -42,7 +42,7 @@ entry = REGISTRY[sys.argv[1]]
 opts = RunOptions(threads=1)
 set_backend_env(entry, opts)
 if sys.argv[2] == "block":
-    keep_to_own_framework(tuple(entry.requires) + tuple(entry.also_imports))
+    keep_to_own_framework(entry)
 cls = entry.load()
 backend_class(cls, opts)(load_model("cnn2d_2conv_2fc"), HParams(), opts)
 print(json.dumps(imported_frameworks()))

@@ -26,7 +26,7 @@ from wrappers.worker import backend_class, imported_frameworks, keep_to_own_fram
 entry = REGISTRY[sys.argv[1]]
 opts = RunOptions(threads=1)
 set_backend_env(entry, opts)
-blocked = keep_to_own_framework(tuple(entry.requires) + tuple(entry.also_imports))
+blocked = keep_to_own_framework(entry)
 cls = entry.load()
 backend_class(cls, opts)(load_model("cnn2d_2conv_2fc"), HParams(), opts)
 print(json.dumps({"imported": imported_frameworks(), "blocked": blocked}))

@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "rank":
         os.environ["DUIPAI_PROCESS_INDEX"] = argv[2]
     from .worker import keep_to_own_framework, main as run
-    keep_to_own_framework(tuple(entry.requires) + tuple(entry.also_imports))
+    keep_to_own_framework(entry)
     return run(job_path)
 
 

@@ -24,7 +24,7 @@ from algorithms.contract import (CHECKPOINT_DIR, EVAL_COLUMNS, EVAL_FILE, FINAL_
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
-from .base import Backend, Masks, effective_model_decl, eval_inputs
+from .base import Backend, Entry, Masks, effective_model_decl, eval_inputs
 
 
 def fmt(v: Any) -> str:
@@ -48,11 +48,12 @@ def masks_for(model: ModelSpec, seed: int, step: int, batch: int, mode: str) -> 
 OPTIONAL_IMPORTS = ("tensorflow", "jax", "torch", "keras", "sklearn", "pandas", "matplotlib")
 
 
-def keep_to_own_framework(requires: tuple[str, ...]) -> list[str]:
-    """Make the OPTIONAL_IMPORTS a backend does not require unimportable in this process (importing one raises
-    ModuleNotFoundError, which every optional import catches), so that its process runs the framework it
-    names and no other. Call before the framework is imported; returns the names blocked."""
-    blocked = [m for m in OPTIONAL_IMPORTS if m not in requires and m not in sys.modules]
+def keep_to_own_framework(entry: type[Entry]) -> list[str]:
+    """Make the OPTIONAL_IMPORTS that a backend's Entry neither requires nor also_imports unimportable in this
+    process (importing one raises ModuleNotFoundError, which every optional import catches), so that its process
+    runs the framework it names and no other. Call before the framework is imported; returns the names blocked."""
+    allowed = (*entry.requires, *entry.also_imports)
+    blocked = [m for m in OPTIONAL_IMPORTS if m not in allowed and m not in sys.modules]
     for m in blocked:
         sys.modules[m] = None   # the import system's own marker for "not importable"
     return blocked
