@@ -291,6 +291,44 @@ MUTATIONS = (
              "no bug, on a chaotic model: log_softmax written out as logits - logsumexp (another rounding of the "
              "same function and its gradient)",
              args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "warmup")),
+    # ---- session 8: the graph models' layers, written wrong in a wrapper's source
+    Mutation("jax_gelu_default_approximate", "convnext_tiny", "jax", 1, "wrappers/jax/layers.py",
+             'x = jax.nn.gelu(x, approximate=o["approximate"] == "tanh")', "x = jax.nn.gelu(x)",
+             ("BUG",), ("forward",), "stage1_gelu",
+             "jax.nn.gelu called with its own default, the tanh approximation, where the spec asks for the exact "
+             "erf form (torch's and Keras' default)", args=("--steps", "100")),
+    Mutation("jax_layernorm_unbiased_variance", "convnext_tiny", "jax", 1, "wrappers/jax/layers.py",
+             "var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)",
+             "var = jnp.var(x, axis=-1, keepdims=True, ddof=1)",
+             ("BUG",), ("forward",), "stem_ln",
+             "LayerNorm normalising by the unbiased (n - 1) variance over the channels (numpy/pandas habit); every "
+             "framework's LayerNorm uses the biased one", args=("--steps", "100")),
+    Mutation("torch_strided_same_padding_symmetric", "resnet_tiny", "torch", 1, "wrappers/torch/layers.py",
+             "                else:                      # TF SAME's odd pixel goes bottom/right: pad explicitly\n"
+             "                    x = _pad(x, pads, 0.0)\n",
+             "                else:                      # TF SAME's odd pixel goes bottom/right: pad explicitly\n"
+             "                    pad = (pads[0][1], pads[1][1])\n",
+             ("BUG",), ("forward",), "block2_conv1",
+             "a stride-2 'same' 3x3 convolution ported with torch's padding=1 on both sides: the output has TF's "
+             "shape, but SAME pads the odd pixel only at the bottom/right, so every window is shifted by one",
+             args=("--steps", "30"), reference="numpy"),
+    Mutation("tf_nesterov_flag_dropped", "mobilenet_tiny", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             'use_nesterov=h.optimizer == "nesterov")', "use_nesterov=False)",
+             ("BUG",), ("optimizer",), "",
+             "ResourceApplyMomentum without use_nesterov: plain momentum where Nesterov is asked for",
+             args=("--steps", "60", "--optimizer", "nesterov", "--schedule", "cosine")),
+    Mutation("jax_bn_inference_without_eps", "resnet_tiny", "jax", 1, "wrappers/jax/layers.py",
+             "x = (x - buffers[rm_key]) * lax.rsqrt(buffers[rv_key] + eps) * gamma + beta",
+             "x = (x - buffers[rm_key]) * lax.rsqrt(buffers[rv_key]) * gamma + beta",
+             ("BUG",), ("eval",), "stem_bn",
+             "BatchNorm's inference path without eps (1e-5 against running variances near 1): training is "
+             "untouched, every evaluation output moves by a few parts per million", args=("--steps", "60")),
+    Mutation("jax_global_avgpool_as_sum_over_area", "resnet_tiny", "jax", 1, "wrappers/jax/layers.py",
+             "x = jnp.mean(x, axis=(1, 2))", "x = jnp.sum(x, axis=(1, 2)) / (x.shape[1] * x.shape[2])",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the global average pool written as a sum divided by the area (another rounding of the mean)",
+             args=("--steps", "100", "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
+                   "--schedule", "warmup")),
 )
 
 

@@ -277,7 +277,7 @@ class JaxBackend(DataParallel, Backend):
         self.params, self.buffers, self.opt_state, stats = self._step(
             self.params, self.buffers, self.opt_state, xb, yb, mb,
             self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))
-        s = np.asarray(jax.device_get(host_value(stats)))
+        s = np.asarray(host_value(stats))     # one blocking read (np.asarray: no device_get tree walk)
         reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None
         return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)
 
