@@ -54,8 +54,13 @@ class HParams:
         for f in ("momentum", "beta1", "beta2"):
             if not 0 <= getattr(self, f) < 1:
                 bad(f, "must be in [0, 1)")
-        if self.weight_decay < 0:
-            bad("weight_decay", "must be >= 0")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0
+                and math.isfinite(self.weight_decay)):
+            bad("weight_decay", "must be a finite number >= 0")
+        for f in ("seed", "init_seed"):      # numpy's generators take non-negative seeds only
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(f, "must be a non-negative integer")
         for f in ("step_size", "warmup_steps", "steps", "batch_size", "eval_every", "checkpoint_every"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

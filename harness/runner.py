@@ -145,6 +145,10 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
             raise BadInput(f"--devices {cfg.devices} is larger than the batch size {h.batch_size}")
         if h.batch_size % cfg.devices:
             raise BadInput(f"batch size {h.batch_size} is not divisible by --devices {cfg.devices}")
+        if cfg.perturb_ulp is not None and cfg.perturb_ulp < 0:
+            raise BadInput(f"--perturb-ulp must be a non-negative seed, got {cfg.perturb_ulp}")
+        if cfg.threads < 1:
+            raise BadInput(f"--threads must be >= 1, got {cfg.threads}")
         hosts = int(cfg.extra.get("hosts", 1))
         if hosts < 1 or cfg.devices % hosts:
             raise BadInput(f"--hosts {hosts} must divide --devices {cfg.devices} (devices per host)")

@@ -100,6 +100,9 @@ units = 10
     (["--data", "{tmp}/nothing.csv"], "no such data file"),
     (["--batch-size", "5000"], "larger than the train set"),
     (["--lr", "-1"], "hyper-parameter 'lr'"),
+    (["--seed", "-1"], "hyper-parameter 'seed': must be a non-negative integer, got -1"),
+    (["--weight-decay", "nan"], "hyper-parameter 'weight_decay': must be a finite number >= 0, got nan"),
+    (["--perturb-ulp", "-1"], "--perturb-ulp must be a non-negative seed, got -1"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     (tmp_path / "malformed.toml").write_text("name = 'x'\n[[layers]\n")
