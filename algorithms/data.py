@@ -315,7 +315,10 @@ def load_data(spec: str, *, cache_dir: str | Path | None = None,
     if spec == "digits32":
         return digits32(cache_dir)
     if spec.startswith("synthetic"):
-        n = int(spec.split(":", 1)[1]) if ":" in spec else 1200
+        count = spec.split(":", 1)[1] if ":" in spec else "1200"
+        if spec.split(":", 1)[0] != "synthetic" or not count.isdigit():
+            raise DataError(f"data {spec!r}: synthetic takes a sample count, e.g. 'synthetic:2000'")
+        n = int(count)
         return synthetic(n, image_shape or (8, 8, 1), classes)
     parts = spec.split(",")
     if parts[0].endswith(".csv"):

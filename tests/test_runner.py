@@ -100,6 +100,7 @@ units = 10
     (["--data", "{tmp}/nothing.csv"], "no such data file"),
     (["--batch-size", "5000"], "larger than the train set"),
     (["--lr", "-1"], "hyper-parameter 'lr'"),
+    (["--data", "synthetic:abc"], "data 'synthetic:abc': synthetic takes a sample count"),
     (["--seed", "-1"], "hyper-parameter 'seed': must be a non-negative integer, got -1"),
     (["--weight-decay", "nan"], "hyper-parameter 'weight_decay': must be a finite number >= 0, got nan"),
     (["--perturb-ulp", "-1"], "--perturb-ulp must be a non-negative seed, got -1"),
