@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import time
 import tomllib
@@ -135,6 +136,9 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
             raise bad(f"field '{f}' must be >= {low}, got {getattr(m, f)}")
     if m.timeout_s <= 0:
         raise bad(f"field 'timeout_s' must be > 0, got {m.timeout_s}")
+    # the name is the matrix's folder under --out: one plain folder name, never a path out of it
+    if m.name in ("", ".", "..") or re.search(r"[/\\\x00]", m.name):
+        raise bad(f"field 'name' must be a plain folder name (no '/', not '.' or '..'), got {m.name!r}")
     known_hp = {f.name for f in fields(HParams)}
     for k in m.hparams:
         if k in HPARAMS_FROM_FIELDS:

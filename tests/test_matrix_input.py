@@ -36,6 +36,8 @@ CASES = {
     "unknown_field": (HEAD + "backend = 'torch'\n", "unknown field(s) backend"),
     "wrong_type": ('models = "cnn2d_2conv_2fc"\nbackends = ["torch"]\n', "field 'models' must be a list of str"),
     "not_toml": (HEAD + "devices = [1,\n", "not valid TOML"),
+    "name_out_of_the_results": ('name = "../../escaped"\n' + HEAD,
+                                "field 'name' must be a plain folder name (no '/', not '.' or '..'), got '../../escaped'"),
 }
 
 
