@@ -9,7 +9,6 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import sys
 import time
 import tomllib
@@ -137,7 +136,7 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
     if m.timeout_s <= 0:
         raise bad(f"field 'timeout_s' must be > 0, got {m.timeout_s}")
     # the name is the matrix's folder under --out: one plain folder name, never a path out of it
-    if m.name in ("", ".", "..") or re.search(r"[/\\\x00]", m.name):
+    if not runner.is_folder_name(m.name):
         raise bad(f"field 'name' must be a plain folder name (no '/', not '.' or '..'), got {m.name!r}")
     known_hp = {f.name for f in fields(HParams)}
     for k in m.hparams:

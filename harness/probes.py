@@ -273,7 +273,7 @@ def run_cases(backend: str, model: str, cases: dict, out_root, *, fault: str | N
     from .runner import execute
     names = list(cases)
     cfg = RunConfig(model=model, backend=backend, hparams=cases[names[0]], data=data, fault=fault, **cfg_kw)
-    label = Path(model).stem if model.endswith(".toml") else model   # a spec file's path names no folder
+    label = Path(model).name.removesuffix(".toml")   # a spec file's path or a scenario's names no folder
     folder = execute(cfg, out_root, f"probe__{label}__{backend}__{fault or 'clean'}__{cfg.dtype}", mode="probe",
                      probe_steps=probe_steps, cases=[cases[n] for n in names])
     return {n: ProbeResult(load_npz(folder / f"{probe_file_stem(i)}.npz"),

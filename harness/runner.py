@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import platform
 import queue
 import shutil
@@ -108,6 +109,11 @@ def user_path(path: str | Path) -> Path:
     """A path the user gave, made absolute against the user's working directory (symlinks kept): what is
     handed to a worker or written into a job or manifest must not depend on a process's working directory."""
     return Path(os.path.abspath(os.fspath(path)))
+
+
+def is_folder_name(name: str) -> bool:
+    """One plain folder name (a run's --name, a matrix's name): never a path out of the results root."""
+    return name not in ("", ".", "..") and not re.search(r"[/\\\x00]", name)
 
 
 def cache_dir(out_root: Path) -> Path:
@@ -230,6 +236,8 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         raise BackendFailed(f"{cfg.backend}: {refusal} (--devices {cfg.devices})", None, unsupported=True)
     prep = prepared or prepare(cfg, out_root)
     check_lowers(cfg.backend, prep.model)
+    if name is not None and not is_folder_name(name):
+        raise BadInput(f"--name must be a plain folder name (no '/', not '.' or '..'), got {name!r}")
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
     tmp_root = out_root / ".tmp"

@@ -101,6 +101,7 @@ units = 10
     (["--batch-size", "5000"], "larger than the train set"),
     (["--lr", "-1"], "hyper-parameter 'lr'"),
     (["--data", "synthetic:abc"], "data 'synthetic:abc': synthetic takes a sample count"),
+    (["--name", "../escaped"], "--name must be a plain folder name (no '/', not '.' or '..'), got '../escaped'"),
     (["--seed", "-1"], "hyper-parameter 'seed': must be a non-negative integer, got -1"),
     (["--weight-decay", "nan"], "hyper-parameter 'weight_decay': must be a finite number >= 0, got nan"),
     (["--perturb-ulp", "-1"], "--perturb-ulp must be a non-negative seed, got -1"),
