@@ -106,16 +106,29 @@ units = 10
     (["--weight-decay", "nan"], "hyper-parameter 'weight_decay': must be a finite number >= 0, got nan"),
     (["--perturb-ulp", "-1"], "--perturb-ulp must be a non-negative seed, got -1"),
 ])
-def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle, capsys, monkeypatch):
+    """The console entry in this process (every case fails before a backend process would start); the test
+    below runs one case as a real process."""
+    from harness.cli import entry
     (tmp_path / "malformed.toml").write_text("name = 'x'\n[[layers]\n")
     (tmp_path / "unknown_layer.toml").write_text(BAD_SPEC.replace('"conv2d"', '"conv9d"'))
     (tmp_path / "impossible.toml").write_text(BAD_SPEC)
     out = tmp_path / "out"
-    r = duipai("run", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--steps", "5", "--out", str(out))
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    monkeypatch.setattr(sys, "argv", ["duipai", "run", *[a.replace("{tmp}", str(tmp_path)) for a in args],
+                                      "--steps", "5", "--out", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        entry()
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, stderr
+    assert needle in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) <= 2
     assert not [p for p in out.glob("*") if not p.name.startswith(".")] if out.exists() else True
+
+
+def test_bad_input_from_the_command_line_is_one_line_exit_2(tmp_path):
+    r = duipai("run", "--lr", "-1", "--steps", "5", "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.startswith("duipai: error: hyper-parameter 'lr'"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("backend,package", [("torch", "torch"), ("keras-jax", "jax"), ("keras-tensorflow", "tensorflow")])
