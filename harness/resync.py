@@ -42,7 +42,9 @@ FLOOR = 3e-5
 # points a kind needs to be tested at all.
 SEQ_ALPHA = 0.01
 SEQ_MIN_POINTS = 3
-# the resync points of a run too short for SEQ_MIN_POINTS at the asked cadence (resync_points)
+# the fewest resync points a run gets at any asked cadence (resync_points): with 3, the sequential test's
+# t-test has 2 degrees of freedom and missed a 118-ULP evaluation bias (sd 14 ULP, p 0.0028 against the
+# Bonferroni threshold 0.0017; bench/source_bugs.py jax_bn_inference_without_eps, a 60-step run at K = 25)
 MIN_POINTS = 8
 # a bias rounding can produce: two float32 implementations of one step differ systematically by a fraction
 # of a ULP to a few ULPs (a learning rate rounded to float32, bias corrections computed in another
@@ -82,11 +84,11 @@ def schedule_points(lr: np.ndarray, limit: int = MAX_SCHEDULE_POINTS) -> list[in
 
 def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
     """The steps probed from the reference's state: every `every`-th step from 0 (0 = none); in a run too
-    short for the sequential test's SEQ_MIN_POINTS at that cadence (40 steps at every 25: 2), MIN_POINTS
-    points instead; and `extra` (the first divergent step and the one before it), only steps that have a
+    short for MIN_POINTS at that cadence (60 steps at every 25: 3), MIN_POINTS points instead (as many as
+    the steps allow); and `extra` (the first divergent step and the one before it), only steps that have a
     batch (< steps). The replay job takes a step that has a checkpoint from it and re-trains to any other
     from the checkpoint before it (one pass: at most one run's steps, however many points)."""
-    if every > 0 and len(range(0, steps, every)) < SEQ_MIN_POINTS:
+    if every > 0 and len(range(0, steps, every)) < MIN_POINTS:
         every = min(every, max(1, steps // MIN_POINTS))
     pts = list(range(0, steps, every)) if every > 0 else []
     return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})

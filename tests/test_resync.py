@@ -24,12 +24,16 @@ UPDATE_KEYS = [f"update0/p{i}" for i in range(10)]
 # --------------------------------------------------------------------------- pieces
 def test_resync_points_every_k_steps_plus_the_divergent_steps():
     assert R.resync_points(300, 25) == list(range(0, 300, 25))          # step 300 has no batch
-    assert R.resync_points(300, 100) == [0, 100, 200]
-    assert R.resync_points(300, 100, extra=[63, 64]) == [0, 63, 64, 100, 200]
+    assert R.resync_points(900, 100) == list(range(0, 900, 100))
+    assert R.resync_points(900, 100, extra=[63, 64]) == [0, 63, 64, 100, 200, 300, 400, 500, 600, 700, 800]
+    # fewer than MIN_POINTS at the asked cadence: MIN_POINTS (the replay re-trains one pass whatever their number)
+    assert R.resync_points(300, 100) == list(range(0, 300, 37))
     assert R.resync_points(300, 0, extra=[5, 6]) == [5, 6]
     # a short run still gets MIN_POINTS points (the sequential test needs several)
     assert R.resync_points(40, 25) == list(range(0, 40, 5)) and len(R.resync_points(40, 25)) == R.MIN_POINTS
     assert R.resync_points(5, 25) == [0, 1, 2, 3, 4]
+    assert R.resync_points(60, 25) == list(range(0, 60, 7)) and len(R.resync_points(60, 25)) >= R.MIN_POINTS
+    assert R.resync_points(200, 25) == list(range(0, 200, 25))     # 8 at the asked cadence: kept
 
 
 def test_projection_is_the_relative_scale_of_the_deviation_whatever_the_sign():

@@ -40,7 +40,8 @@ Examples:
               help="Do not run probe/replay jobs to localize a BUG (nor the shared-state step comparison).")
 @click.option("--resync-every", "resync_every", type=int, default=DEFAULT_RESYNC_EVERY, show_default=True,
               help="Compare one step of every candidate from the reference's state every K steps "
-                   "(its checkpoints, re-trained in between when finer); 0: off.")
+                   "(its checkpoints, re-trained in between when finer; a run with fewer than 8 such steps "
+                   "gets 8); 0: off.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Folder for comparison.csv/.json (default: next to the runs).")
 @click.option("--steps-csv/--no-steps-csv", "steps_csv", default=None,
