@@ -50,9 +50,9 @@ def _resolve(paths: tuple[Path, ...]) -> tuple[list[Path], Path | None, list[str
     if not paths:
         raise BadInput("give run folders, or one results folder")
     if len(paths) == 1 and paths[0].is_dir() and not is_run_folder(paths[0]):
-        found = discover(paths[0])
+        found = discover(paths[0], notes)
         if not found:
-            raise BadInput(f"{paths[0]}: no complete run folders in it")
+            raise BadInput(f"{paths[0]}: no complete run folders in it" + "".join(f"; {n}" for n in notes))
         return found, paths[0], notes
     for p in paths:
         if not p.exists():

@@ -18,7 +18,10 @@ import pandas as pd
 
 from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
 
+from algorithms.documents import parse_document
+
 from .compare_output import declared_apart, declared_where, inside_factor, odd_one_out_line, other_pairs_lines, side_of
+from .errors import BadInput
 from .files import atomic_write_text
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
@@ -37,6 +40,28 @@ def _png(fig) -> str:
     import matplotlib.pyplot as plt
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def read_comparison(path: Path) -> dict[str, Any]:
+    """A comparison.json, or BadInput naming the file: a hand-edited or truncated one is one line, not a traceback."""
+    comp = parse_document(path, json.loads, bad=lambda e: BadInput(f"{path}: not valid JSON: {e}"))
+    ok = (isinstance(comp, dict) and isinstance(comp.get("reference"), dict) and "run" in comp["reference"]
+          and isinstance(comp.get("runs"), list) and isinstance(comp.get("pairs"), list))
+    if not ok:
+        raise BadInput(f"{path}: not a duipai comparison (needs 'reference.run', 'runs' and 'pairs'); "
+                       "rewrite it with `duipai compare`")
+    return comp
+
+
+def read_status(folder: Path) -> dict[str, Any] | None:
+    """A matrix folder's matrix.json (None without one), or BadInput naming the file."""
+    path = folder / "matrix.json"
+    if not path.exists():
+        return None
+    status = parse_document(path, json.loads, bad=lambda e: BadInput(f"{path}: not valid JSON: {e}"))
+    if not isinstance(status, dict) or not isinstance(status.get("entries", []), list):
+        raise BadInput(f"{path}: not a duipai matrix status (needs a list 'entries')")
+    return status
 
 
 def find_comparisons(folder: Path) -> list[Path]:
@@ -280,7 +305,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
     folder = Path(folder)
     md = [f"# duipai: {folder.name}", ""]
     for c in find_comparisons(folder):
-        comp = json.loads(c.read_text())
+        comp = read_comparison(c)
         ref = comp["reference"]["run"]
         odd = odd_lead(comp)
         md += [f"## {ref}", ""]
@@ -302,7 +327,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
         more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])
         if more:
             md += ["```", *more, "```", ""]
-    status = json.loads((folder / "matrix.json").read_text()) if (folder / "matrix.json").exists() else None
+    status = read_status(folder)
     for e in (status or {}).get("entries", []):
         if e["status"] in ("failed", "unsupported", "skipped"):
             md.append(f"- **{e['status'].upper()}** {e['name']}: {e['message']}")
@@ -315,9 +340,7 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
     folder = Path(folder)
     out = out or folder / "report"
     comps = find_comparisons(folder)
-    status = None
-    if (folder / "matrix.json").exists():
-        status = json.loads((folder / "matrix.json").read_text())
+    status = read_status(folder)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>duipai report: {esc(folder.name)}</title>"
              f"<style>{CSS}</style></head><body><h1>duipai report: {esc(folder.name)}</h1>"
              f"<p class=small>generated {esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} from "
@@ -326,7 +349,7 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
     if not comps:
         parts.append("<p><b>No comparison found.</b> Run <code>duipai compare</code> on this folder first.</p>")
     for c in comps:
-        comp = json.loads(c.read_text())
+        comp = read_comparison(c)
         ref = comp["reference"]["run"]
         runs = {(_short(r["run"], ref) if r["run"] != ref else f"{r['backend']} (reference)"): Path(r["path"])
                 for r in comp["runs"]}

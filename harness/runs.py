@@ -164,15 +164,22 @@ def is_run_folder(p: Path) -> bool:
     return (p / MANIFEST_FILE).is_file() and (p / STEPS_FILE).is_file()
 
 
-def discover(root: Path) -> list[Path]:
-    """The complete train runs directly inside a results folder (hidden folders are the harness's own)."""
+def discover(root: Path, skipped: list[str] | None = None) -> list[Path]:
+    """The complete train runs directly inside a results folder (hidden folders are the harness's own); a run
+    folder whose manifest cannot be read is left out and said in `skipped`."""
     out = []
     for d in sorted(root.iterdir()):
         if d.name.startswith(".") or not d.is_dir() or not is_run_folder(d):
             continue
         try:
             man = json.loads((d / MANIFEST_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError) as e:
+            if skipped is not None:
+                skipped.append(f"{d.name}: left out, its {MANIFEST_FILE} cannot be read ({type(e).__name__}: {e})")
+            continue
+        if not isinstance(man, dict):
+            if skipped is not None:
+                skipped.append(f"{d.name}: left out, its {MANIFEST_FILE} is not a run manifest")
             continue
         if man.get("kind", "train") == "train" and man.get("status") == "complete":
             out.append(d)

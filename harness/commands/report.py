@@ -13,7 +13,11 @@ from .common import fail
 @click.option("-v", "--verbose", is_flag=True, help="summary.md lists every pair without the reference.")
 def report_cmd(folder: Path, verbose: bool) -> None:
     """Regenerate FOLDER/report/index.html and summary.md from existing results (no training)."""
+    from ..errors import BadInput
     from ..report import build, find_comparisons   # pandas and matplotlib: only here
     if not find_comparisons(folder):
         fail(f"{folder}: no comparison.json; run `duipai compare {folder}` first")
-    click.echo(str(build(folder, verbose=verbose).resolve()))
+    try:
+        click.echo(str(build(folder, verbose=verbose).resolve()))
+    except BadInput as e:
+        fail(str(e))

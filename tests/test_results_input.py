@@ -1,0 +1,42 @@
+"""Results files a user may have edited, truncated or copied half-way: `duipai report` and `duipai compare` say which
+file in one line and exit 2, and write nothing over what is there."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _entry(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    from harness.cli import entry
+    monkeypatch.setattr(sys, "argv", ["duipai", *args])
+    with pytest.raises(SystemExit) as exited:
+        entry()
+    return exited.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "comparison.json: not valid JSON: "),
+    ('{"pairs": 3}', "comparison.json: not a duipai comparison (needs 'reference.run', 'runs' and 'pairs')"),
+])
+def test_report_of_a_broken_comparison_is_one_line_and_keeps_the_old_report(tmp_path, text, needle, capsys,
+                                                                            monkeypatch):
+    (tmp_path / "comparison.json").write_text(text)
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "index.html").write_text("the previous report")
+    code, err = _entry(["report", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and err.startswith(f"duipai: error: {tmp_path / 'comparison.json'}"), err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "report" / "index.html").read_text() == "the previous report"
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["index.html"]
+
+
+def test_compare_says_which_run_it_left_out_for_an_unreadable_manifest(tmp_path: Path, capsys, monkeypatch):
+    run = tmp_path / "cnn2d_2conv_2fc__torch__momentum-constant__s0"
+    run.mkdir()
+    (run / "steps.csv").write_text("step,loss\n")
+    (run / "manifest.json").write_text('{"backend": "torch", ')
+    code, err = _entry(["compare", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{tmp_path}: no complete run folders in it; {run.name}: left out, its manifest.json cannot be read" in err
