@@ -279,8 +279,8 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
             e.status = "cached"
     previous = {}
     try:   # a refusal is a property of the configuration: remembered by key like a result
-        previous = {x["name"]: x for x in load_status(out)["entries"]}
-    except (OSError, ValueError, KeyError):
+        previous = {x["name"]: x for x in (load_status(out) or {}).get("entries", [])}
+    except (OSError, BadInput, KeyError, TypeError):
         pass
     for e in entries:
         p = previous.get(e.name)
@@ -319,8 +319,15 @@ def write_status(out: Path, m: Matrix | Any, entries: list[Entry]) -> None:
                                                         "entries": [e.to_dict() for e in entries]}, indent=2))
 
 
-def load_status(out: Path) -> dict[str, Any]:
-    return json.loads((out / "matrix.json").read_text())
+def load_status(out: Path) -> dict[str, Any] | None:
+    """A matrix folder's matrix.json (None without one), or BadInput naming the file (hand-edited, truncated)."""
+    path = out / "matrix.json"
+    if not path.exists():
+        return None
+    status = parse_document(path, json.loads, bad=lambda e: BadInput(f"{path}: not valid JSON: {e}"))
+    if not isinstance(status, dict) or not isinstance(status.get("entries", []), list):
+        raise BadInput(f"{path}: not a duipai matrix status (needs a list 'entries')")
+    return status
 
 
 __all__ = ["Matrix", "Entry", "load_matrix", "arbiter_of", "expand", "run_matrix", "run_key", "os"]

@@ -17,12 +17,12 @@ from typing import Any
 import pandas as pd
 
 from algorithms.contract import EVAL_FILE, MANIFEST_FILE, STEPS_FILE
-
 from algorithms.documents import parse_document
 
 from .compare_output import declared_apart, declared_where, inside_factor, odd_one_out_line, other_pairs_lines, side_of
 from .errors import BadInput
 from .files import atomic_write_text
+from .matrix import load_status
 
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm", "eval_loss", "eval_accuracy")
 COLOURS = {"IDENTICAL": "#cfe8cf", "DRIFT": "#dff0d8", "BUG": "#f2b8b5", "DECLARED": "#fde9b5",
@@ -51,17 +51,6 @@ def read_comparison(path: Path) -> dict[str, Any]:
         raise BadInput(f"{path}: not a duipai comparison (needs 'reference.run', 'runs' and 'pairs'); "
                        "rewrite it with `duipai compare`")
     return comp
-
-
-def read_status(folder: Path) -> dict[str, Any] | None:
-    """A matrix folder's matrix.json (None without one), or BadInput naming the file."""
-    path = folder / "matrix.json"
-    if not path.exists():
-        return None
-    status = parse_document(path, json.loads, bad=lambda e: BadInput(f"{path}: not valid JSON: {e}"))
-    if not isinstance(status, dict) or not isinstance(status.get("entries", []), list):
-        raise BadInput(f"{path}: not a duipai matrix status (needs a list 'entries')")
-    return status
 
 
 def find_comparisons(folder: Path) -> list[Path]:
@@ -327,7 +316,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
         more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])
         if more:
             md += ["```", *more, "```", ""]
-    status = read_status(folder)
+    status = load_status(folder)
     for e in (status or {}).get("entries", []):
         if e["status"] in ("failed", "unsupported", "skipped"):
             md.append(f"- **{e['status'].upper()}** {e['name']}: {e['message']}")
@@ -340,7 +329,7 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
     folder = Path(folder)
     out = out or folder / "report"
     comps = find_comparisons(folder)
-    status = read_status(folder)
+    status = load_status(folder)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>duipai report: {esc(folder.name)}</title>"
              f"<style>{CSS}</style></head><body><h1>duipai report: {esc(folder.name)}</h1>"
              f"<p class=small>generated {esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} from "

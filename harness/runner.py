@@ -11,9 +11,9 @@ import functools
 import hashlib
 import json
 import os
-import re
 import platform
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -234,10 +234,10 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     refusal = backend_info()[cfg.backend].get("no_data_parallel")
     if refusal and cfg.devices > 1:    # refused here, without starting a process (the wrapper refuses too)
         raise BackendFailed(f"{cfg.backend}: {refusal} (--devices {cfg.devices})", None, unsupported=True)
-    prep = prepared or prepare(cfg, out_root)
-    check_lowers(cfg.backend, prep.model)
     if name is not None and not is_folder_name(name):
         raise BadInput(f"--name must be a plain folder name (no '/', not '.' or '..'), got {name!r}")
+    prep = prepared or prepare(cfg, out_root)
+    check_lowers(cfg.backend, prep.model)
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
     tmp_root = out_root / ".tmp"
