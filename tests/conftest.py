@@ -59,6 +59,22 @@ def across_workers(tmp_path_factory) -> Path:
     return _SHARED or tmp_path_factory.getbasetemp()
 
 
+def duipai_in_process(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """The console entry (`duipai ARGS`) in the test process, from the project root: exit code, stdout,
+    stderr. For commands that fail on bad input before any backend process would start (a process start
+    of the CLI costs 1-3 s; one real-process case per command family stays in the tests)."""
+    from harness.cli import entry
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["duipai", *args])
+    code = 0
+    try:
+        entry()
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict, timeout: float) -> dict:
     """What `python -m MODULE BACKEND PATH` pickled into PATH, once per backend and test run: PATH is in
     `folder` (across_workers), under a file lock, so the worker that comes second reads the first one's (a

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, need
+from .conftest import ROOT, duipai_in_process, need
 
 MATRIX = """name = "tcheck"
 models = ["cnn2d_2conv_2fc"]
@@ -111,7 +111,8 @@ def test_injected_fault_fails_with_the_bug_localized(saved, faulty):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "edit", "delete", "index"])
-def test_corrupt_or_missing_baseline_is_bad_input_naming_the_file(saved, tmp_path, damage):
+def test_corrupt_or_missing_baseline_is_bad_input_naming_the_file(saved, tmp_path, damage, monkeypatch, capsys):
+    """In the test process (refused before anything runs); the cases below run the check as a real process."""
     bl = tmp_path / "bl"
     shutil.copytree(saved["baselines"], bl)
     f = bl / "tcheck" / f"{JAX}.json"
@@ -125,9 +126,9 @@ def test_corrupt_or_missing_baseline_is_bad_input_naming_the_file(saved, tmp_pat
         f = bl / "tcheck" / "index.json"
         f.write_text(f.read_text()[:100])
     out = tmp_path / "results"
-    r = duipai(*args(saved, baselines=bl, out=out))
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert str(f) in r.stderr and r.stderr.startswith("duipai: error:")
+    code, stdout, stderr = duipai_in_process(args(saved, baselines=bl, out=out), monkeypatch, capsys)
+    assert code == 2, stdout + stderr
+    assert str(f) in stderr and stderr.startswith("duipai: error:")
     assert not out.exists()                                              # nothing run
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, duipai_in_process
 
 HEAD = 'models = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\nsteps = 5\n'
 MODEL_FILE = ROOT / "algorithms" / "models" / "cnn2d_2conv_2fc.toml"
@@ -58,16 +58,17 @@ def test_load_matrix_names_the_entry(case, tmp_path):
     (["check", "--matrix"], "unknown_backend"), (["check", "--matrix"], "duplicate_backend"),
     (["baseline", "save", "--matrix"], "unknown_optimizer"),
 ])
-def test_commands_exit_2_and_run_nothing(command, case, tmp_path):
+def test_commands_exit_2_and_run_nothing(command, case, tmp_path, monkeypatch, capsys):
+    """In the test process (the matrix is refused before any backend would start); tests/test_user_paths.py
+    runs the matrix commands as real processes."""
     text, message = CASES[case]
     p = tmp_path / f"{case}.toml"
     p.write_text(text)
     out = tmp_path / "results"
     extra = ["--baselines", str(tmp_path / "bl")] if command[0] in ("check", "baseline") else []
-    r = subprocess.run([sys.executable, "-m", "harness.cli", *command, str(p), "--out", str(out), *extra],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 2, r.stdout + r.stderr
-    line = r.stderr.strip().splitlines()
+    code, stdout, stderr = duipai_in_process([*command, str(p), "--out", str(out), *extra], monkeypatch, capsys)
+    assert code == 2, stdout + stderr
+    line = stderr.strip().splitlines()
     assert len(line) == 1 and line[0].startswith(f"duipai: error: matrix {p}: ") and message in line[0]
     assert not out.exists() and not (tmp_path / "bl").exists()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from .conftest import ROOT, need
+from .conftest import ROOT, duipai_in_process, need
 
 NAME = "cnn2d_2conv_2fc__torch__momentum-constant__s0"
 
@@ -109,17 +109,13 @@ units = 10
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle, capsys, monkeypatch):
     """The console entry in this process (every case fails before a backend process would start); the test
     below runs one case as a real process."""
-    from harness.cli import entry
     (tmp_path / "malformed.toml").write_text("name = 'x'\n[[layers]\n")
     (tmp_path / "unknown_layer.toml").write_text(BAD_SPEC.replace('"conv2d"', '"conv9d"'))
     (tmp_path / "impossible.toml").write_text(BAD_SPEC)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["duipai", "run", *[a.replace("{tmp}", str(tmp_path)) for a in args],
-                                      "--steps", "5", "--out", str(out)])
-    with pytest.raises(SystemExit) as exited:
-        entry()
-    stderr = capsys.readouterr().err
-    assert exited.value.code == 2, stderr
+    code, _, stderr = duipai_in_process(["run", *[a.replace("{tmp}", str(tmp_path)) for a in args],
+                                         "--steps", "5", "--out", str(out)], monkeypatch, capsys)
+    assert code == 2, stderr
     assert needle in stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) <= 2
     assert not [p for p in out.glob("*") if not p.name.startswith(".")] if out.exists() else True
