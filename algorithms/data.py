@@ -68,6 +68,8 @@ def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str,
         if np.any(y < 0) or np.any(y != np.floor(y)):
             bad = y[(y < 0) | (y != np.floor(y))][0]
             raise DataError(f"{source}: label {float(bad):g} in the {part} set is not a non-negative integer")
+        if np.any(y > np.iinfo(np.int32).max):     # int32 below would wrap it onto a valid class
+            raise DataError(f"{source}: label {float(y.max()):.0f} in the {part} set is out of range")
     x_tr = x_tr.astype(np.float64) / raw_max
     x_te = x_te.astype(np.float64) / raw_max
     mean, std = float(x_tr.mean()), float(x_tr.std())
@@ -280,11 +282,19 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
     except Exception as e:  # zipfile / pickle / format errors all mean "not a usable .npz"
         raise DataError(f"{p}: not a readable .npz file ({e})") from None
     if {"x_train", "y_train", "x_test", "y_test"} <= set(z):
-        parts = [z["x_train"], z["y_train"], z["x_test"], z["y_test"]]
+        names = ["x_train", "y_train", "x_test", "y_test"]
     elif {"x", "y"} <= set(z):
-        parts = list(_split(z["x"], z["y"]))
+        names = ["x", "y"]
     else:
         raise DataError(f"{p}: needs arrays x_train, y_train, x_test, y_test (or x, y); has {sorted(z)}")
+    for name in names:    # before any arithmetic on them: a string or complex array, a scalar
+        a = z[name]
+        if a.ndim == 0:
+            raise DataError(f"{p}: array {name} is a scalar, not one entry per sample")
+        if a.dtype.kind not in "iuf":            # labels as floats must be whole numbers: checked with the values
+            raise DataError(f"{p}: array {name} has dtype {a.dtype}; "
+                            + ("labels must be integers" if name.startswith("y") else "images must be real numbers"))
+    parts = [z[n] for n in names] if len(names) == 4 else list(_split(z["x"], z["y"]))
     for i in (0, 2):
         x = parts[i]
         if x.ndim == 2 and image_shape is not None:
@@ -295,8 +305,6 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
             parts[i] = x[..., None]
         elif x.ndim != 4:
             raise DataError(f"{p}: images must be (N, H, W) or (N, H, W, C), got shape {x.shape}")
-        if not np.issubdtype(parts[i].dtype, np.number):
-            raise DataError(f"{p}: images have non-numeric dtype {x.dtype}")
     for xi, yi in ((0, 1), (2, 3)):
         if parts[yi].ndim != 1 or len(parts[yi]) != len(parts[xi]):
             raise DataError(f"{p}: {len(parts[xi])} images but labels of shape {parts[yi].shape}")

@@ -89,6 +89,25 @@ def test_missing_and_bad_npz(tmp_path):
         D.load_data(str(tmp_path / "s.npz"))
 
 
+@pytest.mark.parametrize("arrays, needle", [
+    ({"y": np.arange(20).astype(str)}, "array y has dtype <U21; labels must be integers"),
+    ({"y": (np.arange(20) % 10).astype(np.complex64)}, "array y has dtype complex64"),
+    ({"x": np.zeros((20, 8, 8), bool)}, "array x has dtype bool; images must be real numbers"),
+    ({"x": np.float32(1.0)}, "array x is a scalar, not one entry per sample"),
+    # int32 would wrap 2**40 + 3 onto class 3: the data would be changed without a word
+    ({"y": np.arange(20) % 10 + 2**40}, "label 1099511627785 in the train set is out of range"),
+])
+def test_npz_arrays_of_the_wrong_kind_are_one_line(tmp_path, arrays, needle):
+    """As a user's file may hold them: each was a traceback (strings, complex, a scalar) or, for labels beyond
+    int32, silently wrapped onto valid classes."""
+    base = {"x": np.random.default_rng(0).uniform(0, 1, (20, 8, 8)), "y": np.arange(20) % 10}
+    f = tmp_path / "d.npz"
+    np.savez(f, **{**base, **arrays})
+    with pytest.raises(D.DataError) as e:
+        D.load_data(str(f))
+    assert str(f) in str(e.value) and needle in str(e.value)
+
+
 def test_npz_and_fit_check(tmp_path):
     x = np.random.default_rng(0).uniform(0, 1, (50, 8, 8))
     y = np.arange(50) % 10
