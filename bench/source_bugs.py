@@ -283,10 +283,8 @@ MUTATIONS = (
              "enters the buffer x 0.1",
              reference="numpy"),
     Mutation("jax_log_softmax_via_logsumexp", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/layers.py",
-             '"""Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""\n'
-             "    logp = jax.nn.log_softmax(logits, axis=-1)\n",
-             '"""Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""\n'
-             "    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)\n",
+             "logp = jax.nn.log_softmax(logits, axis=-1)",
+             "logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)",
              ("IDENTICAL", "DRIFT"), (), "",
              "no bug, on a chaotic model: log_softmax written out as logits - logsumexp (another rounding of the "
              "same function and its gradient)",
@@ -329,6 +327,28 @@ MUTATIONS = (
              "no bug: the global average pool written as a sum divided by the area (another rounding of the mean)",
              args=("--steps", "100", "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
                    "--schedule", "warmup")),
+    # ---- session 9: layout, optimizer-constructor, loss-axis and gradient-path slips
+    Mutation("torch_input_hw_transposed", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/backend.py",
+             "t = self._t(x).permute(0, 3, 1, 2)", "t = self._t(x).permute(0, 3, 2, 1)",
+             ("BUG",), ("forward",), "conv1",
+             "NHWC -> NCHW written as (0, 3, 2, 1): every image transposed (the digits are not symmetric)",
+             reference="numpy"),
+    Mutation("jax_adam_betas_swapped", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/optim.py",
+             "lambda learning_rate, eps: l2(optax.adam(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps))",
+             "lambda learning_rate, eps: l2(optax.adam(learning_rate, b1=hp.beta2, b2=hp.beta1, eps=eps))",
+             ("BUG",), ("optimizer",), "",
+             "Adam's two decay rates handed over in the wrong order (the bias corrections keep the right ones)",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine")),
+    Mutation("jax_log_softmax_over_the_batch", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
+             "logp = jax.nn.log_softmax(logits, axis=-1)", "logp = jax.nn.log_softmax(logits, axis=0)",
+             ("BUG",), ("loss",), "",
+             "the softmax normalised over the batch axis instead of the classes (an axis copied from a "
+             "channels-first port)", args=("--optimizer", "nesterov", "--schedule", "step")),
+    Mutation("keras_torch_l2_term_dropped", "cnn2d_2conv_2fc", "keras-torch", 1, "wrappers/keras/runtimes/torch.py",
+             "self.optimizer.apply(grads, tv)", "self.optimizer.apply(raw_grads, tv)",
+             ("BUG",), ("optimizer",), "",
+             "the optimizer applies the raw gradients: Adam's coupled L2 term (weight decay) is lost",
+             args=("--optimizer", "adam", "--lr", "0.001", "--weight-decay", "0.0005")),
 )
 
 

@@ -161,12 +161,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
 
 def cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
     """Mean softmax cross-entropy from logits (torch F.cross_entropy semantics, incl. label smoothing)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    if label_smoothing:
-        smooth = -jnp.mean(logp, axis=-1)
-        return jnp.mean((1.0 - label_smoothing) * nll + label_smoothing * smooth)
-    return jnp.mean(nll)
+    return jnp.mean(per_example_cross_entropy(logits, y, label_smoothing))
 
 
 def per_example_cross_entropy(logits: jax.Array, y: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
