@@ -349,6 +349,18 @@ MUTATIONS = (
              ("BUG",), ("optimizer",), "",
              "the optimizer applies the raw gradients: Adam's coupled L2 term (weight decay) is lost",
              args=("--optimizer", "adam", "--lr", "0.001", "--weight-decay", "0.0005")),
+    Mutation("tf_relu_in_bfloat16", "cnn2d_2conv_2fc", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             "            x = tf.nn.relu(x)\n",
+             "            x = tf.cast(tf.nn.relu(tf.cast(x, tf.bfloat16)), x.dtype)\n",
+             ("BUG",), ("forward",), "",
+             "a mixed-precision cast left in one layer: every ReLU rounds its input to bfloat16 (8 bits of "
+             "mantissa) and back"),
+    Mutation("torch_bn_cumulative_running_stats", "cnn2d_hard", "torch", 1, "wrappers/torch/layers.py",
+             "momentum=mom, eps=eps)", "momentum=None, eps=eps)",
+             ("BUG",), (), "bn1",
+             "torch's momentum=None (a cumulative average of every batch's statistics) where an exponential "
+             "average with the spec's momentum is asked for: only the running statistics, so only evaluation, differ",
+             reference="numpy"),
 )
 
 
