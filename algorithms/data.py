@@ -294,6 +294,13 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
         if a.dtype.kind not in "iuf":            # labels as floats must be whole numbers: checked with the values
             raise DataError(f"{p}: array {name} has dtype {a.dtype}; "
                             + ("labels must be integers" if name.startswith("y") else "images must be real numbers"))
+    for xn, yn in zip(names[::2], names[1::2]):  # one label per image, before the split pairs them up
+        if z[xn].ndim < 2:
+            raise DataError(f"{p}: array {xn} has shape {z[xn].shape}; images must be (N, H, W), (N, H, W, C) "
+                            "or flat (N, H*W*C) rows")
+        if z[yn].ndim != 1 or len(z[yn]) != len(z[xn]):
+            raise DataError(f"{p}: {xn} holds {len(z[xn])} images but {yn} has shape {z[yn].shape}; "
+                            "one integer label per image")
     parts = [z[n] for n in names] if len(names) == 4 else list(_split(z["x"], z["y"]))
     for i in (0, 2):
         x = parts[i]
@@ -305,9 +312,6 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
             parts[i] = x[..., None]
         elif x.ndim != 4:
             raise DataError(f"{p}: images must be (N, H, W) or (N, H, W, C), got shape {x.shape}")
-    for xi, yi in ((0, 1), (2, 3)):
-        if parts[yi].ndim != 1 or len(parts[yi]) != len(parts[xi]):
-            raise DataError(f"{p}: {len(parts[xi])} images but labels of shape {parts[yi].shape}")
     rm = raw_max if raw_max is not None else float(max(np.abs(parts[0]).max(), 1e-12))
     return _finish(*parts, f"npz:{_recorded(p)}", rm, {"file_hash": _file_hash(p)})
 

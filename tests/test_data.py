@@ -96,6 +96,11 @@ def test_missing_and_bad_npz(tmp_path):
     ({"x": np.float32(1.0)}, "array x is a scalar, not one entry per sample"),
     # int32 would wrap 2**40 + 3 onto class 3: the data would be changed without a word
     ({"y": np.arange(20) % 10 + 2**40}, "label 1099511627785 in the train set is out of range"),
+    # the split indexed the labels by the images' permutation: more labels than images were cut without a word
+    ({"y": np.arange(40) % 10}, "x holds 20 images but y has shape (40,); one integer label per image"),
+    ({"y": np.arange(10) % 10}, "x holds 20 images but y has shape (10,)"),
+    ({"y": np.zeros((20, 10))}, "x holds 20 images but y has shape (20, 10)"),
+    ({"x": np.zeros(20)}, "array x has shape (20,); images must be (N, H, W)"),
 ])
 def test_npz_arrays_of_the_wrong_kind_are_one_line(tmp_path, arrays, needle):
     """As a user's file may hold them: each was a traceback (strings, complex, a scalar) or, for labels beyond
