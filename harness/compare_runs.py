@@ -5,6 +5,7 @@ demand, writes comparison.{json,csv} and returns the outcome (the command prints
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -131,6 +132,11 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     from .runs import load_run
     if k < 1:
         raise BadInput(f"-k must be >= 1, got {k}")
+    if margin is not None and not (math.isfinite(margin) and margin > 0):   # <= 0: every step exceeds, a false BUG
+        raise BadInput(f"--margin must be a finite number > 0, got {margin}")
+    if resync_every < 0:
+        raise BadInput(f"--resync-every must be >= 0 (0: off), got {resync_every}")
+    check_timeout(timeout)
     if arbiter:   # before anything is trained
         from .arbiter import check_arbiter
         check_arbiter(arbiter)
@@ -201,6 +207,12 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     return CompareOutcome(code, written, json.dumps(doc), lead_text(results) + text)
 
 
+def check_timeout(timeout: float | None) -> None:
+    """A job limit of 0 s or less (or nan) would kill every envelope, probe and replay job at its start."""
+    if timeout is not None and not timeout > 0:
+        raise BadInput(f"--timeout must be a number of seconds > 0, got {timeout}")
+
+
 def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force: bool = False,
                   seeds: list[int] | None = None, at: list[int] | None = None, metrics: str = DEFAULT_METRICS,
                   alpha: float = 0.05, timeout: float | None = None, out: Path | None = None,
@@ -210,6 +222,9 @@ def compare_seeds(*, paths: tuple[Path, ...] | list[Path], reference: str, force
     from .compare_output import write_outputs
     from .runs import load_run
     from .stats import check_stat_comparable, ensure_seeds, render_stat, stat_compare
+    if not 0 < alpha < 1:
+        raise BadInput(f"--alpha must be between 0 and 1, got {alpha}")
+    check_timeout(timeout)
     folders, scanned, _ = _resolve(tuple(paths))
     runs = [load_run(p) for p in folders]
     out_dir = _out_dir(out, scanned, runs)

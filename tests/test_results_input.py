@@ -2,18 +2,16 @@
 file in one line and exit 2, and write nothing over what is there."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from .conftest import duipai_in_process
+
 
 def _entry(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
-    from harness.cli import entry
-    monkeypatch.setattr(sys, "argv", ["duipai", *args])
-    with pytest.raises(SystemExit) as exited:
-        entry()
-    return exited.value.code, capsys.readouterr().err
+    code, _, err = duipai_in_process(args, monkeypatch, capsys)
+    return code, err
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -40,3 +38,20 @@ def test_compare_says_which_run_it_left_out_for_an_unreadable_manifest(tmp_path:
     code, err = _entry(["compare", str(tmp_path)], capsys, monkeypatch)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{tmp_path}: no complete run folders in it; {run.name}: left out, its manifest.json cannot be read" in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    # a margin of 0 or less makes every step exceed the envelope: a BUG for any pair
+    (["--margin", "-1"], "--margin must be a finite number > 0, got -1.0"),
+    (["--margin", "nan"], "--margin must be a finite number > 0, got nan"),
+    (["--resync-every", "-1"], "--resync-every must be >= 0 (0: off), got -1"),
+    (["--stat", "--alpha", "2"], "--alpha must be between 0 and 1, got 2.0"),
+    # 0 s or less killed every envelope job at its start and said "timed out"
+    (["--timeout", "0"], "Invalid value for '--timeout': 0.0 is not in the range x>0."),
+    (["--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a number of seconds"),
+])
+def test_compare_options_out_of_range_are_one_line(tmp_path, args, needle, capsys, monkeypatch):
+    """Refused before any folder is read or anything trained (the folder here holds no run)."""
+    code, err = _entry(["compare", str(tmp_path), *args], capsys, monkeypatch)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

@@ -105,6 +105,7 @@ units = 10
     (["--seed", "-1"], "hyper-parameter 'seed': must be a non-negative integer, got -1"),
     (["--weight-decay", "nan"], "hyper-parameter 'weight_decay': must be a finite number >= 0, got nan"),
     (["--perturb-ulp", "-1"], "--perturb-ulp must be a non-negative seed, got -1"),
+    (["--timeout", "0"], "Invalid value for '--timeout': 0.0 is not in the range x>0."),   # was: "timed out"
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle, capsys, monkeypatch):
     """The console entry in this process (every case fails before a backend process would start); the test

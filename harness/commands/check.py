@@ -14,7 +14,7 @@ from ..baseline_set import BASELINES_DIR, load_set, rel_path, set_folder
 from ..check import Saved, check_baselines, update_baselines
 from ..errors import BadInput
 from ..files import atomic_write_text
-from .common import fail, options, say
+from .common import SECONDS, fail, options, say
 
 COMMON = [
     click.option("--matrix", "matrix_file", default="ci", show_default=True,
@@ -52,7 +52,7 @@ def _print_saved(saved: Saved) -> NoReturn:
 @click.option("--allow-drift", is_flag=True,
               help="Bitwise mode: a bit-level change that the envelope calls drift is reported in the summary but "
                    "passes (a gate for real regressions only); without it any changed bit fails.")
-@click.option("--timeout", type=float, default=None, help="Kill a localization job after this many seconds.")
+@click.option("--timeout", type=SECONDS, default=None, help="Kill a localization job after this many seconds.")
 def check_cmd(matrix_file: str, baselines: Path, out: Path, jobs: int, reuse: bool, update: bool, mode: str,
               fault: tuple[str, ...], junit_path: Path | None, summary_path: Path | None, as_json: bool,
               no_localize: bool, timeout: float | None, allow_drift: bool) -> None:

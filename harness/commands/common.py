@@ -9,6 +9,23 @@ import click
 from ..errors import EXIT_BAD_INPUT, error_line
 
 
+class Seconds(click.FloatRange):
+    """A job limit in seconds: a number > 0 (0 or less killed the job at its start, reported as "timed out")."""
+    name = "seconds"
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        seconds = super().convert(value, param, ctx)
+        if seconds != seconds:          # nan passes every comparison of FloatRange
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
+
+
+SECONDS = Seconds()
+
+
 def fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Print `duipai: error: MSG` on stderr and exit (2 by default: bad input)."""
     click.echo(error_line(msg), err=True)

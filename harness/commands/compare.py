@@ -9,7 +9,7 @@ import click
 from ..compare_runs import DEFAULT_METRICS, DEFAULT_RESYNC_EVERY, compare_runs, compare_seeds, parse_ints
 from ..defaults import REFERENCE
 from ..errors import EXIT_CRASH, BackendFailed, BadInput
-from .common import fail, say
+from .common import SECONDS, fail, say
 
 EPILOG = """\b
 Verdicts: IDENTICAL (bitwise), DRIFT (inside the envelope, or outside it while every step from a
@@ -49,7 +49,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print comparison.json on stdout instead of the table.")
 @click.option("-v", "--verbose", is_flag=True,
               help="List every pair without the reference, not one line when they agree.")
-@click.option("--timeout", type=float, default=None, help="Kill a backend job (envelope, probe, replay) after this many s.")
+@click.option("--timeout", type=SECONDS, default=None, help="Kill a backend job (envelope, probe, replay) after this many s.")
 @click.option("-j", "--jobs", type=int, default=1, show_default=True,
               help="Backend processes at once (envelope runs; resync and localization jobs of the candidates).")
 @click.option("--arbiter", default=None, metavar="BACKEND",

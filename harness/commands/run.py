@@ -15,7 +15,7 @@ from algorithms.optim import OPTIMIZERS, SCHEDULES, HParamError, HParams
 from .. import runner
 from ..defaults import REFERENCE
 from ..errors import EXIT_BUG, EXIT_CRASH, EXIT_OK, BackendFailed, BadInput
-from .common import Progress, fail
+from .common import SECONDS, Progress, fail
 
 DEFAULT_OUT = Path("results")
 
@@ -69,7 +69,7 @@ def config_options(f):
         click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True,
                      help="Results root folder."),
         click.option("--name", default=None, help="Result folder name (default: derived from the configuration)."),
-        click.option("--timeout", type=float, default=None, help="Kill the backend after this many seconds."),
+        click.option("--timeout", type=SECONDS, default=None, help="Kill the backend after this many seconds."),
     ]
     for o in reversed(opts):
         f = o(f)
