@@ -355,11 +355,13 @@ MUTATIONS = (
              ("BUG",), ("forward",), "",
              "a mixed-precision cast left in one layer: every ReLU rounds its input to bfloat16 (8 bits of "
              "mantissa) and back"),
-    Mutation("torch_bn_cumulative_running_stats", "cnn2d_hard", "torch", 1, "wrappers/torch/layers.py",
-             "momentum=mom, eps=eps)", "momentum=None, eps=eps)",
+    Mutation("torch_bn_momentum_keras_convention", "cnn2d_hard", "torch", 1, "wrappers/torch/layers.py",
+             "momentum=mom, eps=eps)", "momentum=1.0 - mom, eps=eps)",
              ("BUG",), (), "bn1",
-             "torch's momentum=None (a cumulative average of every batch's statistics) where an exponential "
-             "average with the spec's momentum is asked for: only the running statistics, so only evaluation, differ",
+             "a Keras model's BatchNorm momentum (the weight of the old running value) handed to torch's functional "
+             "batch_norm (the weight of the new batch): training is unchanged, only the running statistics and so "
+             "the evaluation differ (torch's functional batch_norm takes no momentum=None, so the cumulative "
+             "average of nn.BatchNorm2d cannot be written here: tried, a TypeError at the first step)",
              reference="numpy"),
 )
 
