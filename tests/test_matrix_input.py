@@ -40,6 +40,9 @@ CASES = {
                                 "field 'name' must be a plain folder name (no '/', not '.' or '..'), got '../../escaped'"),
 }
 
+# valid matrices that one command cannot use: `duipai all` compares against the envelope (check's bitwise mode needs none)
+COMMAND_CASES = {"no_envelope_for_all": (HEAD + "envelope_k = 0\n", "field 'envelope_k' must be >= 1 for `duipai all`")}
+
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_load_matrix_names_the_entry(case, tmp_path):
@@ -56,12 +59,12 @@ def test_load_matrix_names_the_entry(case, tmp_path):
 @pytest.mark.parametrize("command, case", [
     (["matrix"], "unknown_model"), (["all", "--matrix"], "devices_not_dividing_batch"),
     (["check", "--matrix"], "unknown_backend"), (["check", "--matrix"], "duplicate_backend"),
-    (["baseline", "save", "--matrix"], "unknown_optimizer"),
+    (["baseline", "save", "--matrix"], "unknown_optimizer"), (["all", "--matrix"], "no_envelope_for_all"),
 ])
 def test_commands_exit_2_and_run_nothing(command, case, tmp_path, monkeypatch, capsys):
     """In the test process (the matrix is refused before any backend would start); tests/test_user_paths.py
     runs the matrix commands as real processes."""
-    text, message = CASES[case]
+    text, message = {**CASES, **COMMAND_CASES}[case]
     p = tmp_path / f"{case}.toml"
     p.write_text(text)
     out = tmp_path / "results"

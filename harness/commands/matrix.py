@@ -20,10 +20,15 @@ def _say_problems(entries: list[M.Entry]) -> None:
             say(f"{tag:<11} {e.name}: {e.message}" + (f" (log: {e.log})" if e.log else ""))
 
 
-def run_and_summarise(matrix: str, out: Path, jobs: int, force: bool) -> tuple[M.Matrix, list[M.Entry]]:
-    """Load and run a matrix (bad input: exit 2); one line of counts and every problem on stderr."""
+def run_and_summarise(matrix: str, out: Path, jobs: int, force: bool,
+                      compares: bool = False) -> tuple[M.Matrix, list[M.Entry]]:
+    """Load and run a matrix (bad input: exit 2); one line of counts and every problem on stderr. `compares`:
+    the runs are compared with the reference's envelope afterwards, so a matrix without one is refused first."""
     try:
         m = M.load_matrix(matrix)
+        if compares and m.envelope_k < 1:   # (duipai check's bitwise mode needs none)
+            raise BadInput(f"matrix {matrix}: field 'envelope_k' must be >= 1 for `duipai all`, which compares every "
+                           f"run with the reference's envelope, got {m.envelope_k}")
         entries = M.run_matrix(m, out, jobs, force=force)
     except BadInput as e:
         fail(str(e))
@@ -67,7 +72,7 @@ def all_cmd(matrix_file: str, out: Path, jobs: int, force: bool, verbose: bool) 
     """The main job: run the default matrix (every installed backend, the reference's ULP envelope),
     compare every run with the reference, and write the report."""
     from ..report import build, markdown   # pandas and matplotlib: only when a report is made
-    m, entries = run_and_summarise(matrix_file, out, jobs, force)
+    m, entries = run_and_summarise(matrix_file, out, jobs, force, compares=True)
     folder = out / m.name
     code = _crash_code(entries)
     index = folder / "report" / "index.html"
