@@ -55,6 +55,23 @@ class Matrix:
     source: str = ""
     arbiter: str = ""               # a backend probed in float64 on every BUG (harness/arbiter.py); "" for none
 
+    def beside(self, path: str) -> str:
+        """A relative file path written in the matrix file, as its author means it: beside the matrix file (a
+        user's project run from another folder), else from the working directory (where it was looked up before);
+        as written when neither holds it (the error then names it)."""
+        if not self.source or Path(path).is_absolute():
+            return path
+        near = Path(self.source).resolve().parent / path
+        return str(near) if near.exists() else path
+
+    def model_spec(self, model: str) -> str:
+        """A `models` entry: a built-in name as it is, a .toml file beside the matrix file when it is there."""
+        return self.beside(model) if model.endswith(".toml") else model
+
+    def data_spec(self) -> str:
+        """`data`: each .csv / .npz file of it beside the matrix file when it is there."""
+        return ",".join(self.beside(part) if part.endswith((".csv", ".npz")) else part for part in self.data.split(","))
+
 
 @dataclass
 class Entry:
@@ -158,7 +175,7 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
     seen: dict[str, str] = {}
     for name in m.models:
         try:
-            spec = load_model(name)
+            spec = load_model(m.model_spec(name))
         except SpecError as e:
             raise bad(f"models: {name!r}: {e}") from None
         if spec.name in seen:   # run folders are named after the model's name: they would collide
@@ -211,18 +228,19 @@ def expand(m: Matrix) -> list[Entry]:
             seen.add(name)
             entries.append(Entry(cfg, name, role))
 
-    for model, opt, seed in itertools.product(m.models, m.optimizers, m.seeds):
+    data = m.data_spec()
+    for model, opt, seed in itertools.product(map(m.model_spec, m.models), m.optimizers, m.seeds):
         hp = hparams_for(m, opt, seed)
-        add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data), "run")
+        add(RunConfig(model=model, backend=m.reference, hparams=hp, data=data), "run")
         for k in range(1, m.envelope_k + 1):
-            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data, perturb_ulp=k), "envelope")
+            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=data, perturb_ulp=k), "envelope")
         if m.envelope_fp64:   # the float64 member: 1-ULP runs share the reference's rounding (docs/verdict.md)
-            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=m.data, perturb_ulp=1, dtype="float64"),
+            add(RunConfig(model=model, backend=m.reference, hparams=hp, data=data, perturb_ulp=1, dtype="float64"),
                 "envelope")
         for b, n in itertools.product(m.backends, m.devices):
-            add(RunConfig(model=model, backend=b, hparams=hp, data=m.data, devices=n), "run")
+            add(RunConfig(model=model, backend=b, hparams=hp, data=data, devices=n), "run")
         for b, f in itertools.product(m.backends, m.faults):
-            add(RunConfig(model=model, backend=b, hparams=hp, data=m.data, fault=f), "fault")
+            add(RunConfig(model=model, backend=b, hparams=hp, data=data, fault=f), "fault")
     return entries
 
 

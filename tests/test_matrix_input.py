@@ -113,3 +113,27 @@ def test_missing_baselines_are_bad_input(tmp_path):
     assert f"{tmp_path / 'bl' / 'nobase' / 'index.json'}: missing" in r.stderr
     assert "duipai baseline save --matrix nobase" in r.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_files_named_in_a_matrix_are_found_beside_it_from_any_folder(tmp_path, monkeypatch):
+    """A user's project (matrix, model file, data files) used from its parent folder: the relative paths in the
+    file are the matrix file's, as in any project file; a path found only from the working directory stays as
+    written (where it was looked up before)."""
+    from harness.matrix import expand, load_matrix
+    proj = tmp_path / "proj"
+    (proj / "models").mkdir(parents=True)
+    (proj / "data").mkdir()
+    (proj / "models" / "mine.toml").write_text(MODEL_FILE.read_text().replace('name = "cnn2d_2conv_2fc"',
+                                                                             'name = "mine"'))
+    for f in ("train.csv", "test.csv"):
+        (proj / "data" / f).write_text("label,p0\n1,0\n")
+    (proj / "m.toml").write_text('models = ["models/mine.toml", "cnn2d_2conv_2fc"]\nbackends = ["torch"]\n'
+                                 'data = "data/train.csv,data/test.csv"\nsteps = 5\n')
+    monkeypatch.chdir(tmp_path)                      # the parent: "models/mine.toml" is not there
+    m = load_matrix("proj/m.toml")
+    cfgs = [e.cfg for e in expand(m)]
+    assert {c.model for c in cfgs} == {str(proj / "models" / "mine.toml"), "cnn2d_2conv_2fc"}
+    assert {c.data for c in cfgs} == {f"{proj / 'data' / 'train.csv'},{proj / 'data' / 'test.csv'}"}
+    (tmp_path / "elsewhere.npz").write_bytes(b"")
+    m.data = "elsewhere.npz"                         # only from the working directory: as written
+    assert m.data_spec() == "elsewhere.npz"
