@@ -68,8 +68,8 @@ def _finish(x_tr, y_tr, x_te, y_te, source: str, raw_max: float, meta: dict[str,
         if np.any(y < 0) or np.any(y != np.floor(y)):
             bad = y[(y < 0) | (y != np.floor(y))][0]
             raise DataError(f"{source}: label {float(bad):g} in the {part} set is not a non-negative integer")
-        if np.any(y > np.iinfo(np.int32).max):     # int32 below would wrap it onto a valid class
-            raise DataError(f"{source}: label {float(y.max()):.0f} in the {part} set is out of range")
+        if np.any(y.astype(np.float64) > np.iinfo(np.int32).max):     # int32 below would wrap it onto a valid class
+            raise DataError(f"{source}: label {y.max()} in the {part} set is beyond int32")
     x_tr = x_tr.astype(np.float64) / raw_max
     x_te = x_te.astype(np.float64) / raw_max
     mean, std = float(x_tr.mean()), float(x_tr.std())
@@ -287,21 +287,29 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
         names = ["x", "y"]
     else:
         raise DataError(f"{p}: needs arrays x_train, y_train, x_test, y_test (or x, y); has {sorted(z)}")
+    arrays = {}
     for name in names:    # before any arithmetic on them: a string or complex array, a scalar
         a = z[name]
         if a.ndim == 0:
             raise DataError(f"{p}: array {name} is a scalar, not one entry per sample")
-        if a.dtype.kind not in "iuf":            # labels as floats must be whole numbers: checked with the values
+        if a.dtype.kind not in "biuf":           # labels as floats must be whole numbers: checked with the values
             raise DataError(f"{p}: array {name} has dtype {a.dtype}; "
                             + ("labels must be integers" if name.startswith("y") else "images must be real numbers"))
+        if name.startswith("y") and a.ndim == 2 and a.shape[1] == 1:
+            a = a[:, 0]                          # (N, 1) labels, as Keras' own data sets give them
+        arrays[name] = a
     for xn, yn in zip(names[::2], names[1::2]):  # one label per image, before the split pairs them up
-        if z[xn].ndim < 2:
-            raise DataError(f"{p}: array {xn} has shape {z[xn].shape}; images must be (N, H, W), (N, H, W, C) "
+        x, y = arrays[xn], arrays[yn]
+        if x.ndim < 2:
+            raise DataError(f"{p}: array {xn} has shape {x.shape}; images must be (N, H, W), (N, H, W, C) "
                             "or flat (N, H*W*C) rows")
-        if z[yn].ndim != 1 or len(z[yn]) != len(z[xn]):
-            raise DataError(f"{p}: {xn} holds {len(z[xn])} images but {yn} has shape {z[yn].shape}; "
-                            "one integer label per image")
-    parts = [z[n] for n in names] if len(names) == 4 else list(_split(z["x"], z["y"]))
+        if y.ndim != 1:
+            raise DataError(f"{p}: array {yn} has shape {y.shape}; labels must be one integer per image, shape (N,)")
+        if len(y) != len(x):
+            raise DataError(f"{p}: {xn} holds {len(x)} images but {yn} holds {len(y)} labels")
+        if len(x) < (1 if len(names) == 4 else 2):   # x, y are split in two below
+            raise DataError(f"{p}: array {xn} holds {len(x)} images, too few to train and test on")
+    parts = [arrays[n] for n in names] if len(names) == 4 else list(_split(arrays["x"], arrays["y"]))
     for i in (0, 2):
         x = parts[i]
         if x.ndim == 2 and image_shape is not None:

@@ -208,8 +208,9 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
 
 
 def check_timeout(timeout: float | None) -> None:
-    """A job limit of 0 s or less (or nan) would kill every envelope, probe and replay job at its start."""
-    if timeout is not None and not timeout > 0:
+    """A job limit of 0 s or less would kill every envelope, probe and replay job at its start; nan would never
+    kill one, inf overflows the waits."""
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise BadInput(f"--timeout must be a number of seconds > 0, got {timeout}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -61,12 +62,12 @@ class Matrix:
         as written when neither holds it (the error then names it)."""
         if not self.source or Path(path).is_absolute():
             return path
-        near = Path(self.source).resolve().parent / path
+        near = Path(os.path.abspath(self.source)).parent / path     # links kept, as runner.user_path keeps them
         return str(near) if near.exists() else path
 
     def model_spec(self, model: str) -> str:
-        """A `models` entry: a built-in name as it is, a .toml file beside the matrix file when it is there."""
-        return self.beside(model) if model.endswith(".toml") else model
+        """A `models` entry: a built-in name as it is, a model file beside the matrix file when it is there."""
+        return self.beside(model) if model.endswith((".toml", ".json")) else model
 
     def data_spec(self) -> str:
         """`data`: each .csv / .npz file of it beside the matrix file when it is there."""
@@ -150,8 +151,8 @@ def validate(m: Matrix, bad: Callable[[str], BadInput]) -> None:
     for f, low in (("steps", 1), ("batch_size", 1), ("envelope_k", 0)):
         if getattr(m, f) < low:
             raise bad(f"field '{f}' must be >= {low}, got {getattr(m, f)}")
-    if m.timeout_s <= 0:
-        raise bad(f"field 'timeout_s' must be > 0, got {m.timeout_s}")
+    if not (math.isfinite(m.timeout_s) and m.timeout_s > 0):    # TOML has nan and inf
+        raise bad(f"field 'timeout_s' must be a finite number > 0, got {m.timeout_s}")
     # the name is the matrix's folder under --out: one plain folder name, never a path out of it
     if not runner.is_folder_name(m.name):
         raise bad(f"field 'name' must be a plain folder name (no '/', not '.' or '..'), got {m.name!r}")

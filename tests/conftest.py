@@ -70,7 +70,7 @@ def duipai_in_process(args: list[str], monkeypatch, capsys) -> tuple[int, str, s
     try:
         entry()
     except SystemExit as exited:
-        code = exited.code if isinstance(exited.code, int) else 1
+        code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

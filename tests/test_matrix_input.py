@@ -31,6 +31,8 @@ CASES = {
     "unknown_fault": (HEAD + 'faults = ["off_by_two"]\n', "faults: unknown fault 'off_by_two'"),
     "bad_steps": ('models = ["cnn2d_2conv_2fc"]\nbackends = ["torch"]\nsteps = 0\n', "field 'steps' must be >= 1"),
     "negative_envelope": (HEAD + "envelope_k = -1\n", "field 'envelope_k' must be >= 0"),
+    "timeout_nan": (HEAD + "timeout_s = nan\n", "field 'timeout_s' must be a finite number > 0, got nan"),
+    "timeout_inf": (HEAD + "timeout_s = inf\n", "field 'timeout_s' must be a finite number > 0, got inf"),
     "hparam_set_by_field": (HEAD + "[hparams]\nseed = 3\n", "[hparams]: 'seed' is set by the matrix field 'seeds'"),
     "unknown_hparam": (HEAD + "[hparams]\nlearning_rate = 0.1\n", "[hparams]: unknown hyper-parameter 'learning_rate'"),
     "unknown_field": (HEAD + "backend = 'torch'\n", "unknown field(s) backend"),

@@ -48,7 +48,9 @@ def test_compare_says_which_run_it_left_out_for_an_unreadable_manifest(tmp_path:
     (["--stat", "--alpha", "2"], "--alpha must be between 0 and 1, got 2.0"),
     # 0 s or less killed every envelope job at its start and said "timed out"
     (["--timeout", "0"], "Invalid value for '--timeout': 0.0 is not in the range x>0."),
-    (["--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a number of seconds"),
+    (["--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a finite number of seconds"),
+    (["--timeout", "inf"], "Invalid value for '--timeout': 'inf' is not a finite number of seconds"),   # was a traceback
+    (["--timeout", "5s"], "Invalid value for '--timeout': '5s' is not a number of seconds"),
 ])
 def test_compare_options_out_of_range_are_one_line(tmp_path, args, needle, capsys, monkeypatch):
     """Refused before any folder is read or anything trained (the folder here holds no run)."""

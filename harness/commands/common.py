@@ -1,6 +1,7 @@
 """What every command shares: the one-line error and exit, the stderr log, a bar for one run."""
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -17,10 +18,13 @@ class Seconds(click.FloatRange):
         super().__init__(min=0, min_open=True)
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        seconds = super().convert(value, param, ctx)
-        if seconds != seconds:          # nan passes every comparison of FloatRange
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        return seconds
+        if not math.isfinite(seconds):    # nan passes FloatRange; inf overflows the waits it is handed to
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return super().convert(seconds, param, ctx)
 
 
 SECONDS = Seconds()

@@ -27,7 +27,7 @@ def run_and_summarise(matrix: str, out: Path, jobs: int, force: bool,
     try:
         m = M.load_matrix(matrix)
         if compares and m.envelope_k < 1:   # (duipai check's bitwise mode needs none)
-            raise BadInput(f"matrix {matrix}: field 'envelope_k' must be >= 1 for `duipai all`, which compares every "
+            raise BadInput(f"matrix {m.source}: field 'envelope_k' must be >= 1 for `duipai all`, which compares every "
                            f"run with the reference's envelope, got {m.envelope_k}")
         entries = M.run_matrix(m, out, jobs, force=force)
     except BadInput as e:
