@@ -130,7 +130,7 @@ class DuipaiModel(keras.Model):
         the gradients, for the norm, where the optimizer all-reduces them itself."""
         grads = self.fault_grads(grads)
         summed = grads if reduce is None else reduce(grads)
-        grad_norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in summed))
+        grad_norm = ops.sqrt(RT.sum_of_squares(summed))
         if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p
             wd = self.coupled_wd * self.wd_share   # straight to g.dtype: TF casts a Python float via float32
             grads = [g + ops.convert_to_tensor(wd, dtype=g.dtype) * v for g, v in zip(grads, values)]
@@ -141,8 +141,8 @@ class DuipaiModel(keras.Model):
         return [g * self.grad_scale for g in grads] if self.grad_scale != 1.0 else grads
 
     def step_logs(self, loss, logits, y, grad_norm, before, after):
-        upd = ops.sqrt(sum(ops.sum(ops.square(a - b)) for a, b in zip(after, before)))
-        pn = ops.sqrt(sum(ops.sum(ops.square(a)) for a in after))
+        upd = ops.sqrt(RT.sum_of_squares([a - b for a, b in zip(after, before)]))
+        pn = ops.sqrt(RT.sum_of_squares(after))
         hit = ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), ops.cast(ops.convert_to_tensor(y), "int32"))
         return {"loss": loss, "accuracy": ops.mean(ops.cast(hit, "float32")), "grad_norm": grad_norm,
                 "update_norm": upd, "param_norm": pn}

@@ -2,7 +2,7 @@
 names: the custom `train_step` (its body `step_with_gradients`), the `Stepper` that runs it (and, for the
 gradient probes, its body on the state, undone: `Stepper.gradients`), `make_parallel` (its data-parallel strategy,
 a wrappers.keras.parallel.Parallel, or a refusal), `no_grad` for the forward probes, `setup` (threads and
-determinism), `versions`, `devices`, `jit_options`, `enable_float64`, and the constants that say how this
+determinism), `sum_of_squares` (the step statistics' norms), `versions`, `devices`, `jit_options`, `enable_float64`, and the constants that say how this
 Keras backend differs (FLOAT64_REFUSAL, FLOAT64_NOTE, FLOAT64_FORMULA, FLOAT32_HYPERPARAMETERS, SYNCHRONIZED_BN,
 REPLICA_GRADIENTS_SUMMED, AVGPOOL_SAME_REPLICATES). The Keras wrapper imports the one module of the running Keras backend, once
 (`current()`), and never branches on the backend's name.

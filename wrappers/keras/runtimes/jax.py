@@ -55,6 +55,11 @@ AVGPOOL_SAME_REPLICATES = False
 FLOAT64_FORMULA = frozenset({"batchnorm2d", "layernorm", "global_avgpool2d", "tanh"})
 
 
+def sum_of_squares(tensors: list) -> Any:
+    """The sum over tensors of each one's sum of squares, in order (the step statistics' norms; traced once)."""
+    return sum(ops.sum(ops.square(t)) for t in tensors)
+
+
 def enable_float64() -> None:
     """Before any array exists (the model is built after this)."""
     jax.config.update("jax_enable_x64", True)

@@ -56,6 +56,12 @@ AVGPOOL_SAME_REPLICATES = False
 FLOAT64_FORMULA = frozenset({"gelu", "leaky_relu"})
 
 
+def sum_of_squares(tensors: list) -> Any:
+    """The sum over tensors of each one's sum of squares, in order (the step statistics' norms; traced once)."""
+    from keras import ops
+    return sum(ops.sum(ops.square(t)) for t in tensors)
+
+
 def enable_float64() -> None:
     """Nothing to switch on: TensorFlow has float64."""
 _STRATEGIES: dict[tuple, tf.distribute.Strategy] = {}
