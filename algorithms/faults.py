@@ -54,7 +54,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "model.train() left on during evaluation", "a dropout layer (shows in eval series only)"),
     # biases start at zero, so the forward pass agrees at step 0: the first disagreement is the unused bias's
     # gradient (zero), i.e. the backward stage at that layer
-    Fault("missing_bias", "backward", "first conv2d/dense layer with a bias",
+    Fault("missing_bias", "backward", "first conv2d/dense layer with a bias that not only a BatchNorm reads",
           "use_bias dropped in one port of a layer", "a layer with use_bias = true"),
     Fault("maxpool_ceil", "forward", "maxpool2d with 'valid' padding on an odd size",
           "torch MaxPool2d(ceil_mode=True) where the reference floors the output size",
@@ -229,6 +229,19 @@ def _explicit_inputs(decl: dict) -> list[dict]:
     return [dict(d, inputs=list(l.inputs)) for d, l in zip(model.to_dict()["layers"], model.layers)]
 
 
+def bias_that_matters(model) -> str | None:
+    """missing_bias's layer: the first conv2d/dense layer with a bias whose output something other than a
+    BatchNorm reads. A bias read only by BatchNorm is subtracted again with the batch mean (its gradient is zero in
+    exact arithmetic, rounding only; the biases start at zero, so the running mean never sees it): a port that
+    drops it computes the same function, and a self-test that called that a bug would ask for a false alarm."""
+    readers: dict[str, set[str]] = {}
+    for layer in model.layers:
+        for src in layer.inputs:
+            readers.setdefault(src, set()).add(layer.kind)
+    return next((l.name for l in model.layers if l.kind in ("conv2d", "dense") and l.spec.options.get("use_bias", True)
+                 and readers.get(l.name) != {"batchnorm2d"}), None)
+
+
 def _residual_after_activation(decl: dict) -> list[dict]:
     """Every add whose only reader is an activation: the add's place now computes act(first input) and the
     activation's place adds the other inputs to it. Both keep their names (and so their probes): the add's
@@ -336,11 +349,8 @@ class Seams:
         return mom, KERAS_BN_EPS if self.fault == "bn_eps_keras" else options["eps"]
 
     def dropped_bias(self, model) -> str | None:
-        """missing_bias: the name of the first conv2d/dense layer with a bias, whose port dropped use_bias."""
-        if self.fault != "missing_bias":
-            return None
-        return next((l.name for l in model.layers if l.kind in ("conv2d", "dense") and l.spec.options.get("use_bias")),
-                    None)
+        """missing_bias: the layer whose port dropped use_bias (`bias_that_matters`)."""
+        return bias_that_matters(model) if self.fault == "missing_bias" else None
 
     @property
     def maxpool_ceil(self) -> bool:

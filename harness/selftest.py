@@ -14,8 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from algorithms.faults import (ACTIVATION_KINDS, FAULTS, KERAS_LEAKY_RELU_ALPHA, KERAS_LN_EPS, fault_info,
-                               projection_norms)
+from algorithms.faults import (ACTIVATION_KINDS, FAULTS, KERAS_LEAKY_RELU_ALPHA, KERAS_LN_EPS, bias_that_matters,
+                               fault_info, projection_norms)
 from algorithms.layout import depthwise_multiplier
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec, load_model
@@ -119,7 +119,8 @@ def expected_layer(fault: str, model: ModelSpec) -> tuple[bool, str | None]:
     if fault == "dropout_in_eval":
         return first(lambda l: l.kind == "dropout")
     if fault == "missing_bias":
-        return first(lambda l: l.kind in ("conv2d", "dense") and l.spec.options.get("use_bias", True))
+        hit = bias_that_matters(model)
+        return (hit is not None, hit)
     if fault == "maxpool_ceil":   # a floor/ceil difference that a global pooling absorbs (a flatten would not fit)
         after_gap = {l.name for i, l in enumerate(layers) if any(m.kind == "global_avgpool2d" for m in layers[i:])}
         return first(lambda l: l.kind == "maxpool2d" and l.name in after_gap and l.spec.options.get("padding") == "valid"
