@@ -230,10 +230,9 @@ def _explicit_inputs(decl: dict) -> list[dict]:
 
 
 def bias_that_matters(model) -> str | None:
-    """missing_bias's layer: the first conv2d/dense layer with a bias whose output something other than a
-    BatchNorm reads. A bias read only by BatchNorm is subtracted again with the batch mean (its gradient is zero in
-    exact arithmetic, rounding only; the biases start at zero, so the running mean never sees it): a port that
-    drops it computes the same function, and a self-test that called that a bug would ask for a false alarm."""
+    """missing_bias's layer: the first conv2d/dense bias that not only a BatchNorm reads. BatchNorm subtracts such a
+    bias again with the batch mean (a zero gradient in exact arithmetic; the biases start at zero, so the running mean
+    never sees it): a port that drops it computes the same function, and calling that a bug is a false alarm."""
     readers: dict[str, set[str]] = {}
     for layer in model.layers:
         for src in layer.inputs:
