@@ -40,6 +40,7 @@ import numpy as np
 from keras import ops
 
 from ..parallel import Parallel
+from . import traced_sum_of_squares as sum_of_squares  # noqa: F401  (this module's name for it)
 
 PARALLEL = "keras.distribution.DataParallel"
 FLOAT64_REFUSAL = ""           # float64 works (jax_enable_x64, switched on by `enable_float64`)
@@ -53,11 +54,6 @@ AVGPOOL_SAME_REPLICATES = False
 # ops.mean (LayerNormalization, GlobalAveragePooling2D) and ops.tanh compute in it (measured: 1e-7, 1e-7, 5e-8,
 # 1.8e-7 relative)
 FLOAT64_FORMULA = frozenset({"batchnorm2d", "layernorm", "global_avgpool2d", "tanh"})
-
-
-def sum_of_squares(tensors: list) -> Any:
-    """The sum over tensors of each one's sum of squares, in order (the step statistics' norms; traced once)."""
-    return sum(ops.sum(ops.square(t)) for t in tensors)
 
 
 def enable_float64() -> None:

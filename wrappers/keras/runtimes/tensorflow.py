@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..parallel import Parallel
+from . import traced_sum_of_squares as sum_of_squares  # noqa: F401  (this module's name for it)
 
 PARALLEL = "tf.distribute.MirroredStrategy"
 FLOAT64_REFUSAL = ""
@@ -54,12 +55,6 @@ AVGPOOL_SAME_REPLICATES = False
 # tf.nn.gelu casts its constants (1/sqrt(2); 0.044715) through float32 (5e-10 / 9e-11 relative),
 # tf.nn.leaky_relu holds alpha in a float32 attribute (alpha 0.2: 3e-9 relative)
 FLOAT64_FORMULA = frozenset({"gelu", "leaky_relu"})
-
-
-def sum_of_squares(tensors: list) -> Any:
-    """The sum over tensors of each one's sum of squares, in order (the step statistics' norms; traced once)."""
-    from keras import ops
-    return sum(ops.sum(ops.square(t)) for t in tensors)
 
 
 def enable_float64() -> None:

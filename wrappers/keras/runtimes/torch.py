@@ -26,9 +26,8 @@ FLOAT64_FORMULA = frozenset()
 
 
 def sum_of_squares(tensors: list) -> Any:
-    """The sum over tensors of each one's sum of squares, in order (the step statistics' norms). The step runs
-    eagerly here, so torch's own calls: the kernels keras.ops.sum(ops.square(t)) reaches, bit for bit, without
-    Keras' dispatch around each of them (~0.3 ms a step of the default model's 4 ms)."""
+    """traced_sum_of_squares in torch's own calls: the step runs eagerly here, and these are the kernels
+    keras.ops.sum(ops.square(t)) reaches, bit for bit, without Keras' dispatch around each of them."""
     return sum(torch.sum(torch.square(t)) for t in tensors)
 
 
