@@ -1,19 +1,34 @@
 """The Keras hand loops' shared tail: one plain `model.fit` over arrays already in the harness's batch order,
-timed by a callback, and the JSON report. Imported after Keras (its backend chosen by $KERAS_BACKEND)."""
+timed by a callback that also evaluates the test set every 50 steps, and the JSON report. Imported after Keras
+(its backend chosen by $KERAS_BACKEND)."""
 from __future__ import annotations
 
 import keras
+import numpy as np
 
-from bench.hand_loops._common import BATCH, Problem, Timer, report
+from bench.hand_loops._common import BATCH, Problem, Timer, evaluates_after, report
+
+
+def evaluate(model: keras.Model, problem: Problem) -> tuple[float, float]:
+    """The test set's loss and accuracy: one predict_on_batch (as the harness's Keras backend evaluates), the
+    cross-entropy and accuracy of the logits on the host."""
+    logits = np.asarray(model.predict_on_batch(problem.x_test), np.float64)
+    z = logits - logits.max(-1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    y = problem.y_test
+    return float(-log_p[np.arange(len(y)), y].mean()), float((logits.argmax(-1) == y).mean())
 
 
 class StepTimer(keras.callbacks.Callback):
     """perf_counter stamps at each batch's end (and before the first); like the harness (and like any logging
-    callback) it makes Keras hand the batch logs (loss, accuracy) to Python every step."""
+    callback) it makes Keras hand the batch logs (loss, accuracy) to Python every step. After every 50th
+    step and the last it evaluates (`self.model`: with JAX, reading it syncs the training state to the model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, problem: Problem, steps: int) -> None:
         super().__init__()
         self.timer, self.losses = Timer(), []
+        self.problem, self.steps = problem, steps
+        self.evals: list[tuple[float, float]] = []
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
@@ -22,6 +37,9 @@ class StepTimer(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.timer.stamp()
         self.losses.append(logs["loss"])   # Keras 3 logs hold the running epoch mean, as its progress bar shows
+        if evaluates_after(batch + 1, self.steps):
+            with self.timer.evaluating():
+                self.evals.append(evaluate(self.model, self.problem))
 
 
 def fit_and_report(model: keras.Model, problem: Problem, steps: int, warmup: int, backend: str) -> None:
@@ -29,9 +47,10 @@ def fit_and_report(model: keras.Model, problem: Problem, steps: int, warmup: int
     trained weights' absolute sum, a fingerprint of what was trained)."""
     assert problem.order.shape == (steps, BATCH)
     flat = problem.order.reshape(-1)
-    cb = StepTimer()
+    cb = StepTimer(problem, steps)
+    cb.evals.append(evaluate(model, problem))
     model.fit(problem.x_train[flat], problem.y_train[flat], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[cb])
-    report(f"keras-{backend}", cb.timer.t, warmup, cb.losses, versions={"keras": keras.__version__, "backend": backend},
+    report(f"keras-{backend}", cb.timer, warmup, cb.losses, cb.evals, versions={"keras": keras.__version__, "backend": backend},
            jit_compile=getattr(model, "jit_compile", None),
            final_weights_sum=float(sum(abs(v).sum() for v in model.get_weights())))

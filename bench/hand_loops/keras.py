@@ -4,7 +4,8 @@ arrays already in the harness's batch order (batch 64, shuffle=False, one epoch 
 The framework under Keras is $KERAS_BACKEND (tensorflow | jax | torch; default tensorflow).
 
 The per-step times come from a callback stamping on_train_batch_end (_keras_fit.py); like the harness (and like
-any logging callback) it makes Keras hand the batch logs (loss, accuracy) to Python every step.
+any logging callback) it makes Keras hand the batch logs (loss, accuracy) to Python every step; it evaluates
+the test set every 50 steps (predict_on_batch, as the harness's Keras backend evaluates).
 
     KERAS_BACKEND=jax python bench/hand_loops/keras.py --steps 400   -> one JSON line
 """

@@ -1,6 +1,7 @@
 """Hand-written PyTorch loop for resnet_tiny (32x32x3), the way PyTorch users write a ResNet: nn.Module basic
 blocks (conv-BN-ReLU-conv-BN, 1x1 projection with BatchNorm on the stride-2 blocks, add, ReLU), nn.BatchNorm2d,
-torch.optim.SGD(momentum), eager, loss.item() logged every step. The stride-2 convolutions pad the odd pixel
+torch.optim.SGD(momentum), eager, loss.item() logged every step, the test set
+evaluated (model.eval(), no_grad) every 50 steps. The stride-2 convolutions pad the odd pixel
 bottom/right (F.pad), as the spec's TF-style 'same' asks.
 
     python bench/hand_loops/resnet_torch.py --steps 100      -> one JSON line (see _common.report)
@@ -13,7 +14,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
 from bench.hand_loops._common import (BATCH, BN_EPS, BN_MOMENTUM, LR, MOMENTUM, RESNET_BLOCKS, Timer,  # noqa: E402
-                                      parse_args, problem, report, setup_env)
+                                      evaluates_after, parse_args, problem, report, setup_env)
 
 args = parse_args(__doc__)
 setup_env()
@@ -85,9 +86,22 @@ X = torch.from_numpy(P.x_train).permute(0, 3, 1, 2).contiguous()   # NCHW, once
 Y = torch.from_numpy(P.y_train).long()
 order = torch.from_numpy(P.order)
 assert order.shape == (args.steps, BATCH)
+XT = torch.from_numpy(P.x_test).permute(0, 3, 1, 2).contiguous()
+YT = torch.from_numpy(P.y_test).long()
+
+
+@torch.no_grad()
+def evaluate() -> tuple[float, float]:
+    model.eval()
+    logits = model(XT)
+    out = loss_fn(logits, YT).item(), (logits.argmax(1) == YT).float().mean().item()
+    model.train()
+    return out
+
 
 model.train()
 losses, timer = [], Timer()
+evals = [evaluate()]
 timer.stamp()
 for step in range(args.steps):
     idx = order[step]
@@ -97,4 +111,7 @@ for step in range(args.steps):
     opt.step()
     losses.append(loss.item())
     timer.stamp()
-report("torch", timer.t, args.warmup, losses, versions={"torch": torch.__version__}, threads=torch.get_num_threads())
+    if evaluates_after(step + 1, args.steps):
+        with timer.evaluating():
+            evals.append(evaluate())
+report("torch", timer, args.warmup, losses, evals, versions={"torch": torch.__version__}, threads=torch.get_num_threads())

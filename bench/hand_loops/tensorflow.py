@@ -1,6 +1,7 @@
 """Hand-written native TensorFlow loop for cnn2d_2conv_2fc (no Keras): tf.Variables, tf.nn ops in
 NHWC, a GradientTape step inside one tf.function, SGD with momentum as plain assign ops
-(buf = mu*buf + g; w -= lr*buf, PyTorch's form), the loss fetched (.numpy()) every step as users log it.
+(buf = mu*buf + g; w -= lr*buf, PyTorch's form), the loss fetched (.numpy()) every step as users log it, the
+test set evaluated by a tf.function loss-and-accuracy every 50 steps.
 
     python bench/hand_loops/tensorflow.py --steps 400  -> one JSON line (see _common.report)
 """
@@ -11,7 +12,8 @@ _HERE = Path(__file__).resolve().parent          # this file is tensorflow.py: n
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import BATCH, LR, MOMENTUM, Timer, parse_args, problem, report, setup_env  # noqa: E402
+from bench.hand_loops._common import (BATCH, LR, MOMENTUM, Timer, evaluates_after, parse_args, problem,  # noqa: E402
+                                      report, setup_env)
 
 args = parse_args(__doc__)
 setup_env()
@@ -47,13 +49,29 @@ def train_step(x, y):
     return loss
 
 
+@tf.function
+def eval_step(x, y):
+    logits = model(x)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return loss, tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y), tf.float32))
+
+
+def evaluate() -> tuple[float, float]:
+    loss, acc = eval_step(tf.constant(P.x_test), tf.constant(P.y_test))
+    return float(loss.numpy()), float(acc.numpy())
+
+
 X, Y, order = P.x_train, P.y_train, P.order
 assert order.shape == (args.steps, BATCH)
 losses, timer = [], Timer()
+evals = [evaluate()]
 timer.stamp()
 for step in range(args.steps):
     idx = order[step]
     loss = train_step(tf.constant(X[idx]), tf.constant(Y[idx]))
     losses.append(float(loss.numpy()))
     timer.stamp()
-report("tensorflow", timer.t, args.warmup, losses, versions={"tensorflow": tf.__version__})
+    if evaluates_after(step + 1, args.steps):
+        with timer.evaluating():
+            evals.append(evaluate())
+report("tensorflow", timer, args.warmup, losses, evals, versions={"tensorflow": tf.__version__})

@@ -1,5 +1,6 @@
 """Hand-written PyTorch loop for cnn2d_2conv_2fc, the way PyTorch users write it: nn.Sequential,
-torch.optim.SGD(momentum), eager, the whole data set as one tensor, loss.item() logged every step.
+torch.optim.SGD(momentum), eager, the whole data set as one tensor, loss.item() logged every step, the test set
+evaluated (model.eval(), no_grad) every 50 steps.
 
     python bench/hand_loops/torch.py --steps 400      -> one JSON line (see _common.report)
 """
@@ -10,8 +11,8 @@ _HERE = Path(__file__).resolve().parent          # this file is torch.py: never 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import (BATCH, LR, MOMENTUM, Timer, flatten_perm, parse_args,  # noqa: E402
-                                      problem, report, setup_env)
+from bench.hand_loops._common import (BATCH, LR, MOMENTUM, Timer, evaluates_after, flatten_perm,  # noqa: E402
+                                      parse_args, problem, report, setup_env)
 
 args = parse_args(__doc__)
 setup_env()
@@ -44,9 +45,21 @@ X = torch.from_numpy(P.x_train).permute(0, 3, 1, 2).contiguous()   # NCHW, once
 Y = torch.from_numpy(P.y_train).long()
 order = torch.from_numpy(P.order)
 assert order.shape == (args.steps, BATCH)
+XT = torch.from_numpy(P.x_test).permute(0, 3, 1, 2).contiguous()
+YT = torch.from_numpy(P.y_test).long()
 
-model.train()
+
+@torch.no_grad()
+def evaluate() -> tuple[float, float]:
+    model.eval()
+    logits = model(XT)
+    out = loss_fn(logits, YT).item(), (logits.argmax(1) == YT).float().mean().item()
+    model.train()
+    return out
+
+
 losses, timer = [], Timer()
+evals = [evaluate()]
 timer.stamp()
 for step in range(args.steps):
     idx = order[step]
@@ -57,5 +70,8 @@ for step in range(args.steps):
     opt.step()
     losses.append(loss.item())
     timer.stamp()
-report("torch", timer.t, args.warmup, losses, versions={"torch": torch.__version__},
+    if evaluates_after(step + 1, args.steps):
+        with timer.evaluating():
+            evals.append(evaluate())
+report("torch", timer, args.warmup, losses, evals, versions={"torch": torch.__version__},
        threads=torch.get_num_threads())
