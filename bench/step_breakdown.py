@@ -45,6 +45,21 @@ def torch_variants(make_backend, data) -> dict[str, Step]:
     def harness(step, x, y):
         return bh.train_step(step, x, y, {}).loss
 
+    def harness_under(fill: bool, det: bool):
+        """The harness's step with torch's deterministic mode and its NaN fill of uninitialized memory set so."""
+        b = make_backend()
+
+        def step_fn(step, x, y):
+            was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+            torch.use_deterministic_algorithms(det)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+            try:
+                return b.train_step(step, x, y, {}).loss
+            finally:
+                torch.use_deterministic_algorithms(was[0])
+                torch.utils.deterministic.fill_uninitialized_memory = was[1]
+        return step_fn
+
     def lean_of(b, det: bool | None = None):
         def lean(step, x, y):
             prev = torch.are_deterministic_algorithms_enabled()
@@ -52,7 +67,7 @@ def torch_variants(make_backend, data) -> dict[str, Step]:
                 torch.use_deterministic_algorithms(det)
             xt, yt = b._input(x), torch.as_tensor(y, dtype=torch.long)
             b.opt.zero_grad(set_to_none=False)
-            loss = b._loss(b._forward(xt, True, {}), yt)
+            loss = b._loss(b._train_forward(xt, {}), yt)
             loss.backward()
             for g in b.opt.param_groups:
                 g["lr"] = b.lr_for(step)
@@ -71,7 +86,7 @@ def torch_variants(make_backend, data) -> dict[str, Step]:
         params = [b.p[n] for n in b.trainable]
         before = torch._foreach_mul(params, 1.0)          # one foreach copy instead of 8 clones
         b.opt.zero_grad(set_to_none=False)
-        logits = b._forward(xt, True, {})
+        logits = b._train_forward(xt, {})
         loss = b._loss(logits, yt)
         loss.backward()
         for g in b.opt.param_groups:
@@ -117,6 +132,8 @@ def torch_variants(make_backend, data) -> dict[str, Step]:
         return step_fn
 
     return {"harness": harness,
+            "harness, deterministic without the NaN fill": harness_under(fill=False, det=True),
+            "harness, deterministic off": harness_under(fill=True, det=False),
             "harness, stats fused (foreach + 1 sync)": fused_stats,
             "harness minus stats": lean_of(make_backend()),
             "harness minus stats, deterministic off": lean_of(make_backend(), det=False),

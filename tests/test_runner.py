@@ -45,6 +45,7 @@ def test_run_writes_csv_log_manifest(torch_run):
         assert m[key], key
     assert m["status"] == "complete" and m["versions"]["torch"].startswith("2.")
     assert m["determinism"]["use_deterministic_algorithms"] is True and m["determinism"]["num_threads"] == 1
+    assert m["determinism"]["fill_uninitialized_memory"] is False   # deterministic without the NaN fill, and said so
     assert (d / "run.log").exists() and (d / "checkpoints" / "step_0000050.npz").exists()
 
 

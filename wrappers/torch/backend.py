@@ -43,6 +43,10 @@ class TorchBackend(DataParallel, Backend):
         torch.set_num_threads(opts.threads)
         if opts.deterministic:
             torch.use_deterministic_algorithms(True)
+            # the NaN fill of torch.empty & co. is a debugging aid, not part of determinism: a valid program never
+            # reads that memory, so the results are bit-identical without it (torch.utils.deterministic's docs);
+            # it cost ~4 % of a default-model step (bench/step_breakdown.py -b torch)
+            torch.utils.deterministic.fill_uninitialized_memory = False
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
         want = opts.extra.get("platform", "auto")
@@ -79,6 +83,7 @@ class TorchBackend(DataParallel, Backend):
 
     def determinism(self) -> dict[str, Any]:
         return {"use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                 "num_threads": torch.get_num_threads(), "cudnn.deterministic": torch.backends.cudnn.deterministic,
                 "cudnn.benchmark": torch.backends.cudnn.benchmark, "dtype": str(self.dtype),
                 "channels_last": self.channels_last,

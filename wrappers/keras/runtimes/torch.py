@@ -134,9 +134,11 @@ def setup(threads: int, deterministic: bool) -> dict[str, Any]:
     torch.set_num_threads(threads)
     if deterministic:
         torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False   # a debugging aid, as in wrappers/torch/backend.py
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     return {"torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "torch.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
             "torch.num_threads": torch.get_num_threads(),
             "cudnn.deterministic": torch.backends.cudnn.deterministic,
             "cudnn.benchmark": torch.backends.cudnn.benchmark,
