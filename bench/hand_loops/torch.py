@@ -11,7 +11,7 @@ _HERE = Path(__file__).resolve().parent          # this file is torch.py: never 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from bench.hand_loops._common import (BATCH, LR, MOMENTUM, Timer, evaluates_after, flatten_perm,  # noqa: E402
+from bench.hand_loops._common import (LR, MOMENTUM, Timer, evaluates_after, flatten_perm,  # noqa: E402
                                       parse_args, problem, report, setup_env)
 
 args = parse_args(__doc__)
@@ -19,6 +19,8 @@ setup_env()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from bench.hand_loops._torch_tensors import evaluator, tensors  # noqa: E402
 
 torch.set_num_threads(1)
 P = problem(args.steps)
@@ -41,22 +43,8 @@ with torch.no_grad():   # the canonical weights in torch layout: OIHW kernels, (
 
 opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 loss_fn = nn.CrossEntropyLoss()
-X = torch.from_numpy(P.x_train).permute(0, 3, 1, 2).contiguous()   # NCHW, once
-Y = torch.from_numpy(P.y_train).long()
-order = torch.from_numpy(P.order)
-assert order.shape == (args.steps, BATCH)
-XT = torch.from_numpy(P.x_test).permute(0, 3, 1, 2).contiguous()
-YT = torch.from_numpy(P.y_test).long()
-
-
-@torch.no_grad()
-def evaluate() -> tuple[float, float]:
-    model.eval()
-    logits = model(XT)
-    out = loss_fn(logits, YT).item(), (logits.argmax(1) == YT).float().mean().item()
-    model.train()
-    return out
-
+X, Y, order, XT, YT = tensors(P, args.steps)      # NCHW, once
+evaluate = evaluator(model, loss_fn, XT, YT)
 
 losses, timer = [], Timer()
 evals = [evaluate()]
