@@ -43,7 +43,7 @@ from algorithms.faults import combine
 from algorithms.spec import load_model
 
 from . import kinks, probes, runner
-from .probe_analysis import agrees, analyse, change_text, describe, spec_layers
+from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
@@ -364,8 +364,12 @@ class Localizer(ProbeJobs):
             # --devices 1: the same code on one device is then the run without it
             single = self.probe0(cand, devices=1, fault=None)
         one = analyse(single, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change))
-        if one["stage"] is None:
+        # on one device everything up to where the replicas first disagree agrees (a later disagreement of the
+        # single-device run, e.g. a BatchNorm beta's cancelling sum at the third probe step, is its own matter)
+        if first_disagreement_later(one, res) and res.get("probe") not in one["disagreeing_keys"]:
             first = f"(first disagreement {res['probe']})"
+            if one["stage"] is not None:
+                first += f"; on one device the first is later, {one['probe']}"
             if res["stage"] != "forward":
                 res = dict(res, stage="reduction",
                            note=f"agrees with --devices 1: the replicas combine gradients differently {first}")

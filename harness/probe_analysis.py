@@ -145,6 +145,23 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     return out
 
 
+STAGE_ORDER = ("forward", "loss", "backward", "optimizer", "eval", "probe-keys")   # analyse's order of search
+
+
+def first_disagreement_later(one: dict[str, Any], res: dict[str, Any]) -> bool:
+    """Does analysis `one` first disagree strictly later than `res` in analyse's order (forward, loss,
+    backward, the optimizer step by step, eval), or nowhere? Then everything up to `res`'s first
+    disagreement agrees in `one`."""
+    if one["stage"] is None:
+        return True
+    if res["stage"] is None:
+        return False
+    a, b = STAGE_ORDER.index(one["stage"]), STAGE_ORDER.index(res["stage"])
+    if a != b:
+        return a > b
+    return one["stage"] == "optimizer" and one.get("optimizer_step", 0) > res.get("optimizer_step", 0)
+
+
 def agrees(res: dict[str, Any]) -> bool:
     return res["stage"] is None and not res["disagreeing_keys"]
 

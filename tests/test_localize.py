@@ -168,6 +168,48 @@ def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first,
     assert words in describe(got, "step-0 probes")[1][0]
 
 
+@pytest.mark.parametrize("single_differs_at, stage", [
+    ("eval/conv2", "data"),        # on one device only a later probe disagrees (its own rounding): still the replicas'
+    ("forward/conv2", "forward"),  # on one device the same place disagrees: not the data parallelism's doing
+    ("forward/conv1", "forward"),  # ... or an earlier one
+])
+def test_the_single_device_run_must_agree_up_to_where_the_replicas_disagree(single_differs_at, stage, tmp_path):
+    """`_reduction` blames the data parallelism when the candidate on one device agrees with the reference up to
+    the replicated run's first disagreement; a disagreement of the single-device run that comes later in the
+    analysis order (here the evaluation; on resnet_tiny a BatchNorm beta's update at the third probe step) does
+    not clear the replicas, one at or before it does."""
+    from algorithms.spec import build_model
+    from harness.localize import Localizer
+
+    model = build_model(BN_MODEL)
+    layers = [l.name for l in model.layers]
+    man = {"model": "bn_after_conv", "spec_hash": model.hash(), "spec": model.to_dict()}
+    ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
+    cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
+    rng = np.random.default_rng(1)
+    ref = {f"forward/{l}": rng.standard_normal((4, 8)) for l in layers}
+    ref.update({f"eval/{l}": rng.standard_normal((4, 8)) for l in layers})
+    ref["loss"] = np.asarray(2.3)
+    two = dict(ref, **{f"forward/{l}": ref[f"forward/{l}"] + 0.5 for l in layers[layers.index("conv2"):]})
+    one = dict(ref, **{single_differs_at: ref[single_differs_at] + 0.5})
+
+    class OnTheseProbes(Localizer):
+        def __init__(self):
+            self.root = tmp_path
+
+        def probe0(self, run, **change):
+            return (one if change.get("devices") == 1 else two) if run is cand_run else ref
+
+        def probe64(self, ref, cand, **change):
+            return None
+
+    res = analyse(two, ref, layers)
+    got = OnTheseProbes()._reduction(ref_run, cand_run, res, layers, {})
+    assert got["stage"] == stage and got["layer"] == "conv2"
+    if stage == "data":
+        assert "on one device the first is later, eval/conv2" in got["note"]
+
+
 def test_eval_path_is_localized_when_training_agrees():
     ref = probes()
     ref.update({f"eval/{l}": v * 0.9 for l, v in ((l, ref[f"forward/{l}"]) for l in LAYERS)})
