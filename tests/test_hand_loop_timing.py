@@ -2,14 +2,14 @@
 and in eval_s, never in a step's time (bench_step.py's per-step ratio reads the steps, its whole-loop ratio the
 wall)."""
 import json
+import time
 
-from bench.hand_loops import _common
-from bench.hand_loops._common import Timer, evaluates_after, report
+from bench.hand_loops._common import EVAL_EVERY, Timer, evaluates_after, report
 
 
 def test_evaluation_is_timed_apart_from_the_steps(monkeypatch, capsys):
     clock = iter([0.0, 1.0, 2.0, 2.5, 3.0, 4.0, 4.25, 5.0, 5.5])
-    monkeypatch.setattr(_common.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     t = Timer()
     t.stamp()                    # 0.0: before step 0
     t.stamp()                    # 1.0: after step 0
@@ -28,5 +28,5 @@ def test_evaluation_is_timed_apart_from_the_steps(monkeypatch, capsys):
 
 
 def test_the_harness_evaluation_cadence():
-    every = _common.EVAL_EVERY
+    every = EVAL_EVERY
     assert [d for d in range(1, 2 * every + 3) if evaluates_after(d, 2 * every + 2)] == [every, 2 * every, 2 * every + 2]
