@@ -125,6 +125,15 @@ BN_MODEL = {"name": "bn_after_conv", "input_shape": [6, 6, 1], "num_classes": 10
     {"type": "dense", "name": "fc", "units": 10}]}
 
 
+def _replica_runs() -> tuple[list[str], SimpleNamespace, SimpleNamespace]:
+    """BN_MODEL's layers, a one-device reference run and a two-replica candidate run (only what _reduction reads)."""
+    from algorithms.spec import build_model
+    model = build_model(BN_MODEL)
+    man = {"model": "bn_after_conv", "spec_hash": model.hash(), "spec": model.to_dict()}
+    return ([l.name for l in model.layers], SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man),
+            SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man))
+
+
 @pytest.mark.parametrize("first, stage, words", [
     ("conv2", "data", "the replicas split the batch differently"),
     ("bn1", "forward", "the replicas' batch statistics at bn1 are not the single-device ones"),
@@ -135,14 +144,9 @@ def test_a_disagreement_only_across_replicas_is_placed_by_its_first_layer(first,
     computes batch statistics and has a layer upstream (whose agreement over the global batch vouches that each
     replica had its samples), the statistics across replicas differ: forward, at that layer (a --sync-bn that
     never reached the layers). Otherwise (conv2; bn0, which reads the input) the replicas were fed other samples."""
-    from algorithms.spec import build_model
     from harness.localize import Localizer
 
-    model = build_model(BN_MODEL)
-    layers = [l.name for l in model.layers]
-    man = {"model": "bn_after_conv", "spec_hash": model.hash(), "spec": model.to_dict()}
-    ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
-    cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
+    layers, ref_run, cand_run = _replica_runs()
     rng = np.random.default_rng(0)
     ref = {f"forward/{l}": rng.standard_normal((4, 8)) for l in layers}
     ref["loss"] = np.asarray(2.3)
@@ -178,14 +182,9 @@ def test_the_single_device_run_must_agree_up_to_where_the_replicas_disagree(sing
     the replicated run's first disagreement; a disagreement of the single-device run that comes later in the
     analysis order (here the evaluation; on resnet_tiny a BatchNorm beta's update at the third probe step) does
     not clear the replicas, one at or before it does."""
-    from algorithms.spec import build_model
     from harness.localize import Localizer
 
-    model = build_model(BN_MODEL)
-    layers = [l.name for l in model.layers]
-    man = {"model": "bn_after_conv", "spec_hash": model.hash(), "spec": model.to_dict()}
-    ref_run = SimpleNamespace(name="ref", options=SimpleNamespace(devices=1), manifest=man)
-    cand_run = SimpleNamespace(name="cand", options=SimpleNamespace(devices=2), manifest=man)
+    layers, ref_run, cand_run = _replica_runs()
     rng = np.random.default_rng(1)
     ref = {f"forward/{l}": rng.standard_normal((4, 8)) for l in layers}
     ref.update({f"eval/{l}": rng.standard_normal((4, 8)) for l in layers})
