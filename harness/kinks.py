@@ -1,6 +1,8 @@
 """Kinks a step's forward pass crossed: where a candidate's own activations put a ReLU (ReLU6, LeakyReLU)
 input or a max-pool window's pick on the other side from the float64 reference's, from one resynced step's
-full forward probes (every sample of the batch). Framework-free: the spec's layer semantics, NumPy.
+full forward probes (every sample of the batch); and saturations: a tanh or sigmoid whose derivative, which
+every framework computes from the layer's own float32 output, one ULP of that output moves by far more than
+rounding. Framework-free: the spec's layer semantics, NumPy.
 
 Why: a kink is continuous in its input, so when rounding moves an input across it every activation and the
 loss still agree, while the derivative there changes, and with it the gradients of every parameter upstream
@@ -19,6 +21,8 @@ import numpy as np
 
 from algorithms.layout import pad_hw, pool_windows
 from algorithms.model import INPUT, LayerInfo, ModelSpec
+
+from .probes import EPS32
 
 # the layer kinds whose derivative jumps at some input value (a kink), and what decides the branch
 KINK_KINDS = ("relu", "relu6", "leaky_relu", "maxpool2d")
@@ -80,4 +84,75 @@ def crossed(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.n
     return out
 
 
-__all__ = ["KINK_KINDS", "crossed", "decisions", "margins", "upstream"]
+# the layer kinds whose derivative the frameworks compute from the layer's float32 output y (their tanh and
+# sigmoid gradient kernels and differentiation rules all take y; docs/verdict.md): the derivative as a function
+# of y, and the rounding of evaluating it in float32 (of y * y: half a ULP of it)
+SATURATING = {"tanh": (lambda y: 1.0 - y * y, lambda y, d: 0.5 * EPS32 * y * y),
+              "sigmoid": (lambda y: y * (1.0 - y), lambda y, d: 0.5 * EPS32 * np.abs(d))}
+# the outputs that carry a layer's derivative: the fewest, largest, whose float64 derivatives sum to this share
+CARRIED = 0.99
+
+
+def derivative_error(kind: str, y: np.ndarray, y64: np.ndarray) -> tuple[float, int]:
+    """How far a saturating layer's derivative, computed from the float32 outputs `y`, can be from the float64
+    reference's (outputs `y64`), relative: the largest relative error over the outputs that carry the
+    derivative (CARRIED of its sum), plus what the other outputs' absolute errors add to the carried sum. And
+    how many outputs carry it. One step of 2026-12-04 (cnn2d_3conv_3fc adamw lr 0.05, step 1): every output of
+    the tanh before the last dense layer within 0.007 of a derivative of 0, 96% of them exactly +-1 in float32,
+    so that one ULP of y (6e-8) is 1e-4..1e-2 of the derivative; two clean candidates' gradients of every layer
+    upstream 4e-4 and 1.6e-3 (a tanh up to 3.5 ULP from float64's) from the float64 step, 5-18 times the
+    reference's own float32 error there; this allowance was 3.5e-3 and 5.9e-3."""
+    formula, rounding = SATURATING[kind]
+    y, y64 = np.asarray(y, np.float64).ravel(), np.asarray(y64, np.float64).ravel()
+    d64, d = np.abs(formula(y64)), formula(y)
+    err = np.abs(d - d64) + np.where(d != 0, rounding(y, d), 0.0)
+    order = np.argsort(-d64, kind="stable")
+    carried = order[:int(np.searchsorted(np.cumsum(d64[order]), CARRIED * d64.sum())) + 1]
+    rest = np.ones(d64.size, bool)
+    rest[carried] = False
+    mass = d64[carried].sum()
+    return float((err[carried] / d64[carried]).max() + err[rest].sum() / mass), int(carried.size)
+
+
+def saturated(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Every saturating layer (SATURATING) with how far its derivative may be off by rounding: the layer, its kind, `allowance` (`derivative_error` from the candidate's own
+    outputs: the gradients of the layers upstream, which the derivative multiplies, may be that far off
+    relatively, by rounding alone), how many outputs carry the derivative, of how many, and the layers
+    upstream. A layer whose float64 derivative is 0 everywhere passes no gradient and is left out."""
+    out = []
+    for layer in model.layers:
+        key = f"forward/{layer.name}"
+        if layer.kind not in SATURATING or key not in cand or key not in ref64 or cand[key].shape != ref64[key].shape:
+            continue
+        y64 = np.asarray(ref64[key], np.float64)
+        if not np.abs(SATURATING[layer.kind][0](y64)).any():
+            continue
+        allowance, carried = derivative_error(layer.kind, cand[key], y64)
+        out.append({"layer": layer.name, "kind": layer.kind, "allowance": allowance, "carried_by": carried,
+                    "of": int(y64.size), "upstream": sorted(upstream(model, layer.name))})
+    return out
+
+
+def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, margin: float,
+               floor: float) -> list[dict[str, Any]] | None:
+    """The crossings and saturations in `found` (one step's `crossed` + `saturated`) that explain the
+    disagreeing keys `diffs` (probe diffs: key, kind, rel), when together they explain every one; else None.
+    A kink explains any key of a parameter upstream of it (a crossing moves a whole derivative); a saturation
+    a gradient upstream of it within `margin` x its allowance (an allowance under floor / margin explains
+    nothing the floor does not); an update or optimizer state follows its own parameter's explained gradient."""
+    saturations = [c for c in found if "allowance" in c and margin * c["allowance"] > floor]
+
+    def explains(c: dict[str, Any], d: dict[str, Any]) -> bool:
+        if d["key"].rsplit("/", 1)[-1].rsplit(".", 1)[0] not in c["upstream"]:
+            return False
+        return "allowance" not in c or (d["kind"] == "grad" and d["rel"] <= margin * c["allowance"])
+
+    used = [c for c in found if ("allowance" not in c or c in saturations) and any(explains(c, d) for d in diffs)]
+    grads = {d["key"].rsplit("/", 1)[-1] for d in diffs if any(explains(c, d) for c in used)}
+    ok = all(any(explains(c, d) for c in used) or (d["kind"] in ("update", "opt") and d["key"].rsplit("/", 1)[-1]
+                                                    in grads) for d in diffs)
+    return used if ok else None
+
+
+__all__ = ["CARRIED", "explaining", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "margins", "saturated",
+           "upstream"]

@@ -137,7 +137,7 @@ class Localizer(ProbeJobs):
             t = int(out["first_disagreement"]["step"])
             got = self.every_sample(ref, cand, rep, t, change)
             model = model or load_model(model_ref(ref.manifest, self.root))
-            crossings[t] = None if got is None else kinks.crossed(model, *got)
+            crossings[t] = None if got is None else kinks.crossed(model, *got) + kinks.saturated(model, *got)
             rep = dict(rep, crossings=crossings)
             out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))

@@ -31,6 +31,7 @@ import numpy as np
 
 from .probe_analysis import param_layer
 from .implied import optimizer_rest
+from .kinks import explaining
 from .probes import EPS32, kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
@@ -280,7 +281,9 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     at every step is not a flip at every step). A point where the candidate's own activations crossed a kink
     (`rep["crossings"]`, harness.kinks: every sample probed again at that step) agrees *by the crossing*
     when every disagreeing key is of BACKWARD_KINDS, some gradient among them, each a parameter upstream of
-    a crossed kink: evidence at that point, so neither bounded by the reference's jumps nor counted.
+    a crossed kink: evidence at that point, so neither bounded by the reference's jumps nor counted. The same
+    with a saturated tanh or sigmoid in place of the kink (harness.kinks.saturated), each gradient within
+    `margin` x how far rounding of the candidate's own outputs moves that layer's derivative.
 
     With `implied` (harness.implied.ImpliedStep): a point whose every disagreeing key is the resynced step's
     update or optimizer state, every gradient agreeing, agrees *by its formula* when the candidate's update
@@ -332,19 +335,16 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
 
     crossings = rep.get("crossings") or {}
 
-    def crossed(t: int, res: dict[str, Any]) -> list[str] | None:
-        """The disagreeing keys, when the candidate's own activations crossed a kink at step t (harness.kinks,
-        from every sample) upstream of each: all of BACKWARD_KINDS, some gradient among them, every one a
-        parameter of a layer the crossed kink's derivative reaches."""
-        found = crossings.get(t)
+    def crossed(t: int, res: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """What in the candidate's own activations at step t explains every disagreeing key but those its
+        formula explains (harness.kinks.explaining), when all are of BACKWARD_KINDS, some gradient among them."""
         keys = [k for k in res["disagreeing_keys"] if k not in by_its_formula(t)]
-        if not found or res["missing_keys"] or not keys:
+        if not crossings.get(t) or res["missing_keys"] or not keys:
             return None
-        kinds = {d["key"]: d["kind"] for d in res["diffs"]}
-        if not backward_only({kinds[k] for k in keys}):
+        diffs = {d["key"]: d for d in res["diffs"]}
+        if not backward_only({diffs[k]["kind"] for k in keys}):
             return None
-        reach = set().union(*(c["upstream"] for c in found))
-        return keys if all(param_layer(k.rsplit("/", 1)[-1]) in reach for k in keys) else None
+        return explaining(crossings[t], [diffs[k] for k in keys], margin=margin, floor=floor)
 
     seen = {t: crossed(t, res) for t, res, _ in results}
     flips = {t: None if seen[t] else flip(t, res) for t, res, _ in results}
@@ -366,7 +366,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
                        "worst_key": worst["key"] if worst else None,
                        "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
                        "calibrated": calibrated, **({"discontinuity": flips[t]} if by_flip else {}),
-                       **({"crossed": crossings[t]} if by_crossing else {}),
+                       **({"crossed": seen[t]} if by_crossing else {}),
                        **({"implied": by_formula[t]} if by_implied or beside else {})})
         if not explained and first_bad is None:
             first_bad = dict(res, step=t)
@@ -381,7 +381,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
                                "keys": sorted({k for ks in flips.values() if ks for k in ks}),
                                # the points whose every sample was probed again for a kink the candidate crossed
                                "looked_for_crossings": sorted(crossings),
-                               "crossed": {t: crossings[t] for t in sorted(crossings) if seen.get(t)}},
+                               "crossed": {t: seen[t] for t in sorted(crossings) if seen.get(t)}},
            # the points whose update was checked against its own gradient's formula (harness.implied)
            "implied": {t: by_formula[t] for t in sorted(by_formula)},
            "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}

@@ -66,13 +66,20 @@ def _crossed_what(dc: dict[str, Any]) -> str:
     crossed = dc.get("crossed") or {}
     if not crossed:
         return ""
-    said = "; ".join(f"step {t}: " + ", ".join(
-        f"{c['layer']} ({c['kind']}, {c['crossed']} of {c['of']} outputs, float64 margin {c['margin_min']:.2g}"
-        + (f"..{c['margin_max']:.2g}" if c["margin_max"] > c["margin_min"] else "") + ")" for c in cs)
-        for t, cs in crossed.items())
-    return (f"; step(s) {', '.join(map(str, crossed))} agree by a kink the candidate's own activations crossed "
-            f"(only gradients upstream of it and what follows from them disagree; every sample compared with "
-            f"the float64 reference's): {said}")
+    said = "; ".join(f"step {t}: " + ", ".join(map(_crossing_what, cs)) for t, cs in crossed.items())
+    return (f"; step(s) {', '.join(map(str, crossed))} agree by what the candidate's own activations show (only "
+            f"gradients upstream of it and what follows from them disagree; every sample compared with the float64 "
+            f"reference's): {said}")
+
+
+def _crossing_what(c: dict[str, Any]) -> str:
+    """One kink the candidate crossed, or one saturated layer (harness.kinks), said with its evidence."""
+    if "allowance" in c:
+        return (f"{c['layer']} ({c['kind']}) saturated: {c['carried_by']} of its {c['of']} outputs carry 99% of its "
+                f"derivative, which rounding of the candidate's own outputs moves by up to {c['allowance']:.2g} of "
+                f"itself")
+    return (f"{c['layer']} ({c['kind']}, a kink crossed by {c['crossed']} of {c['of']} outputs, float64 margin "
+            f"{c['margin_min']:.2g}" + (f"..{c['margin_max']:.2g}" if c["margin_max"] > c["margin_min"] else "") + ")")
 
 
 def _flipped_what(rs: dict[str, Any], dc: dict[str, Any]) -> str:

@@ -75,7 +75,8 @@ def test_a_backward_disagreement_upstream_of_a_crossed_kink_agrees_at_that_point
     assert got["agree"], got["first_disagreement"]
     assert got["discontinuities"]["looked_for_crossings"] == [75] and list(got["discontinuities"]["crossed"]) == [75]
     assert next(p for p in got["per_point"] if p["step"] == 75)["crossed"][0]["layer"] == "k"
-    assert "agree by a kink the candidate's own activations crossed" in resync_what(got)
+    assert "agree by what the candidate's own activations show" in resync_what(got)
+    assert "k (maxpool2d, a kink crossed by 1 of 4096 outputs, float64 margin 1.3e-07)" in resync_what(got)
     # a kink whose derivative does not reach conv1 explains nothing of conv1's gradient
     assert not R.judge(_with_crossing(["fc1"]), LAYERS, analyse)["agree"]
     # a crossing at another step explains nothing at this one
@@ -122,3 +123,77 @@ def test_every_sample_probes_the_step_again_in_the_candidate_and_the_float64_ref
         assert extra == Replay([23], states={23: "/s/state_23.npz"}, probe_steps=1, activation_rows=0)
     assert by["tensorflow"][1] == {} and by["torch"][1] == {"fault": "adam_eps_hat", "dtype": "float64"}
     assert jobs.every_sample(ref, run("torch", "ref-dp1-again"), {"states": {"23": "x"}}, 23, None) is None
+
+
+# --------------------------------------------------------------------------- saturations
+WIDE = load_model("cnn2d_3conv_3fc")   # ... fc1 relu_4 fc2 tanh_1 fc3
+
+
+def _tanh_outputs(x: np.ndarray, ulps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 tanh of `x` and a float32 candidate's outputs: correctly rounded, then moved by `ulps` ULPs."""
+    y64 = np.tanh(x)
+    y32 = y64.astype(np.float32)
+    if ulps is not None:
+        y32 = y32 + (ulps * np.spacing(np.abs(y32))).astype(np.float32)
+        y32 = np.clip(y32, -1, 1)
+    return y32, y64
+
+
+def test_a_saturated_tanh_allows_its_upstream_gradients_rounding_but_a_healthy_one_does_not():
+    """cnn2d_3conv_3fc adamw lr 0.05, resynced step 1 (2026-12-04): fc2's outputs 5-20 in size, every tanh
+    output within 0.007 of a derivative of 0. One ULP of an output there (6e-8) is up to 1e-2 of its derivative;
+    the same ULP of an output near 0.5 is 1e-7 of it."""
+    rng = np.random.default_rng(0)
+    healthy = _tanh_outputs(rng.uniform(-1.4, 1.4, (64, 64)), rng.integers(-3, 4, (64, 64)))
+    allowance, carried = kinks.derivative_error("tanh", *healthy)
+    assert allowance < 3e-6 and carried > 0.9 * 64 * 64
+    x = rng.choice([-1, 1], (64, 64)) * rng.uniform(3.5, 12, (64, 64))
+    saturated = _tanh_outputs(x, rng.integers(-3, 4, (64, 64)))
+    allowance, carried = kinks.derivative_error("tanh", *saturated)
+    assert 1e-3 < allowance < 1.0 and carried < 0.3 * 64 * 64
+    # correct rounding alone already moves the saturated derivative by far more than float32's epsilon
+    assert kinks.derivative_error("tanh", *_tanh_outputs(x))[0] > 100 * np.finfo(np.float32).eps
+    found = kinks.saturated(WIDE, {"forward/tanh_1": saturated[0]}, {"forward/tanh_1": saturated[1]})
+    assert [(f["layer"], f["kind"], f["of"]) for f in found] == [("tanh_1", "tanh", 64 * 64)]
+    assert found[0]["allowance"] == allowance and found[0]["upstream"] == [
+        "conv1", "conv2", "conv3", "fc1", "fc2", "flatten_1", "pool1", "relu_1", "relu_2", "relu_3", "relu_4"]
+    # a layer every output of which is +-1 in float64 passes no gradient: nothing upstream to explain
+    ones = np.ones((4, 64))
+    assert kinks.saturated(WIDE, {"forward/tanh_1": ones.astype(np.float32)}, {"forward/tanh_1": ones}) == []
+
+
+def test_a_sigmoid_saturates_towards_1_not_towards_0():
+    """sigmoid's derivative y (1 - y): near y = 0 the output keeps its relative precision, near 1 it does not."""
+    rng = np.random.default_rng(1)
+    for x, big in ((rng.uniform(-14, -9, 512), False), (rng.uniform(9, 14, 512), True)):
+        y64 = 1 / (1 + np.exp(-x))
+        y32 = y64.astype(np.float32)
+        allowance = kinks.derivative_error("sigmoid", y32, y64)[0]
+        assert (allowance > 1e-3) == big, (x[:3], allowance)
+
+
+def _with_saturation(allowance: float, upstream: list[str], size: float = 5e-3) -> dict:
+    """The candidate jumps at step 75 by `size` in grad/conv1.kernel and update0/conv1.kernel, with a
+    saturated layer there whose derivative reaches `upstream` and rounding may move by `allowance`."""
+    rep = kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[75], size=size)
+    return dict(rep, crossings={75: [{"layer": "s", "kind": "tanh", "allowance": allowance, "carried_by": 64,
+                                      "of": 4096, "upstream": upstream}]})
+
+
+def test_a_backward_disagreement_upstream_of_a_saturation_agrees_within_its_allowance_only():
+    got = R.judge(_with_saturation(5e-3, ["conv1"]), LAYERS, analyse)
+    assert got["agree"], got["first_disagreement"]
+    said = resync_what(got)
+    assert "s (tanh) saturated: 64 of its 4096 outputs carry 99% of its derivative" in said and "0.005 of" in said
+    # the same disagreement beyond margin x the allowance: a computation that differs
+    assert not R.judge(_with_saturation(1e-4, ["conv1"]), LAYERS, analyse)["agree"]
+    # a saturation whose derivative does not reach conv1 explains nothing of conv1's gradient
+    assert not R.judge(_with_saturation(5e-3, ["fc1"]), LAYERS, analyse)["agree"]
+    # an update that disagrees while its gradient agrees is not the saturation's doing
+    rep = _with_saturation(5e-3, ["conv1"])
+    i = rep["at"].index(75)
+    t, cand, ref, p64, plain = rep["probes"][i]
+    cand = dict(cand, **{"grad/conv1.kernel": ref["grad/conv1.kernel"],
+                         "update0/conv1.kernel": cand["update0/conv1.kernel"] * 1.5})
+    rep["probes"][i] = (t, cand, ref, p64, plain)
+    assert not R.judge(rep, LAYERS, analyse)["agree"]
