@@ -66,11 +66,15 @@ def configurations(models: tuple[str, ...] = MODELS) -> list[dict]:
     return sorted(out, key=lambda c: (c["round"], OPTIMIZERS.index(c["optimizer"]), models.index(c["model"])))
 
 
-def entries_for(conf: dict, backends: list[str], steps: int, with_variants: bool) -> list[M.Entry]:
+def entries_for(conf: dict, backends: list[str], steps: int, with_variants: bool,
+                default_lr: bool = False) -> list[M.Entry]:
+    """The runs of one configuration; with `default_lr`, at the command's default learning rate (what a user
+    gets who names only the optimizer: 0.05 for Adam too, a chaotic regime) instead of OPT_HPARAMS's."""
     info = runner.backend_info()
+    own = {k: v for k, v in OPT_HPARAMS[conf["optimizer"]].items() if not (default_lr and k == "lr")}
     m = M.Matrix(name=conf["id"], models=[conf["model"]], backends=backends, devices=[1, 2],
                  optimizers=[conf["optimizer"]], steps=steps,
-                 hparams={"schedule": conf["schedule"], "step_size": max(steps // 3, 1), **OPT_HPARAMS[conf["optimizer"]]})
+                 hparams={"schedule": conf["schedule"], "step_size": max(steps // 3, 1), **own})
     entries = M.expand(m)
     base = [e for e in entries if e.role == "run" and e.cfg.devices == 1]
     extra: list[tuple[runner.RunConfig, str]] = []
@@ -144,6 +148,11 @@ def main() -> int:
     ap.add_argument("--results-name", default="false_alarms",
                     help="bench/results/<name>.{md,json} (a run over other models keeps the main table)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--optimizers", nargs="+", default=None, choices=OPTIMIZERS,
+                    help="only the configurations of these optimizers (after --configs)")
+    ap.add_argument("--default-lr", action="store_true",
+                    help="every optimizer at the command's default learning rate (0.05), not the usual one of "
+                         "OPT_HPARAMS: where Adam saturates layers and the curves are chaotic from the first steps")
     ap.add_argument("--compare-only", action="store_true",
                     help="train nothing: judge the complete runs already in each configuration's folder under --out "
                          "(after a change of the harness, when a wrapper's source also changed in a way that moves no "
@@ -163,6 +172,8 @@ def main() -> int:
             lo, _, hi = part.partition("-")
             idx += list(range(int(lo), int(hi or lo) + 1))
         confs = [confs[i] for i in idx]
+    if a.optimizers:
+        confs = [c for c in confs if c["optimizer"] in a.optimizers]
     backends = a.backends or runner.installed_backends()
     out = a.out.resolve()
     t0 = time.time()
@@ -178,7 +189,8 @@ def main() -> int:
             print(f"[{n + 1}/{len(confs)}] {conf['id']}: judging the runs in {folder} (--compare-only)",
                   file=sys.stderr, flush=True)
         else:
-            entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0)
+            entries = entries_for(conf, backends, a.steps, with_variants=configurations(models).index(conf) % 5 == 0,
+                                  default_lr=a.default_lr)
             if a.only:
                 unknown = sorted(set(a.only) - {e.name for e in entries})
                 if unknown:
