@@ -115,10 +115,11 @@ def derivative_error(kind: str, y: np.ndarray, y64: np.ndarray) -> tuple[float, 
 
 
 def saturated(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    """Every saturating layer (SATURATING) with how far its derivative may be off by rounding: the layer, its kind, `allowance` (`derivative_error` from the candidate's own
-    outputs: the gradients of the layers upstream, which the derivative multiplies, may be that far off
-    relatively, by rounding alone), how many outputs carry the derivative, of how many, and the layers
-    upstream. A layer whose float64 derivative is 0 everywhere passes no gradient and is left out."""
+    """Every saturating layer (SATURATING) with how far rounding may move its derivative: the layer, its kind,
+    `allowance` (`derivative_error` from the candidate's own outputs: the gradients of the layers upstream,
+    which the derivative multiplies, may be that far off relatively, by rounding alone), how many outputs
+    carry the derivative, of how many, and the layers upstream. A layer whose float64 derivative is 0
+    everywhere passes no gradient and is left out."""
     out = []
     for layer in model.layers:
         key = f"forward/{layer.name}"
@@ -140,19 +141,22 @@ def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, marg
     A kink explains any key of a parameter upstream of it (a crossing moves a whole derivative); a saturation
     a gradient upstream of it within `margin` x its allowance (an allowance under floor / margin explains
     nothing the floor does not); an update or optimizer state follows its own parameter's explained gradient."""
-    saturations = [c for c in found if "allowance" in c and margin * c["allowance"] > floor]
+    usable = [c for c in found if "allowance" not in c or margin * c["allowance"] > floor]
+
+    def param(d: dict[str, Any]) -> str:        # "update0/conv1.kernel" -> "conv1.kernel"
+        return d["key"].rsplit("/", 1)[-1]
 
     def explains(c: dict[str, Any], d: dict[str, Any]) -> bool:
-        if d["key"].rsplit("/", 1)[-1].rsplit(".", 1)[0] not in c["upstream"]:
+        if param(d).rsplit(".", 1)[0] not in c["upstream"]:
             return False
         return "allowance" not in c or (d["kind"] == "grad" and d["rel"] <= margin * c["allowance"])
 
-    used = [c for c in found if ("allowance" not in c or c in saturations) and any(explains(c, d) for d in diffs)]
-    grads = {d["key"].rsplit("/", 1)[-1] for d in diffs if any(explains(c, d) for c in used)}
-    ok = all(any(explains(c, d) for c in used) or (d["kind"] in ("update", "opt") and d["key"].rsplit("/", 1)[-1]
-                                                    in grads) for d in diffs)
+    used = [c for c in usable if any(explains(c, d) for d in diffs)]
+    explained = {param(d) for d in diffs if d["kind"] == "grad" and any(explains(c, d) for c in used)}
+    ok = all(any(explains(c, d) for c in used) or (d["kind"] in ("update", "opt") and param(d) in explained)
+             for d in diffs)
     return used if ok else None
 
 
-__all__ = ["CARRIED", "explaining", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "margins", "saturated",
-           "upstream"]
+__all__ = ["CARRIED", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "explaining", "margins",
+           "saturated", "upstream"]
