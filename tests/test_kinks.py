@@ -1,9 +1,13 @@
 """Kinks a candidate's own activations crossed (harness/kinks.py) and what the resync makes of them
 (harness.resync.judge): a backward-only disagreement upstream of a crossed kink agrees at that point; one
-that reaches past the kink, or touches an activation, or has no crossing to show, does not."""
+that reaches past the kink, or touches an activation, or has no crossing to show, does not. The same for a
+saturated tanh or sigmoid, within its allowance."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from algorithms.contract import Replay, RunOptions
 from algorithms.spec import load_model
@@ -12,6 +16,7 @@ from harness import resync as R
 from harness.probe_analysis import analyse
 from harness.resync_verdict import resync_what
 
+from .conftest import need
 from .test_resync import LAYERS, kinked_rep
 
 HARD = load_model("cnn2d_hard")   # conv1 bn1 relu_1 conv2 bn2 relu_2 pool1 (avg) pool2 (max 3x3 same) conv3 ...
@@ -197,3 +202,27 @@ def test_a_backward_disagreement_upstream_of_a_saturation_agrees_within_its_allo
                          "update0/conv1.kernel": cand["update0/conv1.kernel"] * 1.5})
     rep["probes"][i] = (t, cand, ref, p64, plain)
     assert not R.judge(rep, LAYERS, analyse)["agree"]
+
+
+@pytest.mark.slow
+def test_a_clean_run_whose_tanh_saturates_at_a_resynced_step_is_drift(tmp_path):
+    """The user's configuration of 2026-12-04 (cnn2d_3conv_3fc, AdamW at the default lr 0.05, weight decay
+    0.01, cosine, 120 steps): the first update (norm 10.8) saturates tanh_1; at the resynced step 1 the NumPy
+    candidate's gradients upstream of it were 1.8x their calibrated tolerance, BUG. With the saturation seen
+    in its own activations the step agrees: DRIFT, and the note names the layer."""
+    from click.testing import CliRunner
+
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.cli import main
+    need("torch")
+    hp = HParams(steps=120, optimizer="adamw", weight_decay=0.01, schedule="cosine")
+    ref, cand = (runner.execute(RunConfig(model="cnn2d_3conv_3fc", backend=b, hparams=hp), tmp_path)
+                 for b in ("torch", "numpy"))
+    r = CliRunner().invoke(main, ["compare", str(ref), str(cand), "--json", "--out", str(tmp_path / "cmp"), "-j", "2"])
+    assert r.exit_code == 0, r.output
+    pair = json.loads(r.stdout)["pairs"][0]
+    assert pair["verdict"] == "DRIFT", pair["notes"]
+    step1 = next(p for p in pair["resync"]["per_point"] if p["step"] == 1)
+    assert [(c["layer"], c["kind"]) for c in step1["crossed"]] == [("tanh_1", "tanh")], step1
