@@ -106,8 +106,9 @@ def restart_differs(loc: dict[str, Any] | None) -> bool:
 
 
 def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str | None:
-    """When a localization from the step-0 probes disagrees only on gradients, updates and optimizer state
-    (BACKWARD_KINDS: every activation, the loss and the buffers agree), at steps the resync computed from the
+    """When a localization from the step-0 probes disagrees at their first step only on gradients, updates and
+    optimizer state (BACKWARD_KINDS: every activation, the loss and the buffers agree; at the later steps on
+    anything, the buffers too: those start from the candidate's own state), at steps the resync computed from the
     reference's own state (the gradients: step 0; update<i>/opt<i>: step i; the probes' later steps start
     from the candidate's own state after its first), and the resync agreed there: a short description of
     those keys; else None. The resync's steps are the better instrument: calibrated at each state, with the
@@ -122,7 +123,9 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
         # checkpoint, and this backend does not step the same from one: no kink explains that
         return None
     kinds = [kind_of(k) for k in keys]
-    if not all(kd in BACKWARD_KINDS for kd, _ in kinds):
+    # a flip at the first step moves its gradients and what follows from them; the probes' later steps start
+    # from the candidate's own state after it, where anything (the running statistics too) follows from it
+    if not all(kd in BACKWARD_KINDS or i >= 1 for kd, i in kinds):
         return None
     if not all(i in rs.get("points", ()) for i in range(0, max(i for _, i in kinds) + 1)):
         return None

@@ -353,15 +353,21 @@ def test_a_step0_localization_on_backward_kinds_is_superseded_by_the_resynced_st
     """resnet_tiny adam tensorflow dp2 (2026-12-01): the step-0 probes against the emulating reference put
     grad/block3_bn1.beta 1.05e-4 off (the fixed 1e-4 floor, no nudged steps there) where the resync's step 0,
     the same step calibrated, agreed; mobilenet_tiny tensorflow dp2: update1/stem.kernel, the probes' own
-    second step. Activations, the loss, buffers, or a step the resync did not compute: not superseded."""
+    second step; resnet_tiny adam at lr 0.05, tensorflow and keras-tensorflow dp2 (2026-12-04): the same step-0
+    gradients 1.6e-3 off, and after the probes' first update (Adam, lr 0.05, from the candidate's own state)
+    the running statistics of their second and third steps too, where the resync's steps 0-2 agreed.
+    Activations, the loss, the first step's buffers, or a step the resync did not compute: not superseded."""
     from harness.resync_verdict import superseded_by_resync
     rs = {"points": [0, 1, 2, 25, 50]}
     loc = {"disagreeing_keys": ["update1/stem.kernel", "opt1/momentum/stem.kernel"], "rel": 2.2e-4,
            "method": "step-0 probes"}
     assert "2 key(s) such as update1/stem.kernel" in superseded_by_resync(loc, rs)
     assert superseded_by_resync(dict(loc, disagreeing_keys=["grad/block3_bn1.beta", "update0/block3_bn1.beta"]), rs)
-    for k in ("forward/stem", "loss", "buffer1/bn.running_mean", "eval/fc"):
+    for k in ("forward/stem", "loss", "buffer0/bn.running_mean", "eval/fc"):
         assert superseded_by_resync(dict(loc, disagreeing_keys=loc["disagreeing_keys"] + [k]), rs) is None
+    later = ["grad/block3_bn1.beta", "update1/stem.kernel", "buffer1/bn.running_mean", "buffer2/bn.running_var"]
+    assert "4 key(s) such as grad/block3_bn1.beta" in superseded_by_resync(dict(loc, disagreeing_keys=later), rs)
+    assert superseded_by_resync(dict(loc, disagreeing_keys=later), {"points": [0, 1, 25]}) is None
     assert superseded_by_resync(dict(loc, disagreeing_keys=["update2/stem.kernel"]), {"points": [0, 1, 25]}) is None
     assert superseded_by_resync(dict(loc, disagreeing_keys=["grad/stem.kernel"]), {"points": [25, 50]}) is None
     assert superseded_by_resync(dict(loc, method="resync of step 25 from the reference's state"), rs) is None
