@@ -363,6 +363,45 @@ MUTATIONS = (
              "the evaluation differ (torch's functional batch_norm takes no momentum=None, so the cumulative "
              "average of nn.BatchNorm2d cannot be written here: tried, a TypeError at the first step)",
              reference="numpy"),
+    # ---- session 13: late, buffer-only and eval-only slips, and graph-model rewrites at dp 2
+    Mutation("tf_bn_inference_keras_epsilon", "mobilenet_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             "x = tf.nn.batch_normalization(x, rm, rv, beta, gamma, eps)",
+             "x = tf.nn.batch_normalization(x, rm, rv, beta, gamma, 1e-3)",
+             ("BUG",), ("eval",), "stem_bn",
+             "Keras' BatchNorm epsilon (1e-3) in the inference path only (a serving graph rebuilt with the "
+             "framework's defaults): training is exact, every evaluation moves", args=("--steps", "100")),
+    Mutation("jax_optimizer_state_lost_on_resume", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
+             "        lr = self.lr_for(step)\n        self.opt_state = keras_velocity(",
+             "        lr = self.lr_for(step)\n"
+             "        if step and step % 100 == 0:   # resumed from the step-100 checkpoint: parameters only\n"
+             "            self.opt_state = self._place(self.tx.init(self.params))\n"
+             "        self.opt_state = keras_velocity(",
+             ("BUG",), ("optimizer",), "",
+             "a resume from the checkpoint every 100 steps restores the parameters but re-creates the optimizer: "
+             "the momentum starts again from zero at steps 100 and 200; the first 100 steps are exact (a chaotic "
+             "model, the bug starting after its envelope has grown)"),
+    Mutation("tf_sync_bn_running_var_local_count", "resnet_tiny", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
+             "        var = ctx.all_reduce(SUM, sq) / n\n        return mean, var, n\n",
+             "        var = ctx.all_reduce(SUM, sq) / n\n        return mean, var, n // self.replicas\n",
+             ("BUG",), ("forward", "eval"), "stem_bn",
+             "synchronized BatchNorm whose running variance is unbiased with the replica's own count n/2 "
+             "(n/(n-1) at 8192 instead of 16384 values): the batch statistics are right, the running variance is "
+             "6e-5 relative too large, so only the buffers and the evaluations move",
+             args=("--steps", "100", "--sync-bn")),
+    Mutation("tf_relu6_as_min_max", "mobilenet_tiny", "tensorflow", 2, "wrappers/tensorflow/layers.py",
+             "x = tf.nn.relu6(x)", "x = tf.minimum(tf.maximum(x, 0.0), 6.0)",
+             ("IDENTICAL", "DRIFT", "DECLARED"), (), "",
+             "no bug: ReLU6 written as a clip (the same values; a gradient exactly at 0 or 6 may go another way), "
+             "data-parallel over two replicas (the per-replica BatchNorm it declares is verified or not)",
+             args=("--steps", "150", "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
+                   "--schedule", "warmup")),
+    Mutation("torch_concat_inputs_reversed", "scenarios/graph_ops_tiny", "torch", 1, "wrappers/torch/layers.py",
+             "x = torch.cat([outs[src] for src in layer.inputs], dim=cat_axis)",
+             "x = torch.cat([outs[src] for src in reversed(layer.inputs)], dim=cat_axis)",
+             ("BUG",), ("forward",), "cat",
+             "a concatenation with its inputs in the other order (a port that lists the branches as the diagram "
+             "draws them): the shapes fit when the branches have equal channels, every later weight reads the "
+             "other branch", args=("--steps", "60"), reference="numpy"),
 )
 
 
