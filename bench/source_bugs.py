@@ -383,10 +383,11 @@ MUTATIONS = (
     Mutation("tf_sync_bn_running_var_local_count", "resnet_tiny", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
              "        var = ctx.all_reduce(SUM, sq) / n\n        return mean, var, n\n",
              "        var = ctx.all_reduce(SUM, sq) / n\n        return mean, var, n // self.replicas\n",
-             ("BUG",), ("forward", "eval"), "stem_bn",
+             ("BUG",), ("forward", "eval"), "running_var",
              "synchronized BatchNorm whose running variance is unbiased with the replica's own count n/2 "
              "(n/(n-1) at 8192 instead of 16384 values): the batch statistics are right, the running variance is "
-             "6e-5 relative too large, so only the buffers and the evaluations move",
+             "6e-5 relative too large (every BatchNorm's: where the bias is named is any running variance), so only the "
+             "buffers and the evaluations move",
              args=("--steps", "100", "--sync-bn")),
     Mutation("tf_relu6_as_min_max", "mobilenet_tiny", "tensorflow", 2, "wrappers/tensorflow/layers.py",
              "x = tf.nn.relu6(x)", "x = tf.minimum(tf.maximum(x, 0.0), 6.0)",

@@ -13,14 +13,9 @@ inference forward, loss, gradients, update, buffers, optimizer state). Per key, 
 on that state: the candidate's RMS error against the float64 step may be MARGIN times the float32
 reference's own (never less than FLOOR of the tensor's scale). A key outside it: that step disagrees.
 
-A bias too small for one step's tolerance (lr x (1 + 1e-5), an eps off by a little) keeps one sign over
-all resynced steps, while rounding has no preferred sign and no systematic size beyond a few ULPs: per
-key kind (forward, loss, gradients, updates, buffers, eval) the signed projection of the candidate's
-deviation on the reference's tensor, in float32 ULPs, its median over the kind's keys at each point, is
-tested over the points for a mean beyond SEQ_DELTA ULPs (one-sample t-test; the sign test is reported
-next to it). BUG when p < SEQ_ALPHA / (kinds tested) (Bonferroni). A plain test of mean 0 is not enough:
-measured, a clean candidate's Adam updates differ from the reference's by -0.6 ULP on average, consistently
-(p 0.0004 over 30 points with a mean-0 test on deviations normalized by the projected rounding noise).
+A bias too small for one step's tolerance (lr x (1 + 1e-5), an eps off by a little, a running variance
+unbiased with another count) keeps one sign over all resynced steps, while rounding has no preferred sign:
+the sequential test over the signed per-step differences, per key kind and per key (harness/bias_test.py).
 """
 from __future__ import annotations
 
@@ -29,31 +24,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .probe_analysis import param_layer
 from .implied import optimizer_rest
 from .kinks import explaining
-from .probes import EPS32, kind_of
+from .bias_test import (SEQ_ALPHA, SEQ_DELTA, SEQ_KINDS, SEQ_MIN_POINTS, STAGE_OF_KIND, key_tests,  # noqa: F401
+                        projection, sequential_test, signed_deviations)
+from .probes import EPS32, kind_of  # noqa: F401  (EPS32: the unit of the sequential test, for its readers)
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
 # on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
 # bench/calibrate_resync.py.
 MARGIN = 3.0
 FLOOR = 3e-5
-# The sequential test: family-wise false-alarm rate over the kinds tested (Bonferroni), and the fewest
-# points a kind needs to be tested at all.
-SEQ_ALPHA = 0.01
-SEQ_MIN_POINTS = 3
 # the fewest resync points a run gets at any asked cadence (resync_points): with 3, the sequential test's
 # t-test has 2 degrees of freedom and missed a 118-ULP evaluation bias (sd 14 ULP, p 0.0028 against the
 # Bonferroni threshold 0.0017; bench/source_bugs.py jax_bn_inference_without_eps, a 60-step run at K = 25)
 MIN_POINTS = 8
-# a bias rounding can produce: two float32 implementations of one step differ systematically by a fraction
-# of a ULP to a few ULPs (a learning rate rounded to float32, bias corrections computed in another
-# precision); measured on two clean candidate backends against the reference (30 points each), the mean over the points
-# of a kind's per-point median reached 4.1 ULP (cnn2d_hard adamw gradients; docs/verdict.md). The test asks
-# whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
-SEQ_DELTA = 8.0
-SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
 # a key's own error at a resynced step this many times its median over the steps: a discontinuity of the
 # reference's own step there (a kink flipped by rounding: 1e-5..1e-3 where rounding is 1e-7; judge)
 JUMP = 10.0
@@ -93,122 +78,6 @@ def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
         every = min(every, max(1, steps // MIN_POINTS))
     pts = list(range(0, steps, every)) if every > 0 else []
     return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
-
-
-def projection(a: np.ndarray, b: np.ndarray) -> float:
-    """The candidate's deviation projected on the reference's tensor, relative: <a - b, b> / <b, b>
-    (a = (1 + e) b gives e, whatever the sign of b). 0 for an all-zero reference; nan on a shape mismatch."""
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    if a.shape != b.shape:
-        return float("nan")
-    bb = float(b @ b)
-    return float((a - b) @ b) / bb if bb > 0 else 0.0
-
-
-def signed_deviations(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
-    """Per key of the kinds tested (first optimizer step only): the candidate's deviation projected on the
-    reference's tensor (`projection`), in float32 ULPs of relative size (units of EPS32)."""
-    out = {}
-    for k, y in b.items():
-        kind, step = kind_of(k)
-        if kind not in SEQ_KINDS or step != 0 or k not in a:
-            continue
-        p = projection(a[k], y)
-        if math.isfinite(p):
-            out[k] = p / EPS32
-    return out
-
-
-def _bias_test(x: np.ndarray, delta: float) -> tuple[float, float]:
-    """Is the mean of x beyond +-delta? One-sample t statistic of |mean| - delta and its one-sided p
-    (H0: |mean| <= delta). A sample with no spread: p 0 beyond delta, else 1."""
-    n = len(x)
-    m = abs(float(np.mean(x)))
-    sd = float(np.std(x, ddof=1)) if n > 1 else 0.0
-    if sd == 0.0 or not math.isfinite(sd):
-        return (math.inf, 0.0) if m > delta else (-math.inf, 1.0)
-    from scipy import stats
-    t = (m - delta) / (sd / math.sqrt(n))
-    return t, float(stats.t.sf(t, n - 1))
-
-
-def _sign_test(x: np.ndarray) -> tuple[int, int, float]:
-    """(positives, negatives, two-sided binomial p), zeros left out."""
-    pos, neg = int(np.sum(x > 0)), int(np.sum(x < 0))
-    if pos + neg == 0:
-        return 0, 0, 1.0
-    from scipy import stats
-    return pos, neg, float(stats.binomtest(pos, pos + neg, 0.5).pvalue)
-
-
-def _layer_rank(key: str, layers: list[str]) -> int:
-    """A probe key's place in the spec's layer order ('forward/bn1', 'update0/bn1.gamma'); after them: none."""
-    rest = key.split("/", 1)[-1].split("/")[-1]
-    for name in (rest, param_layer(rest)):
-        if name in layers:
-            return layers.index(name)
-    return len(layers)
-
-
-def key_tests(per_point: list[dict[str, float]], kind: str, layers: list[str], alpha: float = SEQ_ALPHA,
-              delta: float = SEQ_DELTA, min_points: int = SEQ_MIN_POINTS) -> dict[str, Any]:
-    """Where in a biased kind the bias starts: the same test per key of `kind` (Bonferroni over its keys), the
-    keys in the spec's layer order; `first` is the first significant one (a forward bias that starts at a
-    BatchNorm is inherited by every layer after it)."""
-    series: dict[str, list[float]] = {}
-    for dev in per_point:
-        for k, v in dev.items():
-            if kind_of(k)[0] == kind:
-                series.setdefault(k, []).append(v)
-    tested = {k: np.asarray(v) for k, v in series.items() if len(v) >= min_points}
-    threshold = alpha / max(len(tested), 1)
-    keys = {}
-    for k in sorted(tested, key=lambda k: _layer_rank(k, layers)):
-        t, p = _bias_test(tested[k], delta)
-        keys[k] = {"p": p, "mean_ulp": float(np.mean(tested[k])), "significant": p < threshold}
-    first = next((k for k, st in keys.items() if st["significant"]), None)
-    return {"threshold": threshold, "keys": keys, "first": first}
-
-
-def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA, delta: float = SEQ_DELTA,
-                    min_points: int = SEQ_MIN_POINTS, layers: list[str] | None = None) -> dict[str, Any]:
-    """The signed deviations of every resynced point (key -> projection in float32 ULPs) tested for a bias:
-    per key kind, the median over the kind's keys at each point (one ill-conditioned key does not speak for
-    the kind; a bias of the whole step moves them all), then a one-sample t-test over the points of
-    H0 |mean| <= delta ULPs. Significant when p < alpha / (kinds tested). Returns the per-kind statistics
-    (with the sign test next to it), the threshold and `bias`: the earliest significant kind in the step's
-    order (forward, loss, gradients, updates, buffers, then the inference path; None when none is
-    significant), where a bias starts: what follows it inherits it, often with a smaller p (a BatchNorm eps
-    moves every later activation and the evaluation too); with `layers`, the per-key tests of that kind
-    (`key_tests`: the first biased key names the layer)."""
-    by_kind: dict[str, list[float]] = {}
-    for dev in per_point:
-        groups: dict[str, list[float]] = {}
-        for k, v in dev.items():
-            groups.setdefault(kind_of(k)[0], []).append(v)
-        for kd, vs in groups.items():
-            by_kind.setdefault(kd, []).append(float(np.median(vs)))
-    tested = {kd: np.asarray(v) for kd, v in by_kind.items() if len(v) >= min_points}
-    threshold = alpha / max(len(tested), 1)
-    kinds = {}
-    for kd, x in sorted(tested.items(), key=lambda kv: SEQ_KINDS.index(kv[0]) if kv[0] in SEQ_KINDS else 99):
-        t, p = _bias_test(x, delta)
-        pos, neg, p_sign = _sign_test(x)
-        kinds[kd] = {"points": len(x), "mean_ulp": float(np.mean(x)),
-                     "sd_ulp": float(np.std(x, ddof=1)) if len(x) > 1 else 0.0,
-                     "t": t, "p": p, "positive": pos, "negative": neg, "p_sign": p_sign, "significant": p < threshold}
-    sig = [kd for kd, st in kinds.items() if st["significant"]]
-    bias = min(sig, key=lambda kd: SEQ_KINDS.index(kd) if kd in SEQ_KINDS else len(SEQ_KINDS)) if sig else None
-    where = key_tests(per_point, bias, layers, alpha, delta, min_points) if bias and layers is not None else None
-    return {"test": f"per key kind: median over its keys of the signed relative deviation (float32 ULPs) at each "
-                    f"point; one-sample t-test over the points of H0 |mean| <= {delta:g} ULP",
-            "alpha": alpha, "delta_ulp": delta, "kinds_tested": len(tested), "threshold": threshold, "kinds": kinds,
-            "bias": bias, "min_p": min((st["p"] for st in kinds.values()), default=None),
-            "untested": sorted(kd for kd, v in by_kind.items() if len(v) < min_points), "where": where}
-
-
-STAGE_OF_KIND = {"forward": "forward", "loss": "loss", "grad": "backward", "update": "optimizer",
-                 "buffer": "forward", "eval": "eval"}
 
 
 # the probe kinds a discontinuity of one step moves while the forward pass agrees: a ReLU (or ReLU6, or a
@@ -291,7 +160,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     ill-conditioned update: Adam's first step on a gradient within rounding of zero); and beside a flip or a
     crossing, the update and optimizer state of a parameter whose gradient agrees (`optimizer_rest`) are
     explained the same way, by their formula, never by the flip."""
-    results, evidence, devs, by_formula = [], [], [], {}
+    results, evidence, devs, owns, by_formula = [], [], [], [], {}
     for t, pa, pb, p64, plain in rep["probes"]:
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
@@ -306,6 +175,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             evidence += [f"step {t}: {k}" for k in
                          analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
         devs.append(signed_deviations(pa, pb))
+        # the reference's own float32 deviation per key, where its float64 step is there: the per-key null
+        owns.append({k: abs(v) for k, v in signed_deviations(pb, z).items()} if z is not None else {})
     jumps = discontinuities({t: res["diffs"] for t, res, _ in results})
 
     def by_its_formula(t: int) -> set[str]:
@@ -375,7 +246,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
            "agree": first_bad is None, "margin": margin, "floor": floor,
            "worst": {k: worst_pt[k] for k in ("step", "worst_key", "worst_factor")} if worst_pt else None,
            "calibrated": all(p["calibrated"] for p in points),
-           "sequential": sequential_test(devs, layers=layers), "first_disagreement": first_bad,
+           "sequential": sequential_test(devs, layers=layers, owns=owns), "first_disagreement": first_bad,
            "discontinuities": {"flipped": flipped, "reference_jumps": ref_jumps, "allowed": allow_flips,
                                "largest": jumps["largest"],
                                "keys": sorted({k for ks in flips.values() if ks for k in ks}),

@@ -18,7 +18,15 @@ def resync_what(rs: dict[str, Any]) -> str:
     return (f"{rs['n']} resynced steps {rs['points'][0]}..{rs['points'][-1]}; worst {w.get('worst_key')} at step "
             f"{w.get('step')}, {fmt_factor(w.get('worst_factor'))} its calibrated tolerance; sequential test "
             + (f"min p {seq['min_p']:.3g} >= {seq['threshold']:.3g}" if seq.get("min_p") is not None
-               else "not run (fewer than 3 points)") + flips_what(rs) + _self_replay_what(rs))
+               else "not run (fewer than 3 points)") + _per_key_what(seq) + flips_what(rs) + _self_replay_what(rs))
+
+
+def _per_key_what(seq: dict[str, Any]) -> str:
+    """The per-key family of the sequential test (harness.bias_test.keywise_test), when it ran."""
+    pk = seq.get("per_key") or {}
+    if not pk.get("tested") or pk.get("min_p") is None:
+        return ""
+    return f"; per key min p {pk['min_p']:.3g} >= {pk['threshold']:.3g} ({pk['tested']} keys)"
 
 
 def _self_replay_what(rs: dict[str, Any]) -> str:
@@ -164,6 +172,20 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
     parameter = name if name and "." in name else None
     layer = param_layer(name) if parameter else name
     stage = STAGE_OF_KIND.get(kd, kd)
+    if seq.get("by_key"):   # one key (or a few) biased, its kind's median not: the per-key family found it
+        kt = seq["where"]["keys"][first]
+        line = (f"localized by the sequential test over {kt['points']} resynced steps: a bias in {first} (mean "
+                f"{kt['mean_ulp']:+.3g} float32 ULP where rounding allows {kt['null_ulp']:.3g}, t {kt['t']:.3g}, p "
+                f"{kt['p']:.3g} < {seq['where']['threshold']:.3g}, Bonferroni over {seq['per_key']['tested']} keys; "
+                f"{kt['positive']} of {kt['positive'] + kt['negative']} positive); the median of the {kd} probes is "
+                f"unbiased (p {st['p']:.3g}): the bias is in some of them only")
+        others = [k for k in seq["where"]["keys"] if k != first]
+        if others:
+            line += f"; biased too: {', '.join(others[:6])}" + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+        return {"stage": stage, "method": "sequential test over resynced steps", "layer": layer,
+                "parameter": parameter, "probe": first, "summary": f"{stage}: " + (f"{parameter or layer}, " if layer
+                                                                                   else "") + f"bias in {first} "
+                f"(p {kt['p']:.2g})", "lines": [line], "disagreeing_keys": []}
     line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
             f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
             f"{st['positive']} of {st['positive'] + st['negative']} positive)"
@@ -271,9 +293,16 @@ def apply_resync(p: Pair, requested: bool) -> None:
         if p.first is None:
             p.first = {"series": "resync-sequential", "factor": None, "reason": "bias", "a_value": None,
                        "b_value": None, "deviation": None, "envelope": None, "also": [], "probe": kd}
-        p.notes.append(f"every resynced step is inside its tolerance, but the signed differences of the {kd} probes "
-                       f"keep one sign: p {st['p']:.3g} < {seq['threshold']:.3g} (Bonferroni over "
-                       f"{seq['kinds_tested']} kinds): a bias rounding does not produce"
+        if seq.get("by_key"):
+            first = seq["where"]["first"]
+            kt = seq["where"]["keys"][first]
+            said = (f"the signed differences of {first} keep one sign: p {kt['p']:.3g} < {seq['where']['threshold']:.3g} "
+                    f"(Bonferroni over {seq['per_key']['tested']} keys), {kt['mean_ulp']:+.3g} ULP where rounding "
+                    f"allows {kt['null_ulp']:.3g}")
+        else:
+            said = (f"the signed differences of the {kd} probes keep one sign: p {st['p']:.3g} < "
+                    f"{seq['threshold']:.3g} (Bonferroni over {seq['kinds_tested']} kinds)")
+        p.notes.append(f"every resynced step is inside its tolerance, but {said}: a bias rounding does not produce"
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     superseded = superseded_by_resync(p.localization, rs)

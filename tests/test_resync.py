@@ -110,6 +110,63 @@ def test_sequential_test_needs_three_points_and_tolerates_zero_spread():
     assert off["bias"] == "loss"
 
 
+def _buffer_points(rng, n_points: int, var_bias: dict[str, float]) -> list[dict[str, float]]:
+    """BatchNorm buffers: the running means unbiased (rounding, 1 ULP), each layer's running variance off by
+    var_bias[layer] ULPs (plus 2 ULPs of noise)."""
+    return [{**{f"buffer0/{l}.running_mean": rng.standard_normal() for l in var_bias},
+             **{f"buffer0/{l}.running_var": b + 2 * rng.standard_normal() for l, b in var_bias.items()}}
+            for _ in range(n_points)]
+
+
+def test_a_bias_in_some_keys_of_a_kind_is_found_per_key_where_the_kinds_median_hides_it():
+    """Synchronized BatchNorm whose running variance is unbiased with the replica's count (bench/source_bugs.py
+    tf_sync_bn_running_var_local_count, resnet_tiny): every running variance off, by 13 to 220 ULPs as the
+    layer's count shrinks, every running mean unbiased; the buffer kind's median over both is ~6 ULPs, not
+    significant; the per-key family is, and names the first BatchNorm in layer order."""
+    from harness.resync_verdict import bias_localization
+    rng = np.random.default_rng(3)
+    layers = ["conv1", "bn1", "conv2", "bn2", "conv3", "bn3"]
+    pts = _buffer_points(rng, 10, {"bn1": 13.0, "bn2": 55.0, "bn3": 220.0})
+    owns = [{k: 1.0 for k in p} for p in pts]
+    kind_only = R.sequential_test(pts, layers=layers)
+    assert kind_only["bias"] is None                              # what the kind test alone said: DRIFT
+    st = R.sequential_test(pts, layers=layers, owns=owns)
+    assert st["by_key"] and st["bias"] == "buffer" and st["where"]["first"] == "buffer0/bn1.running_var"
+    assert set(st["where"]["keys"]) == {f"buffer0/bn{i}.running_var" for i in (1, 2, 3)}
+    loc = bias_localization(st)
+    assert (loc["stage"], loc["parameter"]) == ("forward", "bn1.running_var")
+    assert "Bonferroni over 6 keys" in loc["lines"][0] and "buffer0/bn3.running_var" in loc["lines"][0]
+    # without the reference's own deviations (no float64 step at any point) no key is tested
+    assert R.sequential_test(pts, layers=layers, owns=[{}] * len(pts))["per_key"]["tested"] == 0
+
+
+def test_the_per_key_null_is_widened_by_the_keys_own_rounding():
+    """A key whose own float32 projection moves by 500 ULPs (a decay term through 1 - lr x wd rounded to
+    float32) may differ consistently by as much between two correct implementations: held to 3 x 500; the
+    same deviation on a key rounding moves by 1 ULP is a bias."""
+    rng = np.random.default_rng(4)
+    others = [f"update0/p{i}" for i in range(4)]
+    pts = [{"update0/fc1.bias": 600.0 + 5 * rng.standard_normal(), **{k: rng.standard_normal() for k in others}}
+           for _ in range(12)]
+    loose = R.sequential_test(pts, owns=[{"update0/fc1.bias": 500.0, **{k: 1.0 for k in others}}] * 12)
+    assert loose["bias"] is None and loose["per_key"]["tested"] == 5
+    tight = R.sequential_test(pts, owns=[{"update0/fc1.bias": 1.0, **{k: 1.0 for k in others}}] * 12)
+    assert tight["by_key"] and tight["where"]["first"] == "update0/fc1.bias"
+
+
+def test_per_key_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay_below_alpha():
+    """400 clean pairs of 40 keys each (pure noise, and a systematic 4 ULPs on every key): the per-key family
+    (Bonferroni over the 40 keys) calls a bias in at most SEQ_ALPHA of them."""
+    rng = np.random.default_rng(5)
+    keys = [f"grad/p{i}" for i in range(20)] + [f"buffer0/bn{i}.running_var" for i in range(20)]
+    for offset in (0.0, 4.0):
+        hits = 0
+        for _ in range(400):
+            pts = _points(rng, 10, offset, 20.0, keys)
+            hits += R.sequential_test(pts, owns=[{k: 1.0 for k in keys}] * 10)["bias"] is not None
+        assert hits / 400 <= R.SEQ_ALPHA, (offset, hits)
+
+
 # --------------------------------------------------------------------------- per point
 def probes(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
