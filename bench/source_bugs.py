@@ -438,11 +438,12 @@ def ref_key(m: Mutation) -> tuple[str, str, tuple[str, ...]]:
 
 def ref_folder_name(m: Mutation) -> str:
     """ref-MODEL for the default configuration (torch, no args); otherwise the backend and args appended."""
+    model = m.model.replace("/", "-")    # a scenario model (scenarios/graph_ops_tiny): one folder, not two
     if m.reference == "torch" and not m.args:
-        return f"ref-{m.model}"
+        return f"ref-{model}"
     tail = "_".join(a.lstrip("-") for a in m.args)
     tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in tail)
-    return f"ref-{m.model}-{m.reference}" + (f"-{tail}" if tail else "")
+    return f"ref-{model}-{m.reference}" + (f"-{tail}" if tail else "")
 
 
 def head_text(path: str) -> str:
