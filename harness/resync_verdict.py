@@ -182,10 +182,10 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
         others = [k for k in seq["where"]["keys"] if k != first]
         if others:
             line += f"; biased too: {', '.join(others[:6])}" + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+        place = f"{parameter or layer}, " if layer else ""
         return {"stage": stage, "method": "sequential test over resynced steps", "layer": layer,
-                "parameter": parameter, "probe": first, "summary": f"{stage}: " + (f"{parameter or layer}, " if layer
-                                                                                   else "") + f"bias in {first} "
-                f"(p {kt['p']:.2g})", "lines": [line], "disagreeing_keys": []}
+                "parameter": parameter, "probe": first, "summary": f"{stage}: {place}bias in {first} (p {kt['p']:.2g})",
+                "lines": [line], "disagreeing_keys": []}
     line = (f"localized by the sequential test over {st['points']} resynced steps: a bias in the {kd} probes "
             f"(mean {st['mean_ulp']:+.3g} float32 ULP, t {st['t']:.3g}, p {st['p']:.3g} < {seq['threshold']:.3g}; "
             f"{st['positive']} of {st['positive'] + st['negative']} positive)"
