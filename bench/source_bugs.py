@@ -403,6 +403,15 @@ MUTATIONS = (
              "a concatenation with its inputs in the other order (a port that lists the branches as the diagram "
              "draws them): the shapes fit when the branches have equal channels, every later weight reads the "
              "other branch", args=("--steps", "60"), reference="numpy"),
+    Mutation("keras_last_block_bn_eps_typo", "resnet_tiny", "keras-tensorflow", 1, "wrappers/keras/layers.py",
+             '            keras_mom, eps = seams.bn_params(o, "keras")   # Keras: r = M r + (1-M) x\n',
+             '            keras_mom, eps = seams.bn_params(o, "keras")   # Keras: r = M r + (1-M) x\n'
+             '            eps = 2e-5 if n == "block3_bn2" else eps      # per-block config, one value mistyped\n',
+             ("BUG",), ("forward",), "block3_bn2",
+             "one BatchNorm of the last block with eps 2e-5 for 1e-5 (a per-block config with one value mistyped): "
+             "that layer's outputs move by ~5e-6 relative, under one step's tolerance, and only the few layers after "
+             "it inherit it, so the forward kind's median over resnet_tiny's 40 layers does not move",
+             args=("--steps", "100")),
 )
 
 
