@@ -12,7 +12,7 @@ Two families, each at SEQ_ALPHA (Bonferroni inside each):
   projection on that key (a key rounding moves by 500 ULPs, a decay term lr x wd x p rounded through
   1 - lr x wd in float32, is held to 1,500). A bias in a subset of a kind's keys, the running variances and not
   the running means, one layer's eps, is diluted by the kind's median (measured: a synchronized BatchNorm
-  whose running variance was unbiased with the replica's count moved every running variance by 50-200 ULPs,
+  whose running variance was unbiased with the replica's count moved every running variance by 13-223 ULPs,
   the buffer kind's median by 6 ULPs; bench/source_bugs.py tf_sync_bn_running_var_local_count).
 
 A plain test of mean 0 is not enough: measured, a clean candidate's Adam updates differ from the reference's
@@ -41,6 +41,7 @@ SEQ_MIN_POINTS = 3
 # whether the bias is beyond twice that (the envelope's floor is 8 ULPs too).
 SEQ_DELTA = 8.0
 SEQ_KINDS = ("forward", "loss", "grad", "update", "buffer", "eval")
+
 
 def projection(a: np.ndarray, b: np.ndarray) -> float:
     """The candidate's deviation projected on the reference's tensor, relative: <a - b, b> / <b, b>
@@ -97,16 +98,27 @@ def _layer_rank(key: str, layers: list[str]) -> int:
     return len(layers)
 
 
+def _kind_rank(kind: str) -> int:
+    """A probe kind's place in the step's order (SEQ_KINDS); after them: any other."""
+    return SEQ_KINDS.index(kind) if kind in SEQ_KINDS else len(SEQ_KINDS)
+
+
+def _series_by_key(per_point: list[dict[str, float]], keep) -> dict[str, list[float]]:
+    """Each key's deviations over the points, for the keys `keep(point index, key)` accepts."""
+    series: dict[str, list[float]] = {}
+    for i, dev in enumerate(per_point):
+        for k, v in dev.items():
+            if keep(i, k):
+                series.setdefault(k, []).append(v)
+    return series
+
+
 def key_tests(per_point: list[dict[str, float]], kind: str, layers: list[str], alpha: float = SEQ_ALPHA,
               delta: float = SEQ_DELTA, min_points: int = SEQ_MIN_POINTS) -> dict[str, Any]:
     """Where in a biased kind the bias starts: the same test per key of `kind` (Bonferroni over its keys), the
     keys in the spec's layer order; `first` is the first significant one (a forward bias that starts at a
     BatchNorm is inherited by every layer after it)."""
-    series: dict[str, list[float]] = {}
-    for dev in per_point:
-        for k, v in dev.items():
-            if kind_of(k)[0] == kind:
-                series.setdefault(k, []).append(v)
+    series = _series_by_key(per_point, lambda _, k: kind_of(k)[0] == kind)
     tested = {k: np.asarray(v) for k, v in series.items() if len(v) >= min_points}
     threshold = alpha / max(len(tested), 1)
     keys = {}
@@ -141,14 +153,14 @@ def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA,
     tested = {kd: np.asarray(v) for kd, v in by_kind.items() if len(v) >= min_points}
     threshold = alpha / max(len(tested), 1)
     kinds = {}
-    for kd, x in sorted(tested.items(), key=lambda kv: SEQ_KINDS.index(kv[0]) if kv[0] in SEQ_KINDS else 99):
+    for kd, x in sorted(tested.items(), key=lambda kv: _kind_rank(kv[0])):
         t, p = _bias_test(x, delta)
         pos, neg, p_sign = _sign_test(x)
         kinds[kd] = {"points": len(x), "mean_ulp": float(np.mean(x)),
                      "sd_ulp": float(np.std(x, ddof=1)) if len(x) > 1 else 0.0,
                      "t": t, "p": p, "positive": pos, "negative": neg, "p_sign": p_sign, "significant": p < threshold}
     sig = [kd for kd, st in kinds.items() if st["significant"]]
-    bias = min(sig, key=lambda kd: SEQ_KINDS.index(kd) if kd in SEQ_KINDS else len(SEQ_KINDS)) if sig else None
+    bias = min(sig, key=_kind_rank) if sig else None
     where = key_tests(per_point, bias, layers, alpha, delta, min_points) if bias and layers is not None else None
     per_key = keywise_test(per_point, owns, layers, alpha, delta, min_points) if owns is not None else None
     by_key = bias is None and per_key is not None and per_key["first"] is not None
@@ -180,15 +192,8 @@ def keywise_test(per_point: list[dict[str, float]], owns: list[dict[str, float]]
     |projection of the float32 reference on the float64 one| per key in ULPs; a point without it (no float64
     reference there) tests no key. `first`: the earliest significant key, by kind in the step's order
     (SEQ_KINDS), then by layer: where the bias starts."""
-    series: dict[str, list[float]] = {}
-    own: dict[str, float] = {}
-    for dev, ow in zip(per_point, owns):
-        if not ow:
-            continue
-        for k, v in dev.items():
-            if k in ow and math.isfinite(ow[k]):
-                series.setdefault(k, []).append(v)
-                own[k] = max(own.get(k, 0.0), abs(ow[k]))
+    series = _series_by_key(per_point, lambda i, k: i < len(owns) and math.isfinite(owns[i].get(k, math.nan)))
+    own = {k: max(abs(ow[k]) for ow in owns if k in ow and math.isfinite(ow[k])) for k in series}
     tested = {k: np.asarray(v) for k, v in series.items() if len(v) >= min_points}
     threshold = alpha / max(len(tested), 1)
     found, min_p = {}, None
@@ -201,10 +206,7 @@ def keywise_test(per_point: list[dict[str, float]], owns: list[dict[str, float]]
             found[k] = {"p": p, "t": t, "points": len(x), "mean_ulp": float(np.mean(x)), "null_ulp": null,
                         "positive": pos, "negative": neg, "significant": True}
 
-    def order(k: str) -> tuple[int, int]:
-        kd = kind_of(k)[0]
-        return (SEQ_KINDS.index(kd) if kd in SEQ_KINDS else 99, _layer_rank(k, layers or []))
-    keys = {k: found[k] for k in sorted(found, key=order)}
+    keys = {k: found[k] for k in sorted(found, key=lambda k: (_kind_rank(kind_of(k)[0]), _layer_rank(k, layers or [])))}
     return {"test": "per key: one-sample t-test over the points of H0 |mean| <= max(delta, "
                     f"{KEY_MARGIN:g} x the key's own float32 deviation) ULP, Bonferroni over the keys",
             "tested": len(tested), "threshold": threshold, "min_p": min_p, "keys": keys,

@@ -26,9 +26,8 @@ import numpy as np
 
 from .implied import optimizer_rest
 from .kinks import explaining
-from .bias_test import (SEQ_ALPHA, SEQ_DELTA, SEQ_KINDS, SEQ_MIN_POINTS, STAGE_OF_KIND, key_tests,  # noqa: F401
-                        projection, sequential_test, signed_deviations)
-from .probes import EPS32, kind_of  # noqa: F401  (EPS32: the unit of the sequential test, for its readers)
+from .bias_test import sequential_test, signed_deviations
+from .probes import kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
 # on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
@@ -261,5 +260,4 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["resync_points", "sequential_test", "key_tests", "signed_deviations", "judge", "wants_more_sensitivity", "projection", "discontinuities",
-           "MARGIN", "FLOOR", "SEQ_ALPHA"]
+__all__ = ["resync_points", "judge", "wants_more_sensitivity", "discontinuities", "MARGIN", "FLOOR"]

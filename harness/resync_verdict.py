@@ -164,7 +164,7 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
     """The place the sequential test gives a bias: the stage of its kind (the earliest biased one) and, from
     the per-key tests, the first biased key's layer or parameter."""
     from .probe_analysis import param_layer
-    from .resync import STAGE_OF_KIND
+    from .bias_test import STAGE_OF_KIND
     kd = seq["bias"]
     st = seq["kinds"][kd]
     first = (seq.get("where") or {}).get("first")

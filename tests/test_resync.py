@@ -1,4 +1,4 @@
-"""The shared-state step comparison (resync, harness/resync.py) and its part of the verdict: the sequential
+"""The shared-state step comparison (resync, harness/resync.py; its bias test, harness/bias_test.py) and its part of the verdict: the sequential
 bias test on synthetic deviations (power below one step's tolerance, false alarms on noise), the per-point
 judgement on synthetic probes, and the verdict on synthetic runs (the resync jobs replaced by arrays)."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from algorithms.params import load_npz
+from harness import bias_test as B
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
 from harness.probe_analysis import analyse
@@ -38,10 +39,10 @@ def test_resync_points_every_k_steps_plus_the_divergent_steps():
 
 def test_projection_is_the_relative_scale_of_the_deviation_whatever_the_sign():
     b = np.array([1.0, -2.0, 3.0])
-    assert R.projection(1.001 * b, b) == pytest.approx(1e-3)
-    assert R.projection(-b * 0.0 + b, b) == 0.0
-    assert R.projection(b + np.array([1.0, 0.5, 0.0]), b) == pytest.approx(0.0)   # orthogonal noise
-    assert np.isnan(R.projection(np.zeros(2), b))
+    assert B.projection(1.001 * b, b) == pytest.approx(1e-3)
+    assert B.projection(-b * 0.0 + b, b) == 0.0
+    assert B.projection(b + np.array([1.0, 0.5, 0.0]), b) == pytest.approx(0.0)   # orthogonal noise
+    assert np.isnan(B.projection(np.zeros(2), b))
 
 
 def _points(rng, n_points: int, bias_ulp: float, noise_ulp: float, keys=UPDATE_KEYS) -> list[dict[str, float]]:
@@ -54,12 +55,12 @@ def test_sequential_test_catches_a_bias_far_below_one_steps_tolerance():
     under rounding noise of 20 ULPs per key; 12 resynced points (300 steps, every 25)."""
     assert 3e-6 <= R.FLOOR / 10
     rng = np.random.default_rng(0)
-    bias = 3e-6 / R.EPS32
-    st = R.sequential_test(_points(rng, 12, bias, 20.0))
+    bias = 3e-6 / B.EPS32
+    st = B.sequential_test(_points(rng, 12, bias, 20.0))
     assert st["bias"] == "update" and st["kinds"]["update"]["p"] < st["threshold"]
     assert st["kinds"]["update"]["positive"] == 12
     # the same bias of the opposite sign (lr x (1 - 3e-6)) too
-    assert R.sequential_test(_points(rng, 12, -bias, 20.0))["bias"] == "update"
+    assert B.sequential_test(_points(rng, 12, -bias, 20.0))["bias"] == "update"
 
 
 def test_a_bias_is_placed_where_it_starts_not_where_it_is_strongest():
@@ -74,7 +75,7 @@ def test_a_bias_is_placed_where_it_starts_not_where_it_is_strongest():
             "eval/conv1": 3 * rng.standard_normal(), "eval/bn1": 72 + 2 * rng.standard_normal(),
             "eval/fc1": 72 + 2 * rng.standard_normal(), "update0/fc1.kernel": 2 * rng.standard_normal()}
            for _ in range(16)]
-    st = R.sequential_test(pts, layers=layers)
+    st = B.sequential_test(pts, layers=layers)
     assert st["kinds"]["eval"]["p"] < st["kinds"]["forward"]["p"] < st["threshold"]
     assert st["bias"] == "forward" and st["where"]["first"] == "forward/bn1"
     assert not st["where"]["keys"]["forward/conv1"]["significant"]
@@ -87,7 +88,7 @@ def test_a_bias_is_placed_where_it_starts_not_where_it_is_strongest():
     # a data or reduction finding (grads x 2 from a SUM all-reduce biases every gradient) is its own, and stays
     assert not upstream_of("backward", {"stage": "reduction"}) and not upstream_of("forward", {"stage": "data"})
     # an optimizer bias (lr x (1 + 1e-5)): every update, nothing upstream; the first parameter is named
-    upd = R.sequential_test(_points(rng, 12, 3e-6 / R.EPS32, 20.0), layers=["conv1", "fc1"])
+    upd = B.sequential_test(_points(rng, 12, 3e-6 / B.EPS32, 20.0), layers=["conv1", "fc1"])
     assert upd["bias"] == "update" and bias_localization(upd)["stage"] == "optimizer"
 
 
@@ -96,17 +97,17 @@ def test_sequential_test_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay
     jax / tensorflow vs torch pairs): the fraction called a bias is at most SEQ_ALPHA."""
     rng = np.random.default_rng(1)
     for offset in (0.0, 4.0):
-        hits = sum(R.sequential_test(_points(rng, 12, offset, 20.0, UPDATE_KEYS[:3]) + [])["bias"] is not None
+        hits = sum(B.sequential_test(_points(rng, 12, offset, 20.0, UPDATE_KEYS[:3]) + [])["bias"] is not None
                    for _ in range(400))
-        assert hits / 400 <= R.SEQ_ALPHA, (offset, hits)
+        assert hits / 400 <= B.SEQ_ALPHA, (offset, hits)
 
 
 def test_sequential_test_needs_three_points_and_tolerates_zero_spread():
-    st = R.sequential_test([{"loss": 1e3}, {"loss": 1e3}])
+    st = B.sequential_test([{"loss": 1e3}, {"loss": 1e3}])
     assert st["kinds_tested"] == 0 and st["bias"] is None and st["untested"] == ["loss"]
-    same = R.sequential_test([{"loss": 0.0}] * 5)          # bitwise equal steps (same code path)
+    same = B.sequential_test([{"loss": 0.0}] * 5)          # bitwise equal steps (same code path)
     assert same["bias"] is None and same["kinds"]["loss"]["p"] == 1.0
-    off = R.sequential_test([{"loss": 50.0}] * 5)          # the same deviation at every step, beyond delta
+    off = B.sequential_test([{"loss": 50.0}] * 5)          # the same deviation at every step, beyond delta
     assert off["bias"] == "loss"
 
 
@@ -128,16 +129,16 @@ def test_a_bias_in_some_keys_of_a_kind_is_found_per_key_where_the_kinds_median_h
     layers = ["conv1", "bn1", "conv2", "bn2", "conv3", "bn3"]
     pts = _buffer_points(rng, 10, {"bn1": 13.0, "bn2": 55.0, "bn3": 220.0})
     owns = [{k: 1.0 for k in p} for p in pts]
-    kind_only = R.sequential_test(pts, layers=layers)
+    kind_only = B.sequential_test(pts, layers=layers)
     assert kind_only["bias"] is None                              # what the kind test alone said: DRIFT
-    st = R.sequential_test(pts, layers=layers, owns=owns)
+    st = B.sequential_test(pts, layers=layers, owns=owns)
     assert st["by_key"] and st["bias"] == "buffer" and st["where"]["first"] == "buffer0/bn1.running_var"
     assert set(st["where"]["keys"]) == {f"buffer0/bn{i}.running_var" for i in (1, 2, 3)}
     loc = bias_localization(st)
     assert (loc["stage"], loc["parameter"]) == ("forward", "bn1.running_var")
     assert "Bonferroni over 6 keys" in loc["lines"][0] and "buffer0/bn3.running_var" in loc["lines"][0]
     # without the reference's own deviations (no float64 step at any point) no key is tested
-    assert R.sequential_test(pts, layers=layers, owns=[{}] * len(pts))["per_key"]["tested"] == 0
+    assert B.sequential_test(pts, layers=layers, owns=[{}] * len(pts))["per_key"]["tested"] == 0
 
 
 def test_the_per_key_null_is_widened_by_the_keys_own_rounding():
@@ -148,9 +149,9 @@ def test_the_per_key_null_is_widened_by_the_keys_own_rounding():
     others = [f"update0/p{i}" for i in range(4)]
     pts = [{"update0/fc1.bias": 600.0 + 5 * rng.standard_normal(), **{k: rng.standard_normal() for k in others}}
            for _ in range(12)]
-    loose = R.sequential_test(pts, owns=[{"update0/fc1.bias": 500.0, **{k: 1.0 for k in others}}] * 12)
+    loose = B.sequential_test(pts, owns=[{"update0/fc1.bias": 500.0, **{k: 1.0 for k in others}}] * 12)
     assert loose["bias"] is None and loose["per_key"]["tested"] == 5
-    tight = R.sequential_test(pts, owns=[{"update0/fc1.bias": 1.0, **{k: 1.0 for k in others}}] * 12)
+    tight = B.sequential_test(pts, owns=[{"update0/fc1.bias": 1.0, **{k: 1.0 for k in others}}] * 12)
     assert tight["by_key"] and tight["where"]["first"] == "update0/fc1.bias"
 
 
@@ -163,8 +164,8 @@ def test_per_key_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay_below_a
         hits = 0
         for _ in range(400):
             pts = _points(rng, 10, offset, 20.0, keys)
-            hits += R.sequential_test(pts, owns=[{k: 1.0 for k in keys}] * 10)["bias"] is not None
-        assert hits / 400 <= R.SEQ_ALPHA, (offset, hits)
+            hits += B.sequential_test(pts, owns=[{k: 1.0 for k in keys}] * 10)["bias"] is not None
+        assert hits / 400 <= B.SEQ_ALPHA, (offset, hits)
 
 
 # --------------------------------------------------------------------------- per point
