@@ -187,7 +187,7 @@ def comparability_hashes(cfg: RunConfig, prep: Prepared) -> dict[str, str]:
 
 def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
     """The worker's progress lines until it closes its output; the process is killed at `deadline` even when it
-    prints nothing (a long run reports every 1% of its steps; a hung one never again), so the lines are read by
+    prints nothing (a running worker reports every 0.2 s or so; a hung one never again), so the lines are read by
     a thread and waited for with the time left."""
     last: dict[str, Any] = {}
     assert proc.stdout is not None

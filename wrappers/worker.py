@@ -46,6 +46,9 @@ def masks_for(model: ModelSpec, seed: int, step: int, batch: int, mode: str) -> 
 # TensorFlow whatever Keras' backend, Keras' scikit-learn wrapper imports scikit-learn (with pandas and
 # matplotlib), TensorFlow loads Keras eagerly and Keras loads JAX. None of them computes anything of a run,
 # and together they cost 2-4 s of every process start (bench/process_start.py).
+# a running run's progress line at most this often (and after its last step): enough for a live display;
+# a line every 1 % of the steps cost a 300-step default-model run ~13 us a step (the write, the parent's wake-up)
+PROGRESS_EVERY_S = 0.2
 OPTIONAL_IMPORTS = ("tensorflow", "jax", "torch", "keras", "sklearn", "pandas", "matplotlib")
 
 
@@ -121,6 +124,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
         # the first step, which traces or compiles. Nothing computed depends on it.
         gc.freeze()
         t_total = time.perf_counter()
+        last_progress = -PROGRESS_EVERY_S
         periodic = 0.0   # of which in the evaluations and checkpoints (for bench/bench_step.py)
         try:
             for step in range(hp.steps):
@@ -154,7 +158,8 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
                     evaluate(done, fe)
                 if at_checkpoint or at_eval:
                     periodic += time.perf_counter() - t_periodic
-                if done % max(1, hp.steps // 100) == 0 or done == hp.steps:
+                if t0 - last_progress >= PROGRESS_EVERY_S or done == hp.steps:
+                    last_progress = t0
                     progress(channel, step=done, of=hp.steps, loss=float(st.loss))
         finally:   # rows of a run that stops with an error are kept too
             fs.writelines(rows)

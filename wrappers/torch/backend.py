@@ -187,21 +187,31 @@ class TorchBackend(DataParallel, Backend):
         loss = self._loss(logits, yt)
         loss.backward()
         acc = (logits.argmax(1) == yt).to(self.dtype).mean()
-        loss_v, acc_v = torch.stack([loss.detach(), acc]).tolist()   # one read of both
-        return loss_v, None, acc_v
+        return loss.detach(), None, acc      # not read here: train_step reads them with its statistics, in one go
 
     def _fault_grad(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient seam, one for training and probes: grad_double counts every gradient twice (in place)."""
         scale = self.seams.grad_scale
         return g.mul_(scale) if scale != 1.0 else g
 
-    def _step_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, list[float] | None, float]:
+    def _zero_grads(self) -> None:
+        """Every .grad to zero, kept (not set to None): under the flat layout each is a view of one vector,
+        zeroed by one kernel instead of one per tensor."""
+        if self._flat_storage is not None:
+            self._flat_storage[1].zero_()
+        else:
+            self.opt.zero_grad(set_to_none=False)
+
+    def _step_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks
+                        ) -> tuple[float | torch.Tensor, list[float] | None, float | torch.Tensor]:
         """(loss, replica losses, accuracy); the gradients left in each parameter's .grad, computed on the
         path the run trains on (DDP ranks, emulated replicas, one process), the gradient seam applied: one
-        for the step and the gradient probe (`gradients`), so a slip here shows in both."""
+        for the step and the gradient probe (`gradients`), so a slip here shows in both. In one process the
+        loss and accuracy are 0-d tensors not yet read (the caller reads them in one go with what else it
+        needs); the data-parallel paths have read them to combine the replicas'."""
         params = [self.p[n] for n in self.trainable]
         flat = self._flat_storage
-        self.opt.zero_grad(set_to_none=False)
+        self._zero_grads()
         if self.distributed:
             loss, replica_losses, acc = self._grads_ddp(x, y, masks)
         elif self.replicas > 1:
@@ -235,8 +245,14 @@ class TorchBackend(DataParallel, Backend):
             self._after = (params, [q._version for q in params], after)
             # (after - before) is the concatenation of the per-parameter differences, element by element:
             # the same vector, the same norm kernel, the same bits
-            stats = torch.stack([grad_norm, torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(after)])
-        grad_norm, upd, pn = stats.tolist()   # one read of the three statistics
+            scalars = [grad_norm, torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(after)]
+            unread = isinstance(loss, torch.Tensor)
+            if unread:
+                scalars += [loss, acc]
+            values = torch.stack(scalars).tolist()   # one read of everything the step reports
+        grad_norm, upd, pn = values[:3]
+        if unread:
+            loss, acc = values[3:]
         return StepStats(loss, acc, grad_norm, upd, pn, replica_losses)
 
     def _params_flat(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -300,7 +316,7 @@ class TorchBackend(DataParallel, Backend):
         # gradients it left, as in training
         grads = [(q, None if q.grad is None else q.grad.detach().clone()) for q in (self.p[n] for n in self.trainable)]
         try:
-            loss = self._step_gradients(x, y, masks)[0]
+            loss = float(self._step_gradients(x, y, masks)[0])
             return loss, {n: self._canon(n, self.p[n].grad) for n in self.trainable}
         finally:
             with torch.no_grad():
