@@ -42,13 +42,14 @@ def masks_for(model: ModelSpec, seed: int, step: int, batch: int, mode: str) -> 
             for l in model.layers if l.kind == "dropout"}
 
 
+# A running run's progress line at most this often (and after its last step): enough for a live display;
+# a line every 1 % of the steps cost a 300-step default-model run ~13 us a step (the write, the parent's wake-up)
+PROGRESS_EVERY_S = 0.2
+
 # Packages a framework imports only because they happen to be installed: Keras' set_random_seed imports
 # TensorFlow whatever Keras' backend, Keras' scikit-learn wrapper imports scikit-learn (with pandas and
 # matplotlib), TensorFlow loads Keras eagerly and Keras loads JAX. None of them computes anything of a run,
 # and together they cost 2-4 s of every process start (bench/process_start.py).
-# a running run's progress line at most this often (and after its last step): enough for a live display;
-# a line every 1 % of the steps cost a 300-step default-model run ~13 us a step (the write, the parent's wake-up)
-PROGRESS_EVERY_S = 0.2
 OPTIONAL_IMPORTS = ("tensorflow", "jax", "torch", "keras", "sklearn", "pandas", "matplotlib")
 
 
