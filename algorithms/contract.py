@@ -65,6 +65,18 @@ def replay_state_file(step: int) -> str:
     return f"state_{step:07d}.npz"
 
 
+def state_arrays(params: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's or replay state's arrays: the parameters under 'param/<name>', the optimizer state under
+    'opt/<key>' (what `split_state` reads back)."""
+    return {**{f"param/{n}": v for n, v in params.items()}, **{f"opt/{k}": v for k, v in opt.items()}}
+
+
+def split_state(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(parameters by name, optimizer state by key) of a checkpoint or replay state (`state_arrays`)."""
+    return ({k[len("param/"):]: v for k, v in flat.items() if k.startswith("param/")},
+            {k[len("opt/"):]: v for k, v in flat.items() if k.startswith("opt/")})
+
+
 # --------------------------------------------------------------------------- options and configuration
 def _check_fields(cls: type, d: dict[str, Any], what: str) -> None:
     """ValueError naming the fields of `d` that `cls` does not have, or the required ones it lacks."""
@@ -265,4 +277,4 @@ class Job:
 __all__ = ["JOB_FILE", "MANIFEST_FILE", "WORKER_FILE", "RUN_LOG", "STEPS_FILE", "EVAL_FILE", "ORDER_FILE",
            "INIT_PARAMS_FILE", "FINAL_PARAMS_FILE", "CHECKPOINT_DIR", "STEP_SERIES", "EVAL_SERIES", "STEP_COLUMNS",
            "EVAL_COLUMNS", "replica_loss_columns", "checkpoint_file", "checkpoints_in", "probe_file_stem", "replay_probe_stem",
-           "replay_state_file", "RunOptions", "RunConfig", "Mode", "MODES", "Replay", "Job"]
+           "replay_state_file", "state_arrays", "split_state", "RunOptions", "RunConfig", "Mode", "MODES", "Replay", "Job"]

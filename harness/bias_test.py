@@ -53,9 +53,29 @@ def projection(a: np.ndarray, b: np.ndarray) -> float:
     return float((a - b) @ b) / bb if bb > 0 else 0.0
 
 
-def signed_deviations(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
+# the suffix of a per-key entry that projects an update's deviation on the parameter, not on the update
+ALONG_PARAMETER = "~param"
+
+
+def along_parameter(a: np.ndarray, b: np.ndarray, p: np.ndarray) -> float:
+    """The candidate's update deviation projected on the parameter's direction, relative to the reference's
+    update: <a - b, p> / (|p| |b|). A weight-decay error moves the update by lr x e x p, along the parameter;
+    before a BatchNorm a weight's gradient is orthogonal to the weight (the loss does not change with its scale),
+    so the update is nearly orthogonal to it and `projection` does not see that error (bench/update_projection.py).
+    nan on a shape mismatch or an all-zero tensor."""
+    a, b, p = (np.asarray(x, np.float64).ravel() for x in (a, b, p))
+    nb, n_p = float(np.linalg.norm(b)), float(np.linalg.norm(p))
+    if not a.shape == b.shape == p.shape or nb == 0.0 or n_p == 0.0:
+        return float("nan")
+    return float((a - b) @ p) / n_p / nb
+
+
+def signed_deviations(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
+                      params: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """Per key of the kinds tested (first optimizer step only): the candidate's deviation projected on the
-    reference's tensor (`projection`), in float32 ULPs of relative size (units of EPS32)."""
+    reference's tensor (`projection`), in float32 ULPs of relative size (units of EPS32). With `params` (the
+    state's parameters by name), each `update0/<name>` also projected on its parameter (`along_parameter`), as
+    `update0/<name>~param`: tested per key only, never in its kind's median."""
     out = {}
     for k, y in b.items():
         kind, step = kind_of(k)
@@ -64,10 +84,15 @@ def signed_deviations(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dic
         p = projection(a[k], y)
         if math.isfinite(p):
             out[k] = p / EPS32
+        name = k.split("/", 1)[1] if kind == "update" else None
+        if params is not None and name in params:
+            q = along_parameter(a[k], y, params[name])
+            if math.isfinite(q):
+                out[k + ALONG_PARAMETER] = q / EPS32
     return out
 
 
-def _bias_test(x: np.ndarray, delta: float) -> tuple[float, float]:
+def beyond_null(x: np.ndarray, delta: float) -> tuple[float, float]:
     """Is the mean of x beyond +-delta? One-sample t statistic of |mean| - delta and its one-sided p
     (H0: |mean| <= delta). A sample with no spread: p 0 beyond delta, else 1."""
     n = len(x)
@@ -118,12 +143,12 @@ def key_tests(per_point: list[dict[str, float]], kind: str, layers: list[str], a
     """Where in a biased kind the bias starts: the same test per key of `kind` (Bonferroni over its keys), the
     keys in the spec's layer order; `first` is the first significant one (a forward bias that starts at a
     BatchNorm is inherited by every layer after it)."""
-    series = _series_by_key(per_point, lambda _, k: kind_of(k)[0] == kind)
+    series = _series_by_key(per_point, lambda _, k: kind_of(k)[0] == kind and not k.endswith(ALONG_PARAMETER))
     tested = {k: np.asarray(v) for k, v in series.items() if len(v) >= min_points}
     threshold = alpha / max(len(tested), 1)
     keys = {}
     for k in sorted(tested, key=lambda k: _layer_rank(k, layers)):
-        t, p = _bias_test(tested[k], delta)
+        t, p = beyond_null(tested[k], delta)
         keys[k] = {"p": p, "mean_ulp": float(np.mean(tested[k])), "significant": p < threshold}
     first = next((k for k, st in keys.items() if st["significant"]), None)
     return {"threshold": threshold, "keys": keys, "first": first}
@@ -147,14 +172,15 @@ def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA,
     for dev in per_point:
         groups: dict[str, list[float]] = {}
         for k, v in dev.items():
-            groups.setdefault(kind_of(k)[0], []).append(v)
+            if not k.endswith(ALONG_PARAMETER):   # another direction of a key already in its kind
+                groups.setdefault(kind_of(k)[0], []).append(v)
         for kd, vs in groups.items():
             by_kind.setdefault(kd, []).append(float(np.median(vs)))
     tested = {kd: np.asarray(v) for kd, v in by_kind.items() if len(v) >= min_points}
     threshold = alpha / max(len(tested), 1)
     kinds = {}
     for kd, x in sorted(tested.items(), key=lambda kv: _kind_rank(kv[0])):
-        t, p = _bias_test(x, delta)
+        t, p = beyond_null(x, delta)
         pos, neg, p_sign = _sign_test(x)
         kinds[kd] = {"points": len(x), "mean_ulp": float(np.mean(x)),
                      "sd_ulp": float(np.std(x, ddof=1)) if len(x) > 1 else 0.0,
@@ -199,7 +225,7 @@ def keywise_test(per_point: list[dict[str, float]], owns: list[dict[str, float]]
     found, min_p = {}, None
     for k, x in tested.items():
         null = max(delta, KEY_MARGIN * own[k])
-        t, p = _bias_test(x, null)
+        t, p = beyond_null(x, null)
         min_p = p if min_p is None else min(min_p, p)
         if p < threshold:
             pos, neg, _ = _sign_test(x)

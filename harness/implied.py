@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.contract import split_state
 from algorithms.faults import EMULATIONS, FAULTS, parts
 from algorithms.optim import (DECLARED_FORMULAS, STATE_ROLES, HParams, State, declared_update,
                               load_flat_state, reference_init)
@@ -69,9 +70,10 @@ def formulas_of(fault: str | None) -> frozenset[str] | None:
 def state_of(h: HParams, flat: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], State]:
     """(parameters, optimizer state) from a resync state file (`param/<name>`, `opt/<role>/<name>`, `opt/step`);
     an empty optimizer state (before the first step) is the reference's initial one."""
-    params = {k[len("param/"):]: np.asarray(v, np.float64) for k, v in flat.items() if k.startswith("param/")}
+    params, opt = split_state(flat)
+    params = {n: np.asarray(v, np.float64) for n, v in params.items()}
     st = reference_init(h, params)
-    load_flat_state(st, {k[len("opt/"):]: v for k, v in flat.items() if k.startswith("opt/")})
+    load_flat_state(st, opt)
     return params, st
 
 

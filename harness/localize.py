@@ -174,13 +174,15 @@ class Localizer(ProbeJobs):
         # the candidate declares, when it declares some (`declared_check`)
         emu = self.emulation(ref, cand)
         cand0 = self.probe0(cand)
-        res = analyse(cand0, self.probe0(ref), layers, ref64=self.probe64(ref, cand))
         chk = emu["check"]
         change = emu["change"]
+        nudged0 = self.nudged_at_step0(ref, cand, change)
+        res = analyse(cand0, self.probe0(ref), layers, ref64=self.probe64(ref, cand), nudged=nudged0)
         method = "step-0 probes"
         if change is not None:
             plain = res
-            res = analyse(cand0, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change))
+            res = analyse(cand0, self.probe0(ref, **change), layers, ref64=self.probe64(ref, cand, **change),
+                          nudged=nudged0)
             chk.update(verified=True, agree=agrees(res), change=change,
                        before={"stage": plain["stage"], "probe": plain["probe"],
                                "disagreeing_keys": plain["disagreeing_keys"]},
@@ -268,6 +270,14 @@ class Localizer(ProbeJobs):
                                                                  f"to within {r['max_abs_diff']:.3g} (NOT bitwise)"))
         res.update(method=method if res["stage"] else None, summary=summary, lines=lines)
         return res
+
+    def nudged_at_step0(self, ref: Run, cand: Run, change: dict[str, Any] | None) -> list[dict[str, np.ndarray]] | None:
+        """The reference's own 1-ULP-nudged steps from its initial state, from the pair's resync when it resynced
+        step 0 (its replay probed them there): the step-0 probes are then held as the resync holds its step 0,
+        a kink the reference's own rounding flips there allowed for (harness.probes.compare's `nudged`; their
+        thinned activations have other shapes and are left out). None without such a resync."""
+        rep = self._cached_replay(ref, cand, [0], change)
+        return (rep.get("sensitivity") or {}).get(0) if rep else None
 
     def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
         """What the reference must run to compute every difference the candidate declares: `change` (the

@@ -67,6 +67,8 @@ def resync_doc(rs: dict[str, Any] | None) -> dict[str, Any] | None:
     if fb:
         out["first_disagreement"] = {k: fb.get(k) for k in ("step", "stage", "layer", "parameter", "probe", "rel",
                                                             "disagreeing_keys")}
+        if fb.get("training_set_aside"):   # the training keys a flip explained beside an evaluation that disagrees
+            out["first_disagreement"]["training_set_aside"] = fb["training_set_aside"]
     return out
 
 

@@ -47,6 +47,11 @@ def layer_table(diffs: dict[str, probes.ProbeDiff], prefix: str, layers: list[st
     return table
 
 
+def muffin_row(table: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Muffin's rule on a layer table: the first layer that disagrees while its input agrees (None: none)."""
+    return next((t for t in table if not t["ok"] and t["input_ok"]), None)
+
+
 def origin(table: list[dict[str, Any]], first_bad: dict[str, Any]) -> dict[str, Any] | None:
     """Muffin's layer is the first over its tolerance; when its change rate is below 1 it inherited most of
     its error from its input, and a small error that arose upstream (under a tolerance floor) crossed the
@@ -97,7 +102,7 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
         resid = float(np.linalg.norm(x - scale * y) / max(np.linalg.norm(x), 1e-300)) if np.isfinite(scale) else float("nan")
         grads.append({"parameter": k[5:], "rel": d.rel, "ok": d.ok, "scale": scale, "residual": resid})
     out["gradients"] = grads
-    muffin = next((t for t in table if not t["ok"] and t["input_ok"]), None)
+    muffin = muffin_row(table)
     loss = diffs.get("loss")
     bad_grads = [g for g in grads if not g["ok"]]
     if muffin is not None:
@@ -135,13 +140,31 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     evals = layer_table(diffs, "eval/", layers)
     if evals:
         out["eval_layers"] = evals
-    bad_eval = next((t for t in evals if not t["ok"] and t["input_ok"]), None)
+    bad_eval = muffin_row(evals)
     if out["stage"] is None and bad_eval is not None:   # training agrees; inference from the same state does not
         out["stage"] = "eval"
         _forward_place(out, evals, bad_eval, "eval/")
     if out["stage"] is None and missing:
         out.update(stage="probe-keys", probe=missing[0], note="a probe exists in one backend only")
     out["diffs"] = [d.to_dict() for d in diffs.values()]
+    return out
+
+
+def eval_disagreement(res: dict[str, Any]) -> dict[str, Any]:
+    """`res` (an analysis) with its training step set aside, explained elsewhere (a kink its rounding flipped:
+    harness.resync): what is left is the inference-mode forward, placed as `analyse` places an evaluation-path
+    disagreement (the first inference-mode layer whose input agrees and output does not, or where its error arose)."""
+    keys = [k for k in res["disagreeing_keys"] if k.startswith("eval/")]
+    out = {k: v for k, v in res.items() if k not in ("gradient_scale", "note", "optimizer_step", "over_tolerance_at",
+                                                     "max_R_layer")}
+    out.update(stage="eval", parameter=None, layer=None, probe=keys[0] if keys else None, disagreeing_keys=keys,
+               training_set_aside=[k for k in res["disagreeing_keys"] if k not in keys])
+    d = next((x for x in res.get("diffs") or [] if x["key"] == out["probe"]), None)
+    out["rel"] = d["rel"] if d else None
+    evals = res.get("eval_layers") or []
+    bad = muffin_row(evals)
+    if bad is not None:
+        _forward_place(out, evals, bad, "eval/")
     return out
 
 
@@ -212,6 +235,12 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
         if res.get("max_R_layer"):
             lines.append(f"  largest R: {res['max_R_layer']}")
     bad = [g for g in res.get("gradients", []) if not g["ok"]]
+    if res.get("training_set_aside"):
+        n = len(res["training_set_aside"])
+        lines.append(f"  the training step's {n} disagreeing key(s) ({', '.join(res['training_set_aside'][:3])}"
+                     f"{' ...' if n > 3 else ''}) are explained apart (a kink its rounding flipped, or the optimizer's "
+                     "formula): set aside")
+        bad = []
     if bad:
         lines.append("  gradients that disagree (backward order): "
                      + ", ".join(f"{g['parameter']} rel {g['rel']:.3g}" for g in bad[:6])
@@ -219,5 +248,5 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     return summary, lines
 
 
-__all__ = ["analyse", "describe", "change_text", "agrees", "spec_layers", "param_layer", "param_order", "layer_table",
-           "origin"]
+__all__ = ["analyse", "describe", "eval_disagreement", "muffin_row", "change_text", "agrees", "spec_layers", "param_layer",
+           "param_order", "layer_table", "origin"]

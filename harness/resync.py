@@ -24,9 +24,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from algorithms.contract import split_state
+from algorithms.params import load_npz
+
 from .implied import optimizer_rest
 from .kinks import explaining
 from .bias_test import sequential_test, signed_deviations
+from .probe_analysis import eval_disagreement
 from .probes import kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
@@ -119,12 +123,30 @@ def wants_more_sensitivity(out: dict[str, Any]) -> bool:
     bad = out.get("first_disagreement")
     if out.get("agree") or not bad or bad.get("missing_keys"):
         return False
-    return backward_only({kind_of(k)[0] for k in bad.get("disagreeing_keys") or []})
+    return backward_only({kind_of(k)[0] for k in training_keys(bad.get("disagreeing_keys") or [])})
+
+
+def training_keys(keys: list[str]) -> list[str]:
+    """The keys of the training step itself: all but the inference-mode forward (`eval/`), which the probe computes
+    apart, from the same state on the evaluation batch. A kink the training step flips says nothing of it, and an
+    evaluation-path bug says nothing of the training step: each part of a point is explained on its own."""
+    return [k for k in keys if kind_of(k)[0] != "eval"]
 
 
 def backward_only(kinds: set[str]) -> bool:
     """Kinds of disagreeing keys a flipped kink can produce: gradients (some), and what follows from them."""
     return "grad" in kinds and kinds <= set(BACKWARD_KINDS)
+
+
+def parameters_at(rep: dict[str, Any], t: int) -> dict[str, np.ndarray] | None:
+    """The parameters of the state a replay resynced step t from (by name), or None without one."""
+    path = (rep.get("states") or {}).get(str(t))
+    if not path:
+        return None
+    try:
+        return split_state(load_npz(path))[0]
+    except (OSError, ValueError):
+        return None
 
 
 def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[str, Any]], *, margin: float = MARGIN,
@@ -173,9 +195,10 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         if plain is not None:
             evidence += [f"step {t}: {k}" for k in
                          analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
-        devs.append(signed_deviations(pa, pb))
+        params = parameters_at(rep, int(t))   # updates are projected on their parameter too (bias_test)
+        devs.append(signed_deviations(pa, pb, params))
         # the reference's own float32 deviation per key, where its float64 step is there: the per-key null
-        owns.append({k: abs(v) for k, v in signed_deviations(pb, z).items()} if z is not None else {})
+        owns.append({k: abs(v) for k, v in signed_deviations(pb, z, params).items()} if z is not None else {})
     jumps = discontinuities({t: res["diffs"] for t, res, _ in results})
 
     def by_its_formula(t: int) -> set[str]:
@@ -190,7 +213,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         if res["missing_keys"] or not res["disagreeing_keys"]:
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
-        keys = [k for k in res["disagreeing_keys"] if k not in by_its_formula(t)]
+        keys = [k for k in training_keys(res["disagreeing_keys"]) if k not in by_its_formula(t)]
         if not any(diffs[k]["kind"] == "grad" for k in keys):
             return None   # no gradient among them: not a flip (an update-only point is harness.implied's to judge)
         def within(k: str) -> bool:
@@ -208,7 +231,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     def crossed(t: int, res: dict[str, Any]) -> list[dict[str, Any]] | None:
         """What in the candidate's own activations at step t explains every disagreeing key but those its
         formula explains (harness.kinks.explaining), when all are of BACKWARD_KINDS, some gradient among them."""
-        keys = [k for k in res["disagreeing_keys"] if k not in by_its_formula(t)]
+        keys = [k for k in training_keys(res["disagreeing_keys"]) if k not in by_its_formula(t)]
         if not crossings.get(t) or res["missing_keys"] or not keys:
             return None
         diffs = {d["key"]: d for d in res["diffs"]}
@@ -224,14 +247,24 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     points = []
     first_bad = None
     for t, res, calibrated in results:
-        worst = max(res["diffs"], key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
         agree = res["stage"] is None and not res["disagreeing_keys"]
-        by_flip = not agree and allow_flips and bool(flips[t])
-        by_crossing = not agree and bool(seen[t])
-        by_implied = not (agree or by_flip or by_crossing) and by_its_formula(t) >= set(res["disagreeing_keys"])
+        # the training step and the inference-mode forward are judged apart (training_keys)
+        train = training_keys(res["disagreeing_keys"])
+        evals = [k for k in res["disagreeing_keys"] if k not in train]
+        train_agrees = agree or (not train and not res["missing_keys"])
+        by_flip = not train_agrees and allow_flips and bool(flips[t])
+        by_crossing = not train_agrees and bool(seen[t])
+        by_implied = not (train_agrees or by_flip or by_crossing) and by_its_formula(t) >= set(train)
         # beside a flip or a crossing: the updates of parameters whose gradient agrees, by their formula
         beside = (by_flip or by_crossing) and bool(by_its_formula(t))
-        explained = agree or by_flip or by_crossing or by_implied
+        train_explained = train_agrees or by_flip or by_crossing or by_implied
+        explained = agree or (train_explained and not evals)
+        # an evaluation that disagrees beside an explained training step: that point's disagreement is the eval's
+        if not explained and train_explained and train:
+            res = eval_disagreement(res)
+        # the worst key: of those left unexplained when there are (the evaluation's beside a flip), else of all
+        left = [d for d in res["diffs"] if not explained and d["key"] in res["disagreeing_keys"]] or res["diffs"]
+        worst = max(left, key=lambda d: d["rel"] / d["tol"] if d["tol"] > 0 else math.inf, default=None)
         points.append({"step": t, "agree": explained, "disagreeing": len(res["disagreeing_keys"]),
                        "worst_key": worst["key"] if worst else None,
                        "worst_factor": (worst["rel"] / worst["tol"]) if worst and worst["tol"] > 0 else None,
@@ -260,4 +293,4 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     return out
 
 
-__all__ = ["resync_points", "judge", "wants_more_sensitivity", "discontinuities", "MARGIN", "FLOOR"]
+__all__ = ["resync_points", "judge", "wants_more_sensitivity", "discontinuities", "training_keys", "MARGIN", "FLOOR"]

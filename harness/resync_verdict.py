@@ -164,11 +164,11 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
     """The place the sequential test gives a bias: the stage of its kind (the earliest biased one) and, from
     the per-key tests, the first biased key's layer or parameter."""
     from .probe_analysis import param_layer
-    from .bias_test import STAGE_OF_KIND
+    from .bias_test import ALONG_PARAMETER, STAGE_OF_KIND
     kd = seq["bias"]
     st = seq["kinds"][kd]
     first = (seq.get("where") or {}).get("first")
-    name = first.split("/")[-1] if first and "/" in first else None
+    name = first.split("/")[-1].removesuffix(ALONG_PARAMETER) if first and "/" in first else None
     parameter = name if name and "." in name else None
     layer = param_layer(name) if parameter else name
     stage = STAGE_OF_KIND.get(kd, kd)
@@ -179,6 +179,9 @@ def bias_localization(seq: dict[str, Any]) -> dict[str, Any]:
                 f"{kt['p']:.3g} < {seq['where']['threshold']:.3g}, Bonferroni over {seq['per_key']['tested']} keys; "
                 f"{kt['positive']} of {kt['positive'] + kt['negative']} positive); the median of the {kd} probes is "
                 f"unbiased (p {st['p']:.3g}): the bias is in some of them only")
+        if first.endswith(ALONG_PARAMETER):
+            line += (f" ({ALONG_PARAMETER}: the update's deviation projected on its parameter, where a weight-decay "
+                     "error moves it)")
         others = [k for k in seq["where"]["keys"] if k != first]
         if others:
             line += f"; biased too: {', '.join(others[:6])}" + (f" and {len(others) - 6} more" if len(others) > 6 else "")

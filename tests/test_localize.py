@@ -389,3 +389,39 @@ def test_a_kink_the_reference_itself_flips_is_not_a_disagreement_but_a_larger_on
     assert g not in analyse(near, ref, LAYERS, rel_tol=3e-5, ref64=ref64, nudged=nudged)["disagreeing_keys"]
     far = dict(ref, **{g: ref[g] * (1 + 1e-2)})
     assert analyse(far, ref, LAYERS, rel_tol=3e-5, ref64=ref64, nudged=nudged)["stage"] == "backward"
+
+
+def test_the_step0_probes_are_held_as_the_resync_holds_its_step_0(tmp_path):
+    """resnet_tiny in jax (2026-12-04): at step 0 the reference's own 1-ULP-nudged step jumped (a ReLU kink its
+    rounding flips), and the resync's step 0, which allows for that, agreed; the step-0 probes, held to the fixed
+    floor without it, called the same gradients a backward disagreement. The localization now takes the nudged
+    steps the resync probed from the same initial state; without a resync of step 0 there is nothing to take."""
+    from algorithms.params import save_npz
+    from harness.localize import Localizer
+    from harness.probe_jobs import LazyProbeMap, ReplayProbes
+
+    rng = np.random.default_rng(3)
+    ref = probes()
+    ref64 = {k: v * (1 + 1e-9 * rng.standard_normal(np.shape(v))) for k, v in ref.items()}
+    key = "grad/conv1.kernel"
+    jump = 3e-4 * np.abs(ref[key]).max() * rng.standard_normal(ref[key].shape)
+    cand = dict(ref, **{key: ref[key] + jump})                  # the candidate's rounding flipped the kink
+    nudged = dict(ref, **{key: ref[key] + 0.5 * jump[::-1]})    # and so did the reference's own nudge, as far
+    save_npz(tmp_path / "n0.npz", nudged)
+    runs = SimpleNamespace(name="ref"), SimpleNamespace(name="cand")
+
+    class Resynced(Localizer):
+        def __init__(self, at):
+            self.root, self._replays = tmp_path, {}
+            self._replays[("ref", "cand", "")] = {"at": at, "probes": ReplayProbes([(t, ()) for t in at]),
+                                                  "sensitivity": LazyProbeMap({0: [tmp_path / "n0.npz"]} if 0 in at else {})}
+
+    assert analyse(cand, ref, LAYERS, ref64=ref64)["stage"] == "backward"
+    got = Resynced([0, 25, 50]).nudged_at_step0(*runs, None)
+    assert got is not None and len(got) == 1
+    assert analyse(cand, ref, LAYERS, ref64=ref64, nudged=got)["stage"] is None
+    assert Resynced([25, 50]).nudged_at_step0(*runs, None) is None      # the resync did not probe step 0
+    assert Resynced([0, 25]).nudged_at_step0(*runs, {"fault": "x"}) is None   # nor against this reference
+    # a flip far beyond the reference's own jump still disagrees
+    far = dict(ref, **{key: ref[key] + 30 * jump})
+    assert analyse(far, ref, LAYERS, ref64=ref64, nudged=got)["stage"] == "backward"

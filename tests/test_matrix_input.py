@@ -105,6 +105,20 @@ def test_graph_matrix_covers_the_graph_models_at_their_shape():
     assert {(e.cfg.model, e.cfg.devices) for e in runs} == {(n, d) for n in graph for d in (1, 2)}
 
 
+def test_residual_matrix_is_one_short_residual_model_in_every_framework_backend():
+    """`duipai all --matrix residual`: resnet_tiny (the residual model) short enough for a quick look, every framework
+    backend at dp 1 with the reference's envelope, on its own 32x32x3 digits."""
+    from algorithms.spec import load_model
+    from harness.matrix import expand, load_matrix
+    from harness.runner import backend_info
+    m = load_matrix("residual")
+    assert m.models == ["resnet_tiny"] and m.devices == [1] and m.envelope_k >= 3
+    assert m.arbiter and sorted(m.backends) == sorted(set(backend_info()) - {m.arbiter})
+    assert any(l.kind == "add" for l in load_model("resnet_tiny").layers)
+    roles = [e.role for e in expand(m)]
+    assert roles.count("run") == len(m.backends) and roles.count("envelope") == m.envelope_k + m.envelope_fp64
+
+
 def test_missing_baselines_are_bad_input(tmp_path):
     p = tmp_path / "m.toml"
     p.write_text('name = "nobase"\n' + HEAD)

@@ -10,7 +10,7 @@ from algorithms.params import load_npz
 from harness import bias_test as B
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
-from harness.probe_analysis import analyse
+from harness.probe_analysis import analyse, describe
 from harness.resync_verdict import resync_what
 from harness.runs import load_run
 
@@ -155,6 +155,53 @@ def test_the_per_key_null_is_widened_by_the_keys_own_rounding():
     assert tight["by_key"] and tight["where"]["first"] == "update0/fc1.bias"
 
 
+def _decay_replay(tmp_path, e: float, n: int = 14, seed: int = 6) -> dict:
+    """A replay of momentum SGD without weight decay on weights followed by a BatchNorm: each update u = -lr g
+    with g orthogonal to its weight p (the loss does not change with the weight's scale); the float32 reference
+    and the candidate round u (1e-7, 2e-7 relative), the candidate adds the decay error -lr e p. The states are
+    written where a replay writes them (rep["states"])."""
+    from algorithms.params import save_npz
+    rng = np.random.default_rng(seed)
+    lr, out, states = 0.05, [], {}
+    names = ["conv1.kernel", "conv2.kernel", "fc1.kernel", "fc1.bias"]
+    for t in range(0, 25 * n, 25):
+        params = {q: rng.standard_normal(200) * 0.1 for q in names}
+        p64 = {}
+        for q, w in params.items():
+            g = rng.standard_normal(200) * 0.01
+            g -= (g @ w) / (w @ w) * w                      # orthogonal to the weight
+            p64[f"update0/{q}"] = -lr * g
+        ref, cand = _noisy(p64, 1e-7, rng), _noisy(p64, 2e-7, rng)
+        cand = {k: v - lr * e * params[k.split("/", 1)[1]] for k, v in cand.items()}
+        states[str(t)] = str(tmp_path / f"state_{t}.npz")
+        save_npz(states[str(t)], {f"param/{q}": w for q, w in params.items()})
+        out.append((t, cand, ref, p64, None))
+    return {"at": [t for t, *_ in out], "probes": out, "states": states, "reproduced": None, "jobs": 3}
+
+
+def test_a_weight_decay_error_before_a_batchnorm_is_found_along_the_parameter(tmp_path):
+    """cnn2d_hard, weight decay + 1e-6 (bench/results/mde.md, bench/update_projection.py): the decay error moves
+    each update along its parameter, which for a weight before a BatchNorm is orthogonal to the update; the
+    update's projection on itself saw 1-19 ULPs (p 1), its projection on the parameter 54-213 ULPs (p 2e-8).
+    The per-key test now projects every update on its parameter too (`~param` keys) and finds it; the same
+    replay with a correct candidate (e 0) has no bias, and without the states nothing is projected."""
+    from harness.bias_test import ALONG_PARAMETER
+    from harness.resync_verdict import bias_localization
+    layers = ["conv1", "bn1", "conv2", "bn2", "fc1"]
+    bad = R.judge(_decay_replay(tmp_path, 1e-6), layers, analyse)
+    assert bad["agree"]                                          # every step inside its tolerance
+    seq = bad["sequential"]
+    assert seq["by_key"] and seq["where"]["first"].endswith(ALONG_PARAMETER)
+    assert seq["kinds"]["update"]["p"] > seq["threshold"]       # the kind's median: nothing
+    loc = bias_localization(seq)
+    assert loc["stage"] == "optimizer" and loc["parameter"] == "conv1.kernel" and ALONG_PARAMETER in loc["lines"][0]
+    clean = R.judge(_decay_replay(tmp_path, 0.0), layers, analyse)
+    assert clean["sequential"]["bias"] is None and clean["sequential"]["per_key"]["tested"] == 8
+    blind = _decay_replay(tmp_path, 1e-6)
+    blind.pop("states")
+    assert R.judge(blind, layers, analyse)["sequential"]["bias"] is None
+
+
 def test_per_key_false_alarms_on_noise_and_on_a_rounding_sized_bias_stay_below_alpha():
     """400 clean pairs of 40 keys each (pure noise, and a systematic 4 ULPs on every key): the per-key family
     (Bonferroni over the 40 keys) calls a bias in at most SEQ_ALPHA of them."""
@@ -288,6 +335,41 @@ def test_a_flip_on_another_key_than_the_reference_s_jumps_agrees_but_not_a_forwa
     rep["probes"][3] = (t, dict(cand, **{fw: cand[fw] * (1 + 1e-4)}), ref, p64, None)
     bad = R.judge(rep, LAYERS, analyse)
     assert not bad["agree"] and bad["first_disagreement"]["step"] == 75
+
+
+def test_an_evaluation_bug_beside_a_flipped_kink_is_the_evaluation_s_and_the_flip_stays_explained():
+    """resnet_tiny, eval_input_rel_1e-04 (bench/results/selftest-default-resnet_tiny-part2-2026-12-04.md): in jax
+    and tensorflow the resynced step 1 flipped a kink (BatchNorm gradients 40x their tolerance, every activation
+    agreeing) and, beside it, the faulted evaluation disagreed. The flip went unexplained because the eval keys
+    were counted among its keys, and the bug was placed at backward / block2_proj_bn. The training step and the
+    inference-mode forward are separate computations: the flip explains the first, the second is the bug."""
+    pts = list(range(0, 300, 25))
+    rep = kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75])
+    rep["probes"] = [(t, {k: v * (1 + 1e-4) if k.startswith("eval/") else v for k, v in cand.items()}, ref, p64, x)
+                     for t, cand, ref, p64, x in rep["probes"]]
+    out = R.judge(rep, LAYERS, analyse)
+    assert not out["agree"]
+    fb = out["first_disagreement"]
+    assert fb["step"] == 0 and fb["stage"] == "eval" and fb["layer"] == LAYERS[0]
+    at75 = R.judge(dict(rep, probes=rep["probes"][3:]), LAYERS, analyse)["first_disagreement"]
+    assert at75["step"] == 75 and at75["stage"] == "eval", at75["stage"]
+    assert at75["training_set_aside"] == ["grad/conv1.kernel", "update0/conv1.kernel"]
+    assert all(k.startswith("eval/") for k in at75["disagreeing_keys"])
+    assert next(p for p in out["per_point"] if p["step"] == 75)["worst_key"].startswith("eval/")
+    assert not R.wants_more_sensitivity(out)
+    summary, lines = describe(at75, "resync of step 75")
+    assert summary == f"eval: {LAYERS[0]}" and any("set aside" in l for l in lines)
+    assert not any("gradients that disagree" in l for l in lines)
+    # the same flip with a correct evaluation: the run agrees, as without the eval keys
+    clean = R.judge(kinked_rep(pts, ref_jumps=[0, 100, 150], cand_jumps=[75]), LAYERS, analyse)
+    assert clean["agree"]
+    # an unexplained backward-only step beside a disagreeing evaluation still asks the reference for more nudges
+    alone = kinked_rep(pts, ref_jumps=[], cand_jumps=[75])
+    alone["probes"] = [(t, {k: v * (1 + 1e-4) if k.startswith("eval/") and t == 75 else v for k, v in cand.items()},
+                        ref, p64, x) for t, cand, ref, p64, x in alone["probes"]]
+    got = R.judge(alone, LAYERS, analyse)
+    assert got["first_disagreement"]["step"] == 75 and got["first_disagreement"]["stage"] == "backward"
+    assert R.wants_more_sensitivity(got)
 
 
 # --------------------------------------------------------------------------- the verdict

@@ -21,7 +21,7 @@ import numpy as np
 from algorithms import data as D
 from algorithms.contract import (CHECKPOINT_DIR, EVAL_COLUMNS, EVAL_FILE, FINAL_PARAMS_FILE, STEP_COLUMNS, STEPS_FILE,
                                  WORKER_FILE, Job, RunOptions, checkpoint_file, probe_file_stem, replay_probe_stem,
-                                 replay_state_file, replica_loss_columns)
+                                 replay_state_file, replica_loss_columns, split_state, state_arrays)
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
@@ -99,9 +99,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
     (out_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
 
     def checkpoint(step: int) -> None:
-        state = {f"param/{k}": v for k, v in backend.export_params().items()}
-        state.update({f"opt/{k}": v for k, v in backend.export_opt_state().items()})
-        save_npz(out_dir / checkpoint_file(step), state)
+        save_npz(out_dir / checkpoint_file(step), state_arrays(backend.export_params(), backend.export_opt_state()))
 
     def evaluate(step: int, f: TextIO) -> None:
         loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
@@ -229,12 +227,8 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
         order = np.concatenate([order[1:], order[:1]])
     at, k = r.at, r.probe_steps
 
-    def split(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        return ({n[6:]: v for n, v in state.items() if n.startswith("param/")},
-                {n[4:]: v for n, v in state.items() if n.startswith("opt/")})
-
     def load(state: dict[str, np.ndarray], step: int) -> None:
-        params, opt = split(state)
+        params, opt = split_state(state)
         backend.load_params(params)
         backend.load_opt_state(opt, step)
 
@@ -267,15 +261,13 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
                 s = backend.train_step(pos, x, y, masks_for(model, hp.seed, pos, b, opts.dropout))
                 replayed.append([pos, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
                 pos += 1
-            st = {f"param/{n}": v for n, v in backend.export_params().items()}
-            st.update({f"opt/{n}": v for n, v in backend.export_opt_state().items()})
             states[t] = replay_state_file(t)
-            save_npz(out_dir / states[t], st)
+            save_npz(out_dir / states[t], state_arrays(backend.export_params(), backend.export_opt_state()))
     rows = REPLAY_ACTIVATION_ROWS if r.activation_rows is None else r.activation_rows
     # the reference's own sensitivity at each state: params moved 1 ULP, once per seed (one process for all seeds);
     # None: the state itself (the default)
     for i, t in enumerate(at):
-        params, opt = split(load_npz(out_dir / states[t]))   # an absolute path stays itself
+        params, opt = split_state(load_npz(out_dir / states[t]))   # an absolute path stays itself
         x, y, b = batch(t)
         masks = [masks_for(model, hp.seed, t + j, b, opts.dropout) for j in range(k)]
         for seed in r.perturb_state_ulps:
