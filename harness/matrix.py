@@ -269,7 +269,10 @@ def run_matrix(m: Matrix, out_root: Path, jobs: int = 1, *, force: bool = False,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Entry]:
     """Run (or reuse) every entry of the matrix; writes <out_root>/<name>/matrix.json."""
     out = Path(out_root) / m.name
-    entries = run_entries(expand(m), out, Path(out_root), jobs, force=force, timeout=m.timeout_s, log=log)
+    try:
+        entries = run_entries(expand(m), out, Path(out_root), jobs, force=force, timeout=m.timeout_s, log=log)
+    except BadInput as err:   # a configuration the matrix file describes: the file, then what is wrong with it
+        raise BadInput(f"matrix {m.source or m.name}: {err}") from None
     write_status(out, m, entries)
     return entries
 
@@ -281,7 +284,6 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
     """Run (or reuse) every entry into out/runs; never raises for one backend's failure. Progress: live
     bars when stderr is a terminal (live=None) or live=True, else one `log` line per finished run."""
     runs = out / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
     out_root = cache_root
     info = runner.backend_info()
     preps: dict[tuple, runner.Prepared] = {}
@@ -296,6 +298,7 @@ def run_entries(entries: list[Entry], out: Path, cache_root: Path, jobs: int = 1
         e.folder = str(runs / e.name)
         if not force and up_to_date(runs / e.name, e.key):
             e.status = "cached"
+    runs.mkdir(parents=True, exist_ok=True)   # after every configuration is prepared: bad input writes nothing
     previous = {}
     try:   # a refusal is a property of the configuration: remembered by key like a result
         previous = {x["name"]: x for x in (load_status(out) or {}).get("entries", [])}

@@ -116,9 +116,12 @@ def is_folder_name(name: str) -> bool:
     return name not in ("", ".", "..") and not re.search(r"[/\\\x00]", name)
 
 
-def cache_dir(out_root: Path) -> Path:
+def cache_dir(out_root: Path, create: bool = True) -> Path:
+    """<out_root>/.cache: prepared data sets and specs, shared by every run under that root (created unless
+    `create` is False: a reader that may refuse its input must leave nothing behind)."""
     d = user_path(out_root) / ".cache"
-    d.mkdir(parents=True, exist_ok=True)
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
     return d
 
 
@@ -141,7 +144,7 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
     try:
         check_fault(cfg.fault)
         model = load_model(cfg.model)
-        ds = D.load_data(cfg.data, cache_dir=cache_dir(out_root), image_shape=model.input_shape,
+        ds = D.load_data(cfg.data, cache_dir=cache_dir(out_root, create=False), image_shape=model.input_shape,
                          classes=model.num_classes)
         D.check_fits(ds, model.input_shape, model.num_classes, model.name)
         h = cfg.hparams
@@ -158,6 +161,9 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
         hosts = int(cfg.extra.get("hosts", 1))
         if hosts < 1 or cfg.devices % hosts:
             raise BadInput(f"--hosts {hosts} must divide --devices {cfg.devices} (devices per host)")
+        if h.batch_size > len(ds.x_train):
+            raise BadInput(f"{ds.meta.get('source', cfg.data)}: the train set has {len(ds.x_train)} samples, fewer than "
+                           f"the batch size {h.batch_size} (--batch-size)")
         try:
             order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
         except MemoryError:

@@ -43,7 +43,9 @@ CASES = {
 }
 
 # valid matrices that one command cannot use: `duipai all` compares against the envelope (check's bitwise mode needs none)
-COMMAND_CASES = {"no_envelope_for_all": (HEAD + "envelope_k = 0\n", "field 'envelope_k' must be >= 1 for `duipai all`")}
+COMMAND_CASES = {"no_envelope_for_all": (HEAD + "envelope_k = 0\n", "field 'envelope_k' must be >= 1 for `duipai all`"),
+                 # found only when the runs are prepared: still the matrix file first, then the data file
+                 "missing_data_file": (HEAD + 'data = "no_such_train.csv"\n', "no_such_train.csv: no such data file")}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -62,6 +64,7 @@ def test_load_matrix_names_the_entry(case, tmp_path):
     (["matrix"], "unknown_model"), (["all", "--matrix"], "devices_not_dividing_batch"),
     (["check", "--matrix"], "unknown_backend"), (["check", "--matrix"], "duplicate_backend"),
     (["baseline", "save", "--matrix"], "unknown_optimizer"), (["all", "--matrix"], "no_envelope_for_all"),
+    (["matrix"], "missing_data_file"), (["all", "--matrix"], "missing_data_file"),
 ])
 def test_commands_exit_2_and_run_nothing(command, case, tmp_path, monkeypatch, capsys):
     """In the test process (the matrix is refused before any backend would start); tests/test_user_paths.py
