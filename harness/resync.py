@@ -254,7 +254,9 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
         train_agrees = agree or (not train and not res["missing_keys"])
         by_flip = not train_agrees and allow_flips and bool(flips[t])
         by_crossing = not train_agrees and bool(seen[t])
-        by_implied = not (train_agrees or by_flip or by_crossing) and by_its_formula(t) >= set(train)
+        # by its formula: only keys that disagree, never a probe one side lacks (a parameter a model lost)
+        by_implied = (not (train_agrees or by_flip or by_crossing) and bool(train) and not res["missing_keys"]
+                      and by_its_formula(t) >= set(train))
         # beside a flip or a crossing: the updates of parameters whose gradient agrees, by their formula
         beside = (by_flip or by_crossing) and bool(by_its_formula(t))
         train_explained = train_agrees or by_flip or by_crossing or by_implied

@@ -259,6 +259,23 @@ def test_judge_agrees_on_rounding_and_names_the_late_fault_step_and_stage():
     assert fb["step"] == 50 and fb["stage"] == "optimizer" and fb["probe"].startswith("update0/")
 
 
+def _drop_a_parameter(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A model that lost a parameter (a bias a port left out): its gradient and update probes are not there."""
+    gone = PARAMS[-1]
+    return {k: v for k, v in p.items() if k not in (f"grad/{gone}", f"update0/{gone}")}
+
+
+def test_a_probe_one_side_lacks_never_agrees_at_a_resynced_step():
+    """Every key that both sides have agrees; one parameter's probes are missing in the candidate: the point is
+    a disagreement (stage probe-keys), not explained by anything that explains disagreeing keys."""
+    pts = [0, 25, 50]
+    bad = R.judge(replay_of(pts, 25, _drop_a_parameter), LAYERS, analyse)
+    assert [p["agree"] for p in bad["per_point"]] == [True, False, False]
+    fb = bad["first_disagreement"]
+    assert fb["step"] == 25 and fb["stage"] == "probe-keys" and fb["missing_keys"] == [f"grad/{PARAMS[-1]}",
+                                                                                        f"update0/{PARAMS[-1]}"]
+
+
 def kinked_rep(points: list[int], ref_jumps: list[int], cand_jumps: list[int], size: float = 1e-4) -> dict:
     """A replay where one step is discontinuous in grad/conv1.kernel and update0/conv1.kernel (a ReLU input at
     its kink): the float32 reference's own step jumps by `size` (relative) at `ref_jumps`, the candidate's at
