@@ -178,6 +178,18 @@ def declared_where(declared: list[str], evidence: str | None) -> str:
     return f"declared: {', '.join(declared)}; {evidence or 'not verified'}"
 
 
+def parted_text(f: dict[str, Any]) -> str:
+    """Where the free-running curves part, said beside a BUG the shared-state step comparison found at step
+    f['step']: later than it, or before it by rounding (no one-step comparison there found another computation)."""
+    parted = f.get("parted")
+    if not parted:
+        return "; the free-running curves stay inside the envelope"
+    later = f.get("step") is None or parted["step"] > f["step"]
+    return (f"; the free-running curves part {'later' if later else 'before it'}, from step {parted['step']} "
+            f"({parted['series']}, {fmt_factor(parted['factor'])} the envelope"
+            + ("" if later else ": no one-step comparison there finds another computation") + ")")
+
+
 def inside_factor(verdict: str, parted: bool, max_ratio: float) -> float | None:
     """The factor of the envelope a pair without the reference stayed within; None for a DRIFT pair whose curves
     parted past the envelope or its saturation (DRIFT through the reference: no factor to give)."""
@@ -309,12 +321,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
             if f["series"] == "batch_checksum":
                 lines.append(f"  step {f['step']}: batch checksum {f['b_value']} vs reference {f['a_value']}")
             elif f["series"] in ("resync", "resync-sequential"):
-                parted = f.get("parted")
                 lines.append("  the shared-state step comparison disagrees" +
-                             (f" at step {f['step']}" if f.get("step") is not None else " (a bias)") +
-                             (f"; the free-running curves part later, from step {parted['step']} ({parted['series']}, "
-                              f"{fmt_factor(parted['factor'])} the envelope)" if parted else
-                              "; the free-running curves stay inside the envelope"))
+                             (f" at step {f['step']}" if f.get("step") is not None else " (a bias)") + parted_text(f))
             else:
                 lines.append(f"  step {f['step']} {f['series']}: {f['b_value']!r} vs reference {f['a_value']!r}, "
                              f"|diff| {f['deviation']:.3g} = {fmt_factor(f['factor'])} the envelope {f['envelope']:.3g} "

@@ -271,9 +271,11 @@ def apply_resync(p: Pair, requested: bool) -> None:
         p.verdict = BUG
         drop_stat_advice(p)
         # the earliest evidence of another computation: a resynced step that disagrees before the free-running
-        # curves part (which a clean run's rounding can make them do too) is where the bug is seen first
+        # curves part (which a clean run's rounding can make them do too) is where the bug is seen first; and
+        # wherever they part when the curves alone were no evidence (no probe reproduced their excess, or a
+        # verified declared difference explains it): a bug that starts at step 100 is not seen at step 6
         parted = p.first if p.first is not None and p.first.get("step") is not None else None
-        if p.first is None or (parted is not None and t < parted["step"]):
+        if p.first is None or (parted is not None and (t < parted["step"] or was != BUG)):
             p.first = {"step": t, "series": "resync", "factor": worst["worst_factor"], "reason": "resync",
                        "a_value": None, "b_value": None, "deviation": fb.get("rel"), "envelope": None, "also": [],
                        "probe": worst["worst_key"]}

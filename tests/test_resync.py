@@ -680,17 +680,18 @@ def test_the_optimizer_state_of_a_flipped_gradient_follows_from_it():
     assert not other["agree"] and other["first_disagreement"]["step"] == 75
 
 
-def _bug_with_resync_disagreeing_at(t: int, first_step: int):
+def _bug_with_resync_disagreeing_at(t: int, first_step: int, was: str = "BUG"):
     from harness.pair import Pair
     from harness.resync_verdict import apply_resync
     first = {"step": first_step, "series": "update_norm", "factor": 17.7, "reason": "sustained"}
-    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict="BUG",
+    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict=was,
              localization=None, notes=[], first=first)
     fb = {"step": t, "stage": "forward", "layer": "bn1", "probe": f"buffer{t}/bn1.running_var", "rel": 4e-5,
           "disagreeing_keys": [f"buffer{t}/bn1.running_var"]}
-    p.resync = {"points": [0, 25, 50], "agree": False, "n": 3, "first_disagreement": fb,
+    points = sorted({0, 25, 50, t})
+    p.resync = {"points": points, "agree": False, "n": len(points), "first_disagreement": fb,
                 "per_point": [{"step": s, "worst_key": f"buffer{s}/bn2.running_var", "worst_factor": 2.5}
-                              for s in (0, 25, 50)],
+                              for s in points],
                 "sequential": {"min_p": 1e-12, "threshold": 0.002}}
     apply_resync(p, requested=True)
     return p
@@ -706,6 +707,20 @@ def test_a_resynced_step_that_disagrees_before_the_curves_part_is_the_bugs_first
     assert p.first["parted"] == {"step": 13, "series": "update_norm", "factor": 17.7}
     later = _bug_with_resync_disagreeing_at(25, 13)
     assert later.first["step"] == 13 and later.first["series"] == "update_norm" and "parted" not in later.first
+
+
+def test_a_late_bug_is_seen_at_its_resynced_step_when_the_curves_parted_earlier_by_rounding():
+    """lr_rel_1e-04_from_100 on a user's graph model, tensorflow (2026-12-05): the free-running curves part at step 6
+    as the clean tensorflow run's do, an excess no one-step probe reproduces (INCONCLUSIVE by the curves alone);
+    resynced step 100 disagrees. The BUG is seen first at step 100, not at step 6, and the output says the
+    curves parted before it, where no one-step comparison found another computation."""
+    from harness.compare_output import parted_text
+    for was in ("INCONCLUSIVE", "DRIFT", "DECLARED"):
+        p = _bug_with_resync_disagreeing_at(100, 6, was=was)
+        assert p.verdict == "BUG" and p.first["step"] == 100 and p.first["series"] == "resync", was
+        assert p.first["parted"] == {"step": 6, "series": "update_norm", "factor": 17.7}
+        assert "part before it, from step 6" in parted_text(p.first)
+    assert "part later, from step 13" in parted_text(_bug_with_resync_disagreeing_at(0, 13).first)
 
 
 def test_a_step_inherits_an_upstream_bias_only_where_the_bias_is_there():
