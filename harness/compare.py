@@ -318,6 +318,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
     extra = sorted({t for p in checked for t in divergent_steps(p)})
 
     def judge(p: Pair) -> Pair:
+        if p.b.manifest.get("fault_inert"):   # said first: the verdict is of a run that is not the bug it names
+            p.notes.append(f"--fault {p.b.fault} does not apply to this run: {p.b.manifest['fault_inert']}")
         if resync is not None:
             p.resync = ({"skipped": "a different batch (data): the steps are not the same computation"}
                         if p.first is not None and p.first["series"] == "batch_checksum" else resync(p, extra))

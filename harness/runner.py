@@ -136,6 +136,18 @@ class Prepared:
     base_weights_hash: str     # of the unperturbed canonical weights (what comparability needs)
 
 
+def fault_inert(cfg: RunConfig, model: ModelSpec) -> str | None:
+    """Why the run's catalogued fault changes nothing in its configuration (algorithms.fault_reach), or None
+    (no fault, one that applies, or an emulation of a declared difference, which is not catalogued)."""
+    from algorithms.fault_reach import inert_reason
+    if not cfg.fault:
+        return None
+    try:
+        return inert_reason(cfg.fault, model, cfg.hparams, cfg.devices)
+    except KeyError:
+        return None
+
+
 def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
     """Everything the backends must share; raises BadInput with a message naming the problem."""
     out_root = user_path(out_root)
@@ -259,8 +271,11 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     job.write(tmp / JOB_FILE)
     started = datetime.now(timezone.utc)
     t0 = time.time()
+    inert = fault_inert(cfg, prep.model) if mode == "train" else None
     with open(tmp / RUN_LOG, "w") as log:
         log.write(f"# duipai {mode}: {name}\n# {' '.join(sys.argv)}\n")
+        if inert:
+            log.write(f"# warning: --fault {cfg.fault} does not apply here: {inert}\n")
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / JOB_FILE)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=PROJECT_ROOT, env=_child_env())
@@ -294,7 +309,8 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "spec": prep.model.to_dict(), "data": prep.dataset_meta, "weights_hash": prep.weights_hash,
         "init": {"seed": cfg.hparams.init_seed, "perturb_ulp_seed": cfg.perturb_ulp},
         "hparams": cfg.hparams.to_dict(),
-        "options": options.to_dict(), "fault": cfg.fault, "config": _stored_config(cfg),
+        "options": options.to_dict(), "fault": cfg.fault, **({"fault_inert": inert} if inert else {}),
+        "config": _stored_config(cfg),
         "versions": worker.get("versions", {}), "code_hash": code_hash(cfg.backend), "devices": worker.get("devices", []),
         "determinism": worker.get("determinism", {}), "parallel": worker.get("parallel", {}),
         "imported": worker.get("imported"),   # the frameworks its process imported (wrappers.worker)

@@ -14,11 +14,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from algorithms.faults import (ACTIVATION_KINDS, FAULTS, KERAS_LEAKY_RELU_ALPHA, KERAS_LN_EPS, bias_that_matters,
-                               fault_info, projection_norms)
-from algorithms.layout import depthwise_multiplier
+from algorithms.fault_reach import expected_layer
+from algorithms.faults import FAULTS, fault_info
 from algorithms.optim import HParams
-from algorithms.spec import ModelSpec, load_model
+from algorithms.spec import load_model
 
 from . import matrix as M
 from . import runner
@@ -97,58 +96,6 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
 SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard", "resnet_tiny", "convnext_tiny", GRAPH_SCENARIO)
 
 
-def expected_layer(fault: str, model: ModelSpec) -> tuple[bool, str | None]:
-    """(whether the fault touches this model, the layer a correct localization names or None): the
-    catalogue's `where` read on the model's inferred shapes."""
-    layers = model.layers
-
-    def first(pred) -> tuple[bool, str | None]:
-        hit = next((l for l in layers if pred(l)), None)
-        return (hit is not None, hit.name if hit is not None else None)
-
-    if fault == "flatten_no_permute":
-        return first(lambda l: l.kind == "dense" and l.flattened_from is not None
-                     and l.flattened_from[0] * l.flattened_from[1] > 1)
-    if fault == "symmetric_same_padding":
-        return first(lambda l: l.kind == "conv2d" and l.padding is not None
-                     and any((a + b) % 2 for a, b in l.padding))
-    if fault in ("bn_momentum_flipped", "bn_eps_keras"):
-        return first(lambda l: l.kind == "batchnorm2d")
-    if fault in ("bn_eps_abs_1e-05", "bn_momentum_abs_1e-04"):
-        return (model.has("batchnorm2d"), None)
-    if fault == "dropout_in_eval":
-        return first(lambda l: l.kind == "dropout")
-    if fault == "missing_bias":
-        hit = bias_that_matters(model)
-        return (hit is not None, hit)
-    if fault == "maxpool_ceil":   # a floor/ceil difference that a global pooling absorbs (a flatten would not fit)
-        after_gap = {l.name for i, l in enumerate(layers) if any(m.kind == "global_avgpool2d" for m in layers[i:])}
-        return first(lambda l: l.kind == "maxpool2d" and l.name in after_gap and l.spec.options.get("padding") == "valid"
-                     and (l.in_shape[0] - l.spec.options["pool"]) % l.spec.options["stride"] != 0)
-    if fault == "gelu_tanh_approx":
-        return first(lambda l: l.kind == "gelu" and l.spec["approximate"] == "none")
-    if fault == "layernorm_eps_default":
-        return first(lambda l: l.kind == "layernorm" and l.spec["eps"] != KERAS_LN_EPS)
-    if fault == "leaky_relu_default_alpha":
-        return first(lambda l: l.kind == "leaky_relu" and l.spec["alpha"] != KERAS_LEAKY_RELU_ALPHA)
-    if fault == "dilation_dropped":   # 'same' padding: a 'valid' one would change the shapes the weights fit
-        dilated = [l for l in layers if l.kind == "conv2d" and l.spec["dilation"] > 1]
-        if any(l.spec["padding"] != "same" for l in dilated):
-            return (False, None)
-        return (bool(dilated), dilated[0].name if dilated else None)
-    if fault == "residual_after_activation":   # the add's place computes the activation under the fault
-        readers = {l.name: [m for m in layers if l.name in m.inputs] for l in layers}
-        return first(lambda l: l.kind == "add" and len(readers[l.name]) == 1
-                     and readers[l.name][0].kind in ACTIVATION_KINDS)
-    if fault == "projection_without_bn":
-        norms = projection_norms(model)
-        return (bool(norms), norms[0] if norms else None)
-    if fault == "concat_wrong_axis":  # on the width: equal shapes, and only a flatten after it fits the new shape
-        flat_next = {l.inputs[0] for l in layers if l.kind == "flatten"}
-        return first(lambda l: l.kind == "concat" and len(set(l.in_shapes)) == 1 and l.name in flat_next)
-    if fault == "depthwise_multiplier_order":
-        return first(lambda l: depthwise_multiplier(l) > 1)
-    return (True, None)
 # drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);
 # which backends have it is theirs to say (wrappers' Entry.capabilities, read through runner.backend_info)
 DRIFT_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {

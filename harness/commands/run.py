@@ -117,6 +117,9 @@ def run(as_json: bool, **kw: Any) -> None:
     except BackendFailed as e:
         fail(str(e), EXIT_CRASH)
     man = json.loads((folder / MANIFEST_FILE).read_text())
+    if man.get("fault_inert"):
+        click.echo(f"duipai: warning: --fault {cfg.fault} does not apply here: {man['fault_inert']}; "
+                   "this run is not that bug", err=True)
     if as_json:
         click.echo(json.dumps({"folder": str(folder), "manifest": man}, default=str))
     else:
