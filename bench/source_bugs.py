@@ -301,6 +301,20 @@ MUTATIONS = (
              ("BUG",), ("forward",), "stem_ln",
              "LayerNorm normalising by the unbiased (n - 1) variance over the channels (numpy/pandas habit); every "
              "framework's LayerNorm uses the biased one", args=("--steps", "100")),
+    Mutation("jax_layernorm_over_every_axis", "convnext_tiny", "jax", 1, "wrappers/jax/layers.py",
+             "mean = jnp.mean(x, axis=-1, keepdims=True)\n"
+             "            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)",
+             "mean = jnp.mean(x, axis=tuple(range(1, x.ndim)), keepdims=True)\n"
+             "            var = jnp.mean(jnp.square(x - mean), axis=tuple(range(1, x.ndim)), keepdims=True)",
+             ("BUG",), ("forward",), "stem_ln",
+             "LayerNorm over every axis but the batch (torch's nn.LayerNorm(x.shape[1:]) habit, GroupNorm(1, C)'s "
+             "statistics) where ConvNeXt normalizes each position over its channels", args=("--steps", "100")),
+    Mutation("jax_layernorm_one_pass_variance", "convnext_tiny", "jax", 1, "wrappers/jax/layers.py",
+             "var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)",
+             "var = jnp.mean(jnp.square(x), axis=-1, keepdims=True) - jnp.square(mean)",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: LayerNorm's variance in one pass, E[x^2] - E[x]^2 (the same value in exact arithmetic; more "
+             "rounding where the mean is large against the spread)", args=("--steps", "100")),
     Mutation("torch_strided_same_padding_symmetric", "resnet_tiny", "torch", 1, "wrappers/torch/layers.py",
              "                else:                      # TF SAME's odd pixel goes bottom/right: pad explicitly\n"
              "                    x = _pad(x, pads, 0.0)\n",
