@@ -188,8 +188,8 @@ def resolve(p: Pair, localized: bool) -> None:
             return
         if not chk.get("evidence"):
             p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])}: no probe compared ({_compared(loc)}) "
-                           "disagrees with the plain reference either, so nothing shows the difference at work: not "
-                           "DECLARED")
+                           "disagrees with the plain reference either, so nothing there shows the difference at "
+                           "work: not DECLARED by those probes (the shared-state steps may still show it)")
         elif left:
             p.notes.append(f"declared difference(s) {', '.join(chk['emulated'])} agree with the candidate's probes but "
                            f"cannot move series {', '.join(left)}: not DECLARED")

@@ -236,7 +236,7 @@ def test_declared_difference_with_no_probe_disagreement_is_not_declared(fam):
                  (cand.name, frozenset()): plain}
         p, _ = _judge(root, ref, env, cand, table)
         assert p.verdict == want, p.notes
-        assert any("nothing shows the difference at work" in n for n in p.notes)
+        assert any("nothing there shows the difference at work" in n for n in p.notes)
 
 
 def test_no_localize_or_a_failed_localization_is_never_declared(fam):
