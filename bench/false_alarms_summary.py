@@ -22,18 +22,36 @@ GRAPH_MODELS = ("resnet_tiny", "mobilenet_tiny", "convnext_tiny")
 
 def judged_at(f: Path) -> datetime:
     """When a results file was judged: its `meta.when` (a date and one or more times: the last one counts)."""
-    when = json.loads(f.read_text())["meta"]["when"]
+    return judged_at_text(json.loads(f.read_text())["meta"]["when"])
+
+
+def judged_at_text(when: str) -> datetime:
     day = re.search(r"\d{4}-\d{2}-\d{2}", when).group()
     return datetime.strptime(f"{day} {re.findall(r'[0-9]{2}:[0-9]{2}', when)[-1]}", "%Y-%m-%d %H:%M")
 
 
+def setting(meta: dict) -> str:
+    """What a run changed from the matrix's own settings (300 steps, each optimizer's own learning rate): a
+    configuration run otherwise is another configuration, counted in its own row."""
+    parts = (["default lr 0.05"] if "--default-lr" in meta.get("command", "") else []) + (
+        [f"{meta['steps']} steps"] if meta.get("steps", 300) != 300 else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def latest_rows(files: list[Path]) -> dict[tuple[str, str], tuple[dict, Path, dict]]:
-    """(configuration, candidate) -> (row, file, meta) of the latest judgement."""
-    out: dict[tuple[str, str], tuple[dict, Path, dict]] = {}
-    for f in sorted(files, key=judged_at):
+    """(configuration, candidate) -> (row, file, meta) of the latest judgement; a file's `rejudged` entries
+    (the same runs compared again after a rule change, recorded in its .md) count at their own time."""
+    judged = []
+    for f in files:
         doc = json.loads(f.read_text())
-        for row in doc["rows"]:
-            out[(row["config"], row["candidate"])] = (row, f, doc["meta"])
+        judged.append((judged_at(f), doc["rows"], f, doc["meta"]))
+        for again in doc.get("rejudged", []):
+            meta = dict(doc["meta"], when=again["when"], commit=again["commit"])
+            judged.append((judged_at_text(again["when"]), again["rows"], f, meta))
+    out: dict[tuple[str, str], tuple[dict, Path, dict]] = {}
+    for _, rows, f, meta in sorted(judged, key=lambda j: j[0]):
+        for row in rows:
+            out[(row["config"] + setting(meta), row["candidate"])] = (row, f, meta)
     return out
 
 
@@ -65,7 +83,8 @@ def main() -> None:
            f"{', '.join(sorted(f'`{f.name}`' for f in files))}.",
            "The commands, machines and loads of each run are in its own file.",
            "",
-           "## The straight-line models (`python bench/false_alarms.py`, 45 configurations)",
+           "## The straight-line models (`python bench/false_alarms.py`, 45 configurations; a setting in brackets is "
+           "a run of one with other settings, counted in its own row)",
            "", *table(straight), "",
            "## The graph models (`python bench/false_alarms.py --models resnet_tiny mobilenet_tiny convnext_tiny`)",
            "", *table(graph), ""]
