@@ -173,11 +173,10 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
         hosts = int(cfg.extra.get("hosts", 1))
         if hosts < 1 or cfg.devices % hosts:
             raise BadInput(f"--hosts {hosts} must divide --devices {cfg.devices} (devices per host)")
-        if h.batch_size > len(ds.x_train):
-            raise BadInput(f"{ds.meta.get('source', cfg.data)}: the train set has {len(ds.x_train)} samples, fewer than "
-                           f"the batch size {h.batch_size} (--batch-size)")
         try:
             order = D.batch_order(len(ds.x_train), h.batch_size, h.steps, h.seed)
+        except D.DataError as e:   # the data's own limits (a batch larger than its train set): name the data
+            raise BadInput(f"{ds.meta.get('source', cfg.data)}: {e}") from None
         except MemoryError:
             raise BadInput(f"--steps {h.steps} x batch size {h.batch_size}: the batch order "
                            f"({h.steps * h.batch_size * 8 / 2**30:.1f} GiB) does not fit in memory") from None

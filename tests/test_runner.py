@@ -99,7 +99,7 @@ units = 10
     (["--optimizer", "rmsprop"], "'rmsprop' is not one of"),
     (["-b", "mxnet"], "unknown backend 'mxnet'"),
     (["--data", "{tmp}/nothing.csv"], "no such data file"),
-    (["--batch-size", "5000"], "digits: the train set has 1438 samples, fewer than the batch size 5000 (--batch-size)"),
+    (["--batch-size", "5000"], "digits: batch size 5000 is larger than the train set (1438 samples)"),
     (["--lr", "-1"], "hyper-parameter 'lr'"),
     (["--data", "synthetic:abc"], "data 'synthetic:abc': synthetic takes a sample count"),
     (["--name", "../escaped"], "--name must be a plain folder name (no '/', not '.' or '..'), got '../escaped'"),
