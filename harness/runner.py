@@ -1,9 +1,10 @@
 """Run one backend on one configuration in its own process and publish the result atomically.
 
 The harness prepares everything that must be identical across backends (the model declaration,
-the data arrays, the batch order, the canonical initial weights), writes a job file, starts
-`python -m wrappers run JOB` and streams its progress. The result folder appears under its final
-name only when the run completed; a crashed or killed run leaves its log in `results/.failed/`.
+the data arrays, the batch order, the canonical initial weights), writes a job file, hands it to a
+backend process (`python -m wrappers serve`; a warm one of the same configuration when there is one,
+harness.worker_pool) and streams its progress. The result folder appears under its final name only
+when the run completed; a crashed or killed run leaves its log in `results/.failed/`.
 """
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ import hashlib
 import json
 import os
 import platform
-import queue
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,6 +37,7 @@ from algorithms.params import check_params, init_params, params_hash, perturb_ul
 from algorithms.spec import ModelSpec, load_model
 
 from .errors import BackendFailed, BadInput, CannotLower
+from .worker_pool import run_job, shared_pool
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = 1
@@ -202,40 +202,6 @@ def comparability_hashes(cfg: RunConfig, prep: Prepared) -> dict[str, str]:
             "base_weights_hash": prep.base_weights_hash, "hparams_hash": hash_json(cfg.hparams.to_dict())}
 
 
-def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
-    """The worker's progress lines until it closes its output; the process is killed at `deadline` even when it
-    prints nothing (a running worker reports every 0.2 s or so; a hung one never again), so the lines are read by
-    a thread and waited for with the time left."""
-    last: dict[str, Any] = {}
-    assert proc.stdout is not None
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=None if deadline is None else max(0.0, deadline - time.time()))
-        except queue.Empty:
-            line = ""
-        if line is None:
-            break
-        if deadline and time.time() > deadline:
-            proc.kill()
-            last["timeout"] = True
-            break
-        try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        last.update(msg)
-        if on_progress and "step" in msg:
-            on_progress(msg)
-    return last
-
-
 # the optimizer steps a probe job runs from its state (the localization's step-0 probes)
 PROBE_STEPS = 3
 
@@ -275,20 +241,14 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         log.write(f"# duipai {mode}: {name}\n# {' '.join(sys.argv)}\n")
         if inert:
             log.write(f"# warning: --fault {cfg.fault} does not apply here: {inert}\n")
-        log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "wrappers", "run", str(tmp / JOB_FILE)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=PROJECT_ROOT, env=_child_env())
-        try:
-            last = stream_progress(proc, on_progress, t0 + timeout if timeout else None)
-            rc = proc.wait(timeout=max(1.0, (t0 + timeout - time.time())) if timeout else None)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc, last = -9, {"timeout": True}
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            _fail(tmp, out_root, name)
-            raise
+    # a warm process of this configuration runs it, or a new one (harness.worker_pool); the job's stderr goes to the log
+    configuration = json.dumps([cfg.backend, options.to_dict()], sort_keys=True)
+    try:
+        rc, last, jobs_before = run_job(shared_pool(PROJECT_ROOT), configuration, _child_env(), tmp / JOB_FILE,
+                                        tmp / RUN_LOG, on_progress, t0 + timeout if timeout else None)
+    except BaseException:
+        _fail(tmp, out_root, name)
+        raise
     if rc != 0 or not (tmp / WORKER_FILE).exists():
         kept = _fail(tmp, out_root, name)
         if "unsupported" in last:
@@ -317,6 +277,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
                  "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "started": started.isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 3),
+        "process": {"pid": worker.get("pid"), "jobs_before": jobs_before},   # > 0: a warm process ran it
         "train_wall_s": worker.get("train_wall_s"),
         "command": " ".join(sys.argv),
         **(manifest_extra or {}),

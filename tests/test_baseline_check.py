@@ -134,7 +134,8 @@ def test_corrupt_or_missing_baseline_is_bad_input_naming_the_file(saved, tmp_pat
 
 def _kill_when_training(root: Path, name: str, stop: threading.Event, killed: list[int]) -> None:
     """SIGKILL the backend process (started by the check under test) that runs job `name` under
-    `root`, once it has begun writing steps.csv (or 20 s after it started)."""
+    `root` (`wrappers run JOB`, or a warm `wrappers serve` whose stderr is that job's log), once it has begun
+    writing steps.csv (or 20 s after it started)."""
     seen: dict[int, float] = {}
     while not stop.is_set():
         for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
@@ -143,8 +144,14 @@ def _kill_when_training(root: Path, name: str, stop: threading.Event, killed: li
             except OSError:
                 continue
             job = next((c.decode() for c in cmd if c.endswith(b"job.json")), None)
-            if not (b"wrappers" in cmd and b"run" in cmd and job and job.startswith(str(root))
-                    and Path(job).parent.name.startswith(name + ".")):
+            if b"wrappers" in cmd and b"serve" in cmd:   # a warm process: its stderr is the running job's log
+                try:
+                    job = str(Path(os.readlink(f"/proc/{pid}/fd/2")).parent / "job.json")
+                except OSError:
+                    continue
+            elif not (b"wrappers" in cmd and b"run" in cmd):
+                continue
+            if not (job and job.startswith(str(root)) and Path(job).parent.name.startswith(name + ".")):
                 continue
             seen.setdefault(int(pid), time.time())
             if (Path(job).parent / "steps.csv").exists() or time.time() - seen[int(pid)] > 20:

@@ -164,7 +164,7 @@ def test_more_steps_than_memory_is_bad_input(tmp_path):
 def test_a_silent_worker_is_killed_at_the_deadline():
     """The timeout holds for a worker that prints nothing (a long run reports every 0.2 s, a hung one
     never): it was once checked only when a progress line came. Lines before the deadline are still read."""
-    from harness.runner import stream_progress
+    from harness.worker_pool import stream_progress
     code = "import json, time; print(json.dumps({'step': 1, 'of': 9}), flush=True); time.sleep(120)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     seen: list[dict] = []

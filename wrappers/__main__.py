@@ -5,15 +5,20 @@
                                        host agents) is launched from here and watched: one process that
                                        dies stops all of them, so nothing hangs
     python -m wrappers rank JOB.json I process I of a multi-process job (started by `run`)
+    python -m wrappers serve           run jobs one after another, each as `run` would: a line
+                                       {"job": JOB.json, "log": FILE} on stdin in, its progress lines and
+                                       {"exit": CODE} on stdout out (the harness's warm processes)
 
 The backend's environment (KERAS_BACKEND, XLA_FLAGS, thread counts) is set here, before its
 framework is imported: that is why every backend gets a process of its own.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import traceback
 
 from algorithms.contract import Job, RunOptions
 
@@ -95,7 +100,56 @@ def _relative_paths(job: Job) -> list[tuple[str, str]]:
     return [(k, v) for k, v in job.paths() if not os.path.isabs(v)]
 
 
+def _configuration(job_path: str) -> tuple[str, str] | None:
+    """A job's backend and options (what a warm process must share with every job it runs), None if unreadable."""
+    try:
+        job = Job.read(job_path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return job.backend, json.dumps(job.options.to_dict(), sort_keys=True)
+
+
+def serve() -> int:
+    """Run the jobs named on stdin one after another in this process, each exactly as `run` runs it, so that
+    the framework is imported once for all of them. Every job must have the first one's backend and options:
+    what a framework fixes at its first use (environment, device count, precision) is the same for all.
+    A job's stderr goes to its own log; a job that fails ends the process (its framework may be left in any
+    state), and so does the end of stdin."""
+    base_stderr = os.dup(2)
+    first: tuple[str, str] | None = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stderr.flush()
+        with open(request["log"], "a") as log:
+            os.dup2(log.fileno(), 2)
+        try:
+            key = _configuration(request["job"])
+            if first is not None and key is not None and key != first:
+                print(f"job {request['job']}: backend {key[0]} with options {key[1]} in a process that runs "
+                      f"{first[0]} with {first[1]}; a warm process serves one configuration", file=sys.stderr)
+                rc = 2
+            else:
+                first = first or key
+                rc = main(["run", request["job"]])   # an unreadable job: `run` says why
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:     # noqa: BLE001 -- as an uncaught exception in `run`: its traceback, exit code 1
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(base_stderr, 2)
+        gc.unfreeze()    # the training loop froze what it held (wrappers.worker.run_train): let it go
+        gc.collect()
+        print(json.dumps({"exit": rc}), flush=True)
+        if rc != 0:
+            return rc
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["serve"]:
+        return serve()
     if not argv or argv[0] not in ("info", "run", "rank"):
         print(__doc__, file=sys.stderr)
         return 2

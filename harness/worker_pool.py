@@ -1,0 +1,176 @@
+"""Warm backend processes: a process that ran one job runs the next job of the same configuration.
+
+Every job of a backend runs in a process of its own (`python -m wrappers serve`), never in the
+harness's. Starting one costs its framework's import, 2-7 s on a 2-core machine, and that was most of
+`make all`'s time (its 17 runs and 15 replays each trained for 1-4 s; docs/measurements.md). So a
+process that finished a job cleanly waits for the next job with the same backend and the same
+options (what a framework fixes when it is first used: environment, device count, precision,
+fault), and runs it exactly as a fresh one would; a job that fails, times out or crashes ends its
+process. DUIPAI_FRESH_PROCESSES=1 gives every job a process of its own, as before.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+# idle processes kept at most (the least recently used one ends first): a TensorFlow process holds ~0.4 GB
+MAX_IDLE = max(0, int(os.environ.get("DUIPAI_WARM_PROCESSES", "12")))
+# jobs one process runs at most before it is replaced: what a framework keeps between jobs stays bounded
+MAX_JOBS = 64
+FRESH_ENV = "DUIPAI_FRESH_PROCESSES"
+
+
+def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
+    """A job's progress lines until its {"exit": code} line or the end of the process's output, merged into one
+    dict. The process is killed at `deadline` even when it prints nothing (a running job reports every 0.2 s or
+    so; a hung one never again), so the lines are read by a thread and waited for with the time left."""
+    last: dict[str, Any] = {}
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    stdout = proc.stdout
+
+    def pump() -> None:    # stops at the job's exit line: the process's next job is read by the next pump
+        for line in stdout:
+            lines.put(line)
+            if line.startswith('{"exit"'):
+                break
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+        except queue.Empty:
+            line = ""
+        if line is None:
+            break
+        if deadline and time.time() > deadline:
+            proc.kill()
+            last["timeout"] = True
+            break
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        last.update(msg)
+        if on_progress and "step" in msg:
+            on_progress(msg)
+    return last
+
+
+@dataclass
+class Worker:
+    key: str
+    proc: subprocess.Popen
+    jobs: int = 0      # jobs it ran before the current one
+
+
+class Pool:
+    """The idle warm processes by configuration; thread-safe (a matrix runs its jobs from a thread pool)."""
+
+    def __init__(self, command: list[str], cwd: Path):
+        self.command, self.cwd = command, cwd
+        self.idle: list[Worker] = []       # least recently used first
+        self.lock = threading.Lock()
+
+    def take(self, key: str, env: dict[str, str]) -> Worker:
+        with self.lock:
+            for i in range(len(self.idle) - 1, -1, -1):
+                w = self.idle[i]
+                if w.key == key:
+                    del self.idle[i]
+                    if w.proc.poll() is None:
+                        return w
+        return self.start(key, env)
+
+    def start(self, key: str, env: dict[str, str]) -> Worker:
+        proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, cwd=self.cwd, env=env)
+        return Worker(key, proc)
+
+    def give_back(self, w: Worker, reusable: bool) -> None:
+        w.jobs += 1
+        if not reusable or os.environ.get(FRESH_ENV) == "1" or w.jobs >= MAX_JOBS:
+            end(w)
+            return
+        with self.lock:
+            self.idle.append(w)
+            surplus = self.idle[:max(0, len(self.idle) - MAX_IDLE)]
+            del self.idle[:len(surplus)]
+        for old in surplus:
+            end(old)
+
+    def close(self) -> None:
+        with self.lock:
+            workers, self.idle = self.idle, []
+        for w in workers:
+            end(w)
+
+
+def end(w: Worker) -> None:
+    """End a process: an idle one exits at the end of its input; one that does not within 5 s is killed."""
+    try:
+        if w.proc.stdin:
+            w.proc.stdin.close()
+        w.proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        w.proc.kill()
+        w.proc.wait()
+
+
+def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path, log_file: Path,
+            on_progress: Callable[[dict], None] | None, deadline: float | None) -> tuple[int, dict[str, Any], int]:
+    """Run one job in a warm process of this configuration and environment, or in a new one: (exit code, its
+    merged progress messages, how many jobs that process ran before). -9: killed at the deadline."""
+    key = json.dumps([configuration, env], sort_keys=True)
+    w = pool.take(key, env)
+    request = json.dumps({"job": str(job_file), "log": str(log_file)}) + "\n"
+    try:
+        assert w.proc.stdin is not None
+        try:
+            w.proc.stdin.write(request)
+            w.proc.stdin.flush()
+        except OSError:     # it ended while idle: a new one
+            end(w)
+            w = pool.start(key, env)
+            assert w.proc.stdin is not None
+            w.proc.stdin.write(request)
+            w.proc.stdin.flush()
+        last = stream_progress(w.proc, on_progress, deadline)
+    except BaseException:
+        w.proc.kill()
+        w.proc.wait()
+        raise
+    before = w.jobs
+    if last.get("timeout"):
+        w.proc.wait()
+        pool.give_back(w, reusable=False)
+        return -9, last, before
+    if "exit" in last:
+        rc = int(last["exit"])
+    else:                                   # it died: its own exit code (a crash's signal), never 0
+        rc = w.proc.wait() or 1
+    pool.give_back(w, reusable=rc == 0)
+    return rc, last, before
+
+
+_POOL: Pool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def shared_pool(cwd: Path) -> Pool:
+    """This harness process's pool (made at its first job; its idle processes end when the harness exits)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = Pool([sys.executable, "-m", "wrappers", "serve"], cwd)
+            atexit.register(_POOL.close)
+        return _POOL

@@ -1,0 +1,143 @@
+"""Warm backend processes (harness.worker_pool, `python -m wrappers serve`): a job run in a process that ran
+another job first gives what a fresh process gives, bit for bit; a process serves one configuration and
+environment; a job that fails ends its process; DUIPAI_FRESH_PROCESSES=1 gives every job its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from algorithms.contract import FINAL_PARAMS_FILE, Job, RunConfig
+from algorithms.optim import HParams
+from algorithms.params import load_npz
+from harness import runner, worker_pool
+
+from .conftest import ROOT, need
+
+# every column but the step's wall time
+VALUES = ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr", "batch_checksum"]
+
+
+def config(backend: str, seed: int = 0, **kw) -> RunConfig:
+    return RunConfig(backend=backend, hparams=HParams(steps=12, eval_every=6, checkpoint_every=6, seed=seed), **kw)
+
+
+def process_of(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["process"]
+
+
+def same_result(a: Path, b: Path) -> None:
+    pd.testing.assert_frame_equal(pd.read_csv(a / "steps.csv")[VALUES], pd.read_csv(b / "steps.csv")[VALUES])
+    pa, pb = load_npz(a / FINAL_PARAMS_FILE), load_npz(b / FINAL_PARAMS_FILE)
+    assert pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_a_warm_process_gives_what_a_fresh_one_gives(backend, tmp_path, monkeypatch):
+    """The second job of a warm process (another seed's data order first, then this one) against the same job
+    alone in a fresh process: every value of every step and the final parameters bitwise equal."""
+    need(backend)
+    first = runner.execute(config(backend, seed=1), tmp_path / "warm", "first")
+    warm = runner.execute(config(backend), tmp_path / "warm", "second")
+    assert process_of(warm) == {"pid": process_of(first)["pid"], "jobs_before": process_of(first)["jobs_before"] + 1}
+    monkeypatch.setenv(worker_pool.FRESH_ENV, "1")
+    fresh = runner.execute(config(backend), tmp_path / "fresh", "alone")
+    assert process_of(fresh)["pid"] != process_of(warm)["pid"]
+    same_result(warm, fresh)
+    # and with fresh processes, none is kept: the next job starts another
+    again = runner.execute(config(backend), tmp_path / "fresh", "again")
+    assert process_of(again) == {"pid": process_of(again)["pid"], "jobs_before": 0}
+    assert process_of(again)["pid"] != process_of(fresh)["pid"]
+
+
+def test_other_options_or_environment_get_another_process(tmp_path, monkeypatch):
+    """What a framework fixes at its first use comes from the options and the environment: a job that differs
+    in either never runs in a process made for another."""
+    need("numpy")
+    a = runner.execute(config("numpy"), tmp_path, "a")
+    b = runner.execute(config("numpy", devices=2), tmp_path, "b")
+    assert process_of(b)["pid"] != process_of(a)["pid"]
+    monkeypatch.setenv("DUIPAI_TEST_SOMETHING", "1")
+    c = runner.execute(config("numpy"), tmp_path, "c")
+    assert process_of(c)["pid"] not in (process_of(a)["pid"], process_of(b)["pid"])
+    monkeypatch.delenv("DUIPAI_TEST_SOMETHING")
+    d = runner.execute(config("numpy"), tmp_path, "d")
+    assert process_of(d)["pid"] == process_of(a)["pid"]
+
+
+def serve() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "wrappers", "serve"], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=runner._child_env())
+
+
+def job_file(tmp_path: Path, name: str, **options) -> Path:
+    """A numpy probe job from the runner's own files (prepare), with these options."""
+    cfg = config("numpy", **options)
+    prep = runner.prepare(cfg, tmp_path)
+    folder = tmp_path / name
+    folder.mkdir()
+    np.save(folder / "order.npy", prep.order)
+    from algorithms.params import save_npz
+    save_npz(folder / "init.npz", prep.params)
+    job = Job(mode="probe", backend="numpy", model=prep.model.to_dict(), model_source=prep.model.source,
+              hparams=cfg.hparams, data=str(prep.dataset_path), order=str(folder / "order.npy"),
+              params=str(folder / "init.npz"), out=str(folder), options=cfg.options)
+    job.write(folder / "job.json")
+    return folder / "job.json"
+
+
+def ask(proc: subprocess.Popen, job: Path, log: Path) -> int:
+    assert proc.stdin and proc.stdout
+    proc.stdin.write(json.dumps({"job": str(job), "log": str(log)}) + "\n")
+    proc.stdin.flush()
+    return worker_pool.stream_progress(proc, None, None)["exit"]
+
+
+def test_serve_runs_one_configuration_and_ends_at_a_failure(tmp_path):
+    need("numpy")
+    proc = serve()
+    try:
+        assert ask(proc, job_file(tmp_path, "a"), tmp_path / "a.log") == 0
+        assert (tmp_path / "a" / "worker.json").is_file() and proc.poll() is None
+        # another configuration: refused (exit 2, said in that job's log), and the process ends
+        assert ask(proc, job_file(tmp_path, "b", devices=2), tmp_path / "b.log") == 2
+        assert "a warm process serves one configuration" in (tmp_path / "b.log").read_text()
+        assert proc.wait(timeout=30) == 2
+    finally:
+        proc.kill()
+    proc = serve()
+    try:   # a job that fails (its data file gone) ends its process too, its traceback in its own log
+        bad = job_file(tmp_path, "c")
+        Path(Job.read(bad).data).unlink()
+        assert ask(proc, bad, tmp_path / "c.log") == 1
+        assert "Traceback" in (tmp_path / "c.log").read_text()
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+
+
+def test_a_crashed_warm_process_fails_its_job_only(tmp_path):
+    """A process that dies while idle is replaced; one that dies in a job fails that job with its exit code."""
+    need("numpy")
+    pool = worker_pool.Pool([sys.executable, "-m", "wrappers", "serve"], ROOT)
+    env = runner._child_env()
+    try:
+        rc, _, before = worker_pool.run_job(pool, "k", env, job_file(tmp_path, "a"), tmp_path / "a.log", None, None)
+        assert (rc, before) == (0, 0) and len(pool.idle) == 1
+        pool.idle[0].proc.kill()
+        pool.idle[0].proc.wait()
+        rc, _, before = worker_pool.run_job(pool, "k", env, job_file(tmp_path, "b"), tmp_path / "b.log", None, None)
+        assert (rc, before) == (0, 0)
+        crash = [sys.executable, "-c", "import os, sys; sys.stdin.readline(); os._exit(7)"]
+        pool.command = crash
+        rc, last, _ = worker_pool.run_job(pool, "other", env, job_file(tmp_path, "c"), tmp_path / "c.log", None, None)
+        assert rc == 7 and "exit" not in last
+        assert [w.key for w in pool.idle] == [json.dumps(["k", env], sort_keys=True)]   # the crash kept nothing
+    finally:
+        pool.close()
