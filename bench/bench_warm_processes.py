@@ -115,7 +115,7 @@ def main() -> int:
     res = ROOT / "bench" / "results"
     (res / f"{a.results_name}.json").write_text(json.dumps(doc, indent=2))
     lines = [f"# Warm backend processes against a process per job (`python bench/bench_warm_processes.py`)", "",
-             f"{doc['when']}, commit {commit}, {doc['host']}; `duipai all --matrix M -j {a.jobs}`, the two alternating.", "",
+             f"finished {doc['when']}, commit {commit}, {doc['host']}; `duipai all --matrix M -j {a.jobs}`, the two alternating.", "",
              "| matrix | # | fresh wall s | warm wall s | wall ratio | fresh CPU s | warm CPU s | CPU ratio | jobs | in a warm process | load before (fresh / warm) | values differ |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -28,6 +28,7 @@ BENCHMARKS = [
     ("bench_compare", "comparison benchmark"),
     ("agreement", "300-step loss agreement with torch vs the 1-ULP envelope"),
     ("bench_make_all", "`make all` cold / nothing changed / one wrapper touched, in a fresh clone"),
+    ("bench_warm_processes", "`duipai all` with warm backend processes against a process per job, bitwise equal"),
     ("bench_dp", "data-parallel step time, dp=2 and dp=4 as ratios to dp=1"),
     ("dp_agreement", "300-step loss agreement of dp=2, 4 with dp=1 vs the 1-ULP envelope"),
 ]
