@@ -22,11 +22,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# idle processes kept at most (the least recently used one ends first): a TensorFlow process holds ~0.4 GB
+# idle processes kept at most (the least recently used one ends first), and the memory they may hold
+# together: a TensorFlow or Keras process holds 0.3-0.55 GB, a NumPy one 0.04 GB
 MAX_IDLE = max(0, int(os.environ.get("DUIPAI_WARM_PROCESSES", "12")))
 # jobs one process runs at most before it is replaced: what a framework keeps between jobs stays bounded
 MAX_JOBS = 64
 FRESH_ENV = "DUIPAI_FRESH_PROCESSES"
+
+
+def memory_budget() -> int:
+    """Bytes the idle processes may hold together: DUIPAI_WARM_MEMORY_GB, else a quarter of this machine's
+    memory (0 where it cannot be read: then only MAX_IDLE bounds them)."""
+    if os.environ.get("DUIPAI_WARM_MEMORY_GB"):
+        return int(float(os.environ["DUIPAI_WARM_MEMORY_GB"]) * 2**30)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (Linux /proc; 0 where it cannot be read)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] | None, deadline: float | None) -> dict:
@@ -103,8 +123,12 @@ class Pool:
             return
         with self.lock:
             self.idle.append(w)
-            surplus = self.idle[:max(0, len(self.idle) - MAX_IDLE)]
-            del self.idle[:len(surplus)]
+            n = max(0, len(self.idle) - MAX_IDLE)     # the least recently used beyond the count, then the memory
+            budget, held = memory_budget(), [resident_bytes(x.proc.pid) for x in self.idle]
+            while budget and n < len(self.idle) - 1 and sum(held[n:]) > budget:
+                n += 1
+            surplus = self.idle[:n]
+            del self.idle[:n]
         for old in surplus:
             end(old)
 

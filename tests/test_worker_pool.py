@@ -141,3 +141,22 @@ def test_a_crashed_warm_process_fails_its_job_only(tmp_path):
         assert [w.key for w in pool.idle] == [json.dumps(["k", env], sort_keys=True)]   # the crash kept nothing
     finally:
         pool.close()
+
+
+def test_idle_processes_are_ended_beyond_the_memory_budget(tmp_path, monkeypatch):
+    """The least recently used idle process ends first once the idle ones hold more than
+    DUIPAI_WARM_MEMORY_GB together; the one that just finished always stays."""
+    need("numpy")
+    pool = worker_pool.Pool([sys.executable, "-m", "wrappers", "serve"], ROOT)
+    env = runner._child_env()
+    try:
+        worker_pool.run_job(pool, "a", env, job_file(tmp_path, "a"), tmp_path / "a.log", None, None)
+        worker_pool.run_job(pool, "b", env, job_file(tmp_path, "b"), tmp_path / "b.log", None, None)
+        assert len(pool.idle) == 2        # the default budget (a quarter of the memory) holds two NumPy processes
+        first = pool.idle[0].proc
+        monkeypatch.setenv("DUIPAI_WARM_MEMORY_GB", "0.001")
+        worker_pool.run_job(pool, "c", env, job_file(tmp_path, "c"), tmp_path / "c.log", None, None)
+        assert [w.key for w in pool.idle] == [json.dumps(["c", env], sort_keys=True)]
+        assert first.poll() is not None
+    finally:
+        pool.close()
