@@ -129,25 +129,30 @@ class Pool:
                 n += 1
             surplus = self.idle[:n]
             del self.idle[:n]
-        for old in surplus:
-            end(old)
+        end(*surplus)
 
     def close(self) -> None:
         with self.lock:
             workers, self.idle = self.idle, []
-        for w in workers:
-            end(w)
+        end(*workers)
 
 
-def end(w: Worker) -> None:
-    """End a process: an idle one exits at the end of its input; one that does not within 5 s is killed."""
-    try:
-        if w.proc.stdin:
-            w.proc.stdin.close()
-        w.proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        w.proc.kill()
-        w.proc.wait()
+def end(*workers: Worker, grace_s: float = 5.0) -> None:
+    """End processes: an idle one exits at the end of its input (all are told at once); one that has not within
+    `grace_s` is killed."""
+    for w in workers:
+        try:
+            if w.proc.stdin:
+                w.proc.stdin.close()
+        except OSError:
+            pass
+    deadline = time.time() + grace_s
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
 
 
 def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path, log_file: Path,
