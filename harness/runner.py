@@ -68,6 +68,19 @@ def sources_hash(files: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def sources_stamp(backend: str) -> list[tuple[str, int, int]]:
+    """A backend's source files as (path, mtime_ns, size): a warm process that imported other code than these
+    files hold now (a wrapper edited between two jobs of one harness process) never runs another job."""
+    out = []
+    for f in backend_info()[backend].get("sources", []):
+        try:
+            st = os.stat(f)
+            out.append((f, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append((f, 0, -1))
+    return out
+
+
 def check_backend(name: str) -> None:
     info = backend_info()
     if name not in info:
@@ -242,7 +255,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         if inert:
             log.write(f"# warning: --fault {cfg.fault} does not apply here: {inert}\n")
     # a warm process of this configuration runs it, or a new one (harness.worker_pool); the job's stderr goes to the log
-    configuration = json.dumps([cfg.backend, options.to_dict()], sort_keys=True)
+    configuration = json.dumps([cfg.backend, options.to_dict(), sources_stamp(cfg.backend)], sort_keys=True)
     try:
         rc, last, jobs_before = run_job(shared_pool(PROJECT_ROOT), configuration, _child_env(), tmp / JOB_FILE,
                                         tmp / RUN_LOG, on_progress, t0 + timeout if timeout else None)

@@ -4,6 +4,7 @@ environment; a job that fails ends its process; DUIPAI_FRESH_PROCESSES=1 gives e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,20 @@ def test_idle_processes_are_ended_beyond_the_memory_budget(tmp_path, monkeypatch
         assert first.poll() is not None
     finally:
         pool.close()
+
+
+def test_a_source_edited_between_two_jobs_gets_a_new_process(tmp_path):
+    """A harness used as a library (a notebook, a test session) may edit a wrapper between two jobs: a warm
+    process holds the code it imported, so a job after the edit runs in a new one."""
+    need("numpy")
+    a = runner.execute(config("numpy"), tmp_path, "a")
+    b = runner.execute(config("numpy"), tmp_path, "b")
+    assert process_of(b)["pid"] == process_of(a)["pid"]
+    source = next(Path(f) for f in runner.backend_info()["numpy"]["sources"] if "/wrappers/numpy/" in f)
+    stat = source.stat()
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        c = runner.execute(config("numpy"), tmp_path, "c")
+        assert process_of(c)["pid"] != process_of(a)["pid"]
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
