@@ -35,8 +35,19 @@ for _command in (run, probe, models, backends, faults, all_cmd, matrix_cmd, repo
     main.add_command(_command)
 
 
+def one_blas_thread() -> None:
+    """The harness's own NumPy work is vectors of 10^3-10^5 floats (projections, norms, envelopes): a BLAS
+    pool of one thread per core gains nothing there and, beside the backend processes that keep every core
+    busy, made each dot product wait for threads to be scheduled (0.49 ms against 12.3 ms for a 32k-element
+    projection on a busy 2-core machine; docs/measurements.md). Backend processes set their own thread
+    counts (wrappers.__main__.set_backend_env)."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(limits=1)
+
+
 def entry() -> None:
     """Console entry: usage errors become one line (`duipai: error: ...`) and exit code 2."""
+    one_blas_thread()
     try:
         main.main(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+from harness.cli import one_blas_thread  # noqa: E402
+
+one_blas_thread()   # the harness code the tests run in this process, as `duipai` runs it
 from wrappers.registry import REGISTRY  # noqa: E402  (no framework imported: entries only)
 
 ALL_BACKENDS = list(REGISTRY)   # every registered backend configuration, as each wrapper declares itself
