@@ -161,8 +161,8 @@ def test_from_a_wheel_in_a_fresh_virtual_environment(tmp_path):
     wheel = next(dist.glob("duipai-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for pkg, folder in (("algorithms", "models"), ("harness", "matrices")):
-        have = {Path(n).name for n in names if n.startswith(f"{pkg}/{folder}/")}
-        assert have == {p.name for p in (ROOT / pkg / folder).glob("*.toml")}, (pkg, folder, have)
+        have = {n for n in names if n.startswith(f"{pkg}/{folder}/")}   # sub-folders too (models/scenarios/)
+        assert have == {p.relative_to(ROOT).as_posix() for p in (ROOT / pkg / folder).rglob("*.toml")}, have
     venv = tmp_path / "venv"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=300)
