@@ -135,11 +135,12 @@ class ProbeJobs:
         self._locks_guard = threading.Lock()
         self.cache = CacheBudget(self.jobs, self.log)   # the cache's size limit (harness.localize_cache)
 
-    def _job(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
+    def _job(self, run: Run, name: str, mode: str, replay: Replay | None = None, fresh_process: bool = False,
+             **change: Any) -> Path:
         with self._locks_guard:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
-            folder = self._job_once(run, name, mode, replay, **change)
+            folder = self._job_once(run, name, mode, replay, fresh_process, **change)
             self.cache.used(folder, run.name)
             return folder
 
@@ -151,7 +152,8 @@ class ProbeJobs:
         """This comparison is done: the cache is trimmed to its limit."""
         self.cache.release_all()
 
-    def _job_once(self, run: Run, name: str, mode: str, replay: Replay | None = None, **change: Any) -> Path:
+    def _job_once(self, run: Run, name: str, mode: str, replay: Replay | None = None, fresh_process: bool = False,
+                  **change: Any) -> Path:
         """The job's folder, run unless a complete one with the same content key is there: the key covers
         the backend's sources and framework versions (matrix.run_key), so a job cached before a change of
         the wrapper's code or an upgrade is run again, not reused."""
@@ -165,7 +167,7 @@ class ProbeJobs:
         check_reproduces(run.manifest, cfg, prep, f"the {mode} job")
         self.log(f"localize: {mode} {cfg.backend} ({name})")
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
-                              replay=replay, manifest_extra={"run_key": key})
+                              replay=replay, manifest_extra={"run_key": key}, fresh_process=fresh_process)
 
     def _probe0_job(self, run: Run, **change: Any) -> Path:
         """The folder of the step-0 probe job of `run` (with `change`), run once and cached."""
@@ -339,7 +341,8 @@ class ProbeJobs:
             return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}
         try:
             folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}", "replay",
-                               Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[]))
+                               Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[]),
+                               fresh_process=True)   # nothing but the checkpoint: no state of earlier jobs
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
         worker = json.loads((folder / WORKER_FILE).read_text())

@@ -222,9 +222,13 @@ PROBE_STEPS = 3
 def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: str = "train",
             probe_steps: int = PROBE_STEPS, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
-            replay: Replay | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
+            replay: Replay | None = None, manifest_extra: dict[str, Any] | None = None,
+            fresh_process: bool = False) -> Path:
     """Run one job; returns the published folder (absolute). Raises BadInput or BackendFailed.
-    Every path in the job file is absolute, so the worker's working directory does not matter."""
+    Every path in the job file is absolute, so the worker's working directory does not matter.
+    A training run (and a job asked `fresh_process`) starts in a new backend process, so that what it computes
+    never depends on the jobs run before it, even with a wrapper that keeps state of its own between jobs;
+    a probe or replay job may run in a warm process of its configuration (harness.worker_pool)."""
     out_root = user_path(out_root)
     check_backend(cfg.backend)
     refusal = backend_info()[cfg.backend].get("no_data_parallel")
@@ -254,11 +258,12 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         log.write(f"# duipai {mode}: {name}\n# {' '.join(sys.argv)}\n")
         if inert:
             log.write(f"# warning: --fault {cfg.fault} does not apply here: {inert}\n")
-    # a warm process of this configuration runs it, or a new one (harness.worker_pool); the job's stderr goes to the log
+    # a new process, or a warm one of this configuration (harness.worker_pool); the job's stderr goes to the log
     configuration = json.dumps([cfg.backend, options.to_dict(), sources_stamp(cfg.backend)], sort_keys=True)
     try:
         rc, last, jobs_before = run_job(shared_pool(PROJECT_ROOT), configuration, _child_env(), tmp / JOB_FILE,
-                                        tmp / RUN_LOG, on_progress, t0 + timeout if timeout else None)
+                                        tmp / RUN_LOG, on_progress, t0 + timeout if timeout else None,
+                                        fresh=fresh_process or mode == "train")
     except BaseException:
         _fail(tmp, out_root, name)
         raise

@@ -156,11 +156,13 @@ def end(*workers: Worker, grace_s: float = 5.0) -> None:
 
 
 def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path, log_file: Path,
-            on_progress: Callable[[dict], None] | None, deadline: float | None) -> tuple[int, dict[str, Any], int]:
-    """Run one job in a warm process of this configuration and environment, or in a new one: (exit code, its
-    merged progress messages, how many jobs that process ran before). -9: killed at the deadline."""
+            on_progress: Callable[[dict], None] | None, deadline: float | None,
+            fresh: bool = False) -> tuple[int, dict[str, Any], int]:
+    """Run one job in a warm process of this configuration and environment, or in a new one (always, when
+    `fresh`; afterwards it may serve other jobs): (exit code, its merged progress messages, how many jobs that
+    process ran before). -9: killed at the deadline."""
     key = json.dumps([configuration, env], sort_keys=True)
-    w = pool.take(key, env)
+    w = pool.start(key, env) if fresh else pool.take(key, env)
     request = json.dumps({"job": str(job_file), "log": str(log_file)}) + "\n"
     try:
         assert w.proc.stdin is not None

@@ -1,6 +1,7 @@
 """Warm backend processes (harness.worker_pool, `python -m wrappers serve`): a job run in a process that ran
-another job first gives what a fresh process gives, bit for bit; a process serves one configuration and
-environment; a job that fails ends its process; DUIPAI_FRESH_PROCESSES=1 gives every job its own."""
+another job first gives what a fresh process gives, bit for bit; a training run always starts a new process;
+a process serves one configuration and environment; a job that fails ends its process;
+DUIPAI_FRESH_PROCESSES=1 gives every job its own."""
 from __future__ import annotations
 
 import json
@@ -10,19 +11,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 
-from algorithms.contract import FINAL_PARAMS_FILE, Job, RunConfig
+from algorithms.contract import Job, Replay, RunConfig, checkpoint_file
 from algorithms.optim import HParams
 from algorithms.params import load_npz
 from harness import runner, worker_pool
 
 from .conftest import ROOT, need
-
-# every column but the step's wall time
-VALUES = ["step", "epoch", "loss", "accuracy", "grad_norm", "update_norm", "param_norm", "lr", "batch_checksum"]
-
 
 def config(backend: str, seed: int = 0, **kw) -> RunConfig:
     return RunConfig(backend=backend, hparams=HParams(steps=12, eval_every=6, checkpoint_every=6, seed=seed), **kw)
@@ -32,42 +28,68 @@ def process_of(run: Path) -> dict:
     return json.loads((run / "manifest.json").read_text())["process"]
 
 
-def same_result(a: Path, b: Path) -> None:
-    pd.testing.assert_frame_equal(pd.read_csv(a / "steps.csv")[VALUES], pd.read_csv(b / "steps.csv")[VALUES])
-    pa, pb = load_npz(a / FINAL_PARAMS_FILE), load_npz(b / FINAL_PARAMS_FILE)
-    assert pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
+def replay_of(run: Path) -> Replay:
+    """Steps 0, 3, 6 and 9 of a 12-step run from its checkpoints at 0, 6 and 12: 3 and 9 re-trained first."""
+    return Replay([0, 3, 6, 9], checkpoints={c: str(run / checkpoint_file(c)) for c in (0, 6, 12)},
+                  perturb_state_ulps=[None, 1])
+
+
+def same_replay(a: Path, b: Path) -> None:
+    wa, wb = (json.loads((x / "worker.json").read_text()) for x in (a, b))
+    assert wa["replayed"] == wb["replayed"] and len(wa["replayed"]) == 6      # steps 0-2 and 6-8 re-trained
+    files = sorted(x.name for x in a.glob("*.npz"))
+    assert files == sorted(x.name for x in b.glob("*.npz")) and len(files) >= 8
+    for f in files:
+        pa, pb = load_npz(a / f), load_npz(b / f)
+        assert pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa), f
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
-def test_a_warm_process_gives_what_a_fresh_one_gives(backend, tmp_path, monkeypatch):
-    """The second job of a warm process (another seed's data order first, then this one) against the same job
-    alone in a fresh process: every value of every step and the final parameters bitwise equal."""
+def test_a_replay_in_a_warm_process_is_what_a_fresh_one_computes(backend, tmp_path, monkeypatch):
+    """Training runs start in a new process each (nothing of an earlier job can reach them); the replay of a
+    run after it then runs in that warm process, and every replayed step, state and probe is bitwise what the
+    same replay computes in a fresh process."""
     need(backend)
-    first = runner.execute(config(backend, seed=1), tmp_path / "warm", "first")
-    warm = runner.execute(config(backend), tmp_path / "warm", "second")
-    assert process_of(warm) == {"pid": process_of(first)["pid"], "jobs_before": process_of(first)["jobs_before"] + 1}
+    other = runner.execute(config(backend, seed=1), tmp_path / "warm", "other")
+    run = runner.execute(config(backend), tmp_path / "warm", "run")
+    assert process_of(run)["jobs_before"] == 0 and process_of(run)["pid"] != process_of(other)["pid"]
+    warm = runner.execute(config(backend), tmp_path / "warm", "replay", mode="replay", replay=replay_of(run))
+    assert process_of(warm)["jobs_before"] >= 1 and process_of(warm)["pid"] in (process_of(run)["pid"],
+                                                                                 process_of(other)["pid"])
     monkeypatch.setenv(worker_pool.FRESH_ENV, "1")
-    fresh = runner.execute(config(backend), tmp_path / "fresh", "alone")
-    assert process_of(fresh)["pid"] != process_of(warm)["pid"]
-    same_result(warm, fresh)
-    # and with fresh processes, none is kept: the next job starts another
-    again = runner.execute(config(backend), tmp_path / "fresh", "again")
-    assert process_of(again) == {"pid": process_of(again)["pid"], "jobs_before": 0}
-    assert process_of(again)["pid"] != process_of(fresh)["pid"]
+    fresh = runner.execute(config(backend), tmp_path / "fresh", "replay", mode="replay", replay=replay_of(run))
+    assert process_of(fresh)["jobs_before"] == 0 and process_of(fresh)["pid"] != process_of(warm)["pid"]
+    same_replay(warm, fresh)
+    # with fresh processes none is kept: the next job starts another
+    again = runner.execute(config(backend), tmp_path / "fresh", "again", mode="probe")
+    assert process_of(again)["jobs_before"] == 0 and process_of(again)["pid"] != process_of(fresh)["pid"]
+
+
+def test_a_training_run_and_a_self_replay_start_in_a_new_process(tmp_path):
+    need("numpy")
+    a = runner.execute(config("numpy"), tmp_path, "a")
+    probe = runner.execute(config("numpy"), tmp_path, "probe", mode="probe")
+    assert process_of(probe)["jobs_before"] >= 1
+    b = runner.execute(config("numpy"), tmp_path, "b")
+    assert process_of(b)["jobs_before"] == 0 and process_of(b)["pid"] not in (process_of(a)["pid"],
+                                                                              process_of(probe)["pid"])
+    self_replay = runner.execute(config("numpy"), tmp_path, "self", mode="replay", replay=replay_of(b),
+                                 fresh_process=True)
+    assert process_of(self_replay)["jobs_before"] == 0 and process_of(self_replay)["pid"] != process_of(b)["pid"]
 
 
 def test_other_options_or_environment_get_another_process(tmp_path, monkeypatch):
     """What a framework fixes at its first use comes from the options and the environment: a job that differs
     in either never runs in a process made for another."""
     need("numpy")
-    a = runner.execute(config("numpy"), tmp_path, "a")
-    b = runner.execute(config("numpy", devices=2), tmp_path, "b")
+    a = runner.execute(config("numpy"), tmp_path, "a", mode="probe")
+    b = runner.execute(config("numpy", devices=2), tmp_path, "b", mode="probe")
     assert process_of(b)["pid"] != process_of(a)["pid"]
     monkeypatch.setenv("DUIPAI_TEST_SOMETHING", "1")
-    c = runner.execute(config("numpy"), tmp_path, "c")
+    c = runner.execute(config("numpy"), tmp_path, "c", mode="probe")
     assert process_of(c)["pid"] not in (process_of(a)["pid"], process_of(b)["pid"])
     monkeypatch.delenv("DUIPAI_TEST_SOMETHING")
-    d = runner.execute(config("numpy"), tmp_path, "d")
+    d = runner.execute(config("numpy"), tmp_path, "d", mode="probe")
     assert process_of(d)["pid"] == process_of(a)["pid"]
 
 
@@ -167,14 +189,14 @@ def test_a_source_edited_between_two_jobs_gets_a_new_process(tmp_path):
     """A harness used as a library (a notebook, a test session) may edit a wrapper between two jobs: a warm
     process holds the code it imported, so a job after the edit runs in a new one."""
     need("numpy")
-    a = runner.execute(config("numpy"), tmp_path, "a")
-    b = runner.execute(config("numpy"), tmp_path, "b")
+    a = runner.execute(config("numpy"), tmp_path, "a", mode="probe")
+    b = runner.execute(config("numpy"), tmp_path, "b", mode="probe")
     assert process_of(b)["pid"] == process_of(a)["pid"]
     source = next(Path(f) for f in runner.backend_info()["numpy"]["sources"] if "/wrappers/numpy/" in f)
     stat = source.stat()
     try:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-        c = runner.execute(config("numpy"), tmp_path, "c")
+        c = runner.execute(config("numpy"), tmp_path, "c", mode="probe")
         assert process_of(c)["pid"] != process_of(a)["pid"]
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
