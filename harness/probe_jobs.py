@@ -140,7 +140,7 @@ class ProbeJobs:
         with self._locks_guard:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
-            folder = self._job_once(run, name, mode, replay, fresh_process, **change)
+            folder = self._job_once(run, name, mode, replay, fresh_process=fresh_process, **change)
             self.cache.used(folder, run.name)
             return folder
 
