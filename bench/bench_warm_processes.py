@@ -114,7 +114,7 @@ def main() -> int:
            "host": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}", "jobs": a.jobs, "rows": rows}
     res = ROOT / "bench" / "results"
     (res / f"{a.results_name}.json").write_text(json.dumps(doc, indent=2))
-    lines = [f"# Warm backend processes against a process per job (`python bench/bench_warm_processes.py`)", "",
+    lines = ["# Warm backend processes against a process per job (`python bench/bench_warm_processes.py`)", "",
              f"finished {doc['when']}, commit {commit}, {doc['host']}; `duipai all --matrix M -j {a.jobs}`, the two alternating.", "",
              "| matrix | # | fresh wall s | warm wall s | wall ratio | fresh CPU s | warm CPU s | CPU ratio | jobs | in a warm process | load before (fresh / warm) | values differ |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

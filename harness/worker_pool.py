@@ -155,6 +155,17 @@ def end(*workers: Worker, grace_s: float = 5.0) -> None:
             w.proc.wait()
 
 
+def send(w: Worker, request: str) -> bool:
+    """Hand a process its next job; False when it has ended (its input closed)."""
+    assert w.proc.stdin is not None
+    try:
+        w.proc.stdin.write(request)
+        w.proc.stdin.flush()
+        return True
+    except OSError:
+        return False
+
+
 def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path, log_file: Path,
             on_progress: Callable[[dict], None] | None, deadline: float | None,
             fresh: bool = False) -> tuple[int, dict[str, Any], int]:
@@ -165,24 +176,17 @@ def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path,
     w = pool.start(key, env) if fresh else pool.take(key, env)
     request = json.dumps({"job": str(job_file), "log": str(log_file)}) + "\n"
     try:
-        assert w.proc.stdin is not None
-        try:
-            w.proc.stdin.write(request)
-            w.proc.stdin.flush()
-        except OSError:     # it ended while idle: a new one
+        if not send(w, request):    # it ended while idle (after `take` looked): a new one
             end(w)
             w = pool.start(key, env)
-            assert w.proc.stdin is not None
-            w.proc.stdin.write(request)
-            w.proc.stdin.flush()
+            send(w, request)
         last = stream_progress(w.proc, on_progress, deadline)
     except BaseException:
         w.proc.kill()
         w.proc.wait()
         raise
     before = w.jobs
-    if last.get("timeout"):
-        w.proc.wait()
+    if last.get("timeout"):       # killed by stream_progress; give_back reaps it
         pool.give_back(w, reusable=False)
         return -9, last, before
     if "exit" in last:
