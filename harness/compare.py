@@ -12,7 +12,8 @@ Verdicts per pair (reference, candidate):
                 manifest explains the disagreeing probes: named
   INCONCLUSIVE  the envelope saturates (relative spread O(1)) before any excess, or the excess starts
                 after step 0 and no one-step probe reproduces it: use --stat
-Pairs without the reference (judged for the odd one out) are DIFFER when they leave the envelope.
+Pairs without the reference (judged for the odd one out) are DIFFER when they leave the envelope, unless
+their sides' shared-state comparisons with the reference decide them (through_reference).
 The rule and the numbers behind it: harness/envelope.py, docs/verdict.md.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
                    fmt_factor, not_moved)
+from .candidate_pairs import odd_one_out, through_reference
 from .resync_verdict import apply_resync
 from .runs import SERIES, Run, declared_records, mismatches
 
@@ -213,54 +215,6 @@ def resolve(p: Pair, localized: bool) -> None:
         p.notes.append(f"excess from step {p.first['step']} ({p.first['series']}, {fmt_factor(p.first['factor'])}) "
                        f"that no one-step probe reproduces ({_compared(loc)} agree): a bifurcation of the trajectory, "
                        "or a bug too small for one step; decide with --stat")
-
-
-def through_reference(p: Pair, px: Pair, py: Pair) -> None:
-    """Two candidates that each compute one and the same step at every resynced step compute the same step as
-    each other: when their own curves part (INCONCLUSIVE or DIFFER; a pair without the reference has no resync of
-    its own), the parting is accumulated rounding, DRIFT. "The same step": both DRIFT or IDENTICAL against the
-    plain reference, or both verified DECLARED against the reference computing the same declared formula (the
-    resync then ran against that emulating reference). Nothing else is inferred: a BUG, an unverified
-    DECLARED, a side without the shared-state comparison, or two different formulas leave the pair as it is."""
-    def computes(q: Pair) -> str | None:
-        rs = q.resync or {}
-        if rs.get("agree") is not True or not rs.get("n"):
-            return None
-        against = rs.get("against")
-        if against:
-            verified = q.verdict in (DRIFT, IDENTICAL) or (
-                q.verdict == DECLARED and (q.evidence or "").startswith("verified"))
-            return f"the reference computing {change_of(against)}" if verified else None
-        return "the reference" if q.verdict in (DRIFT, IDENTICAL) else None
-    step = computes(px)
-    if p.verdict in (INCONCLUSIVE, DIFFER) and step is not None and computes(py) == step:
-        p.notes.append(f"was {p.verdict}: both runs agree with {step} at every resynced step "
-                       f"({px.resync['n']} and {py.resync['n']} steps from its state), so they compute the same step; "
-                       "their curves part by accumulated rounding")
-        p.verdict = DRIFT
-
-
-def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:
-    """The run that disagrees with every other while all the others agree with each other."""
-    if len(runs) < 3:
-        return None
-
-    def state(x: Run, y: Run) -> str | None:
-        p = pairs.get((x.name, y.name)) or pairs.get((y.name, x.name))
-        if p is None:
-            return None
-        if p.verdict in (IDENTICAL, DRIFT):
-            return "agree"
-        return "disagree" if p.verdict in (BUG, DIFFER) else None
-
-    for x in runs:
-        others = [r for r in runs if r is not x]
-        if all(state(x, y) == "disagree" for y in others) and all(
-                state(y, z) == "agree" for i, y in enumerate(others) for z in others[i + 1:]):
-            return {"run": x.name, "backend": x.backend,
-                    "statement": f"{x.name} ({x.backend}) disagrees with all {len(others)} others, which agree "
-                                 f"with each other"}
-    return None
 
 
 @dataclass

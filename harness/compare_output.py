@@ -205,13 +205,14 @@ def side_of(verdict: str, declared: list[str], evidence: str | None, resync: dic
     return verdict, list(declared or []), verified, change_of(against) if against else None
 
 
-def declared_apart(sides: dict[str, tuple], a: str, b: str) -> str | None:
+def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None = None) -> str | None:
     """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it with
-    evidence, and they do not compute the same thing: other declared differences, or the same names checked
-    against other formulas (`sides`: run -> side_of). None when nothing explains their difference."""
+    evidence (or the pair itself is DECLARED: `verdict`, harness.compare.through_reference), and they do not
+    compute the same thing: other declared differences, or the same names checked against other formulas
+    (`sides`: run -> side_of). None when nothing explains their difference."""
     none = ("", [], False, None)
     (va, da, oka, fa), (vb, db, okb, fb) = sides.get(a, none), sides.get(b, none)
-    if not (oka and okb) or DECLARED not in (va, vb) or (set(da) == set(db) and fa == fb):
+    if not (oka and okb) or DECLARED not in (va, vb, verdict) or (set(da) == set(db) and fa == fb):
         return None
     if set(da) != set(db):
         return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
@@ -334,7 +335,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
     sides = {lab[p.b.name]: side_of(p.verdict, p.declared, p.evidence, p.resync) for p in c.pairs if p.with_reference}
     others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first,
                inside_factor(p.verdict, bool(p.first or p.saturated), _max_inside(p)),
-               declared_apart(sides, lab[p.a.name], lab[p.b.name])) for p in c.pairs if not p.with_reference]
+               declared_apart(sides, lab[p.a.name], lab[p.b.name], p.verdict)) for p in c.pairs
+              if not p.with_reference]
     if others:
         lines.append("")
         lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,

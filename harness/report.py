@@ -282,7 +282,7 @@ def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v l
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
              inside_factor(p["verdict"], bool(p.get("first_divergence") or p.get("saturated")),
                            max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0)),
-             declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref)))
+             declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"]))
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
     return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint)

@@ -295,7 +295,7 @@ def test_two_candidates_that_each_agree_with_the_reference_at_every_resynced_ste
     without the shared-state comparison, or a disagreeing resync infer nothing."""
     from types import SimpleNamespace as NS
 
-    from harness.compare import through_reference
+    from harness.candidate_pairs import through_reference
 
     def side(verdict="DRIFT", agree=True, n=13):
         return NS(verdict=verdict, resync={"agree": agree, "n": n})
@@ -323,8 +323,52 @@ def test_two_candidates_that_each_agree_with_the_reference_at_every_resynced_ste
     p = pair()
     through_reference(p, declared(), declared())
     assert p.verdict == "DRIFT" and "the reference computing fault keras_momentum_schedule" in p.notes[0], p.notes
-    for x, y in ((declared(), declared("adam_eps_hat")), (declared(), declared(evidence="not verified (no emulation)")),
-                 (declared(), side())):
+    p = pair()
+    through_reference(p, declared(), declared(evidence="not verified (no emulation)"))
+    assert p.verdict == "INCONCLUSIVE" and not p.notes
+
+
+def test_a_pair_whose_sides_compute_different_verified_formulas_is_declared_through_the_reference():
+    """jax dp2 (plain momentum, DRIFT) and keras-jax (Keras' lr-in-velocity momentum) on a step schedule: each
+    agrees at every resynced step with the reference computing its own formula, and the plain reference disagrees
+    with keras-jax there (the formula is at work): the pair differs as declared, DECLARED, and says so; so do two
+    sides with two different verified formulas. A keras side whose every resynced step agrees with the plain
+    reference too (no schedule boundary in the run: the formula moved nothing) computes the plain step: DRIFT."""
+    from types import SimpleNamespace as NS
+
+    from harness.candidate_pairs import through_reference
+
+    def run(name):
+        return NS(name=name)
+
+    def side(verdict="DRIFT", fault=None, evidence=None, resync_evidence=()):
+        rs = {"agree": True, "n": 8, "evidence": list(resync_evidence)}
+        if fault:
+            rs["against"] = {"change": {"fault": fault}}
+        return NS(verdict=verdict, evidence=evidence, resync=rs)
+
+    def pair(verdict="INCONCLUSIVE"):
+        return NS(verdict=verdict, notes=[], a=run("jax dp2"), b=run("keras-jax"), declared=["keras_momentum_velocity"],
+                  evidence=None)
+    keras = side("DECLARED", "keras_momentum_schedule", "verified (every resynced step agrees ...)",
+                 ["step 100: update0/conv1.kernel"])
+    for p, y in ((pair(), keras), (pair("DIFFER"), keras),
+                 (pair(), side("DRIFT", "keras_momentum_schedule", None, ["step 100: update0/conv1.kernel"]))):
+        through_reference(p, side(), y)
+        assert p.verdict == "DECLARED" and p.evidence.startswith("verified through the reference"), p.notes
+        assert "differ as their declared difference(s) keras_momentum_velocity say they must" in p.notes[0]
+        assert "and keras-jax with the reference computing fault keras_momentum_schedule" in p.notes[0]
+    p = pair()
+    through_reference(p, side("DECLARED", "adam_eps_hat", "verified (step-0 probes ...)"), keras)
+    assert p.verdict == "DECLARED"
+    p = pair()
+    through_reference(p, side(), side("DRIFT", "keras_momentum_schedule"))     # the formula moved no step
+    assert p.verdict == "DRIFT" and "both runs agree with the reference at every" in p.notes[0], p.notes
+    for y in (side("BUG"), side("DECLARED", "keras_momentum_schedule", "not verified (no emulation)"),
+              NS(verdict="DRIFT", resync={"agree": False, "n": 8})):
         p = pair()
-        through_reference(p, x, y)
+        through_reference(p, side(), y)
         assert p.verdict == "INCONCLUSIVE" and not p.notes
+    p = pair("BUG")          # only a parting of the pair's own curves is decided through the reference
+    through_reference(p, side(), keras)
+    assert p.verdict == "BUG"
