@@ -3,7 +3,7 @@ through their shared-state comparisons with the reference when their own curves 
 (the run that disagrees with every other while they all agree). Framework-free."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of
 from .runs import Run
@@ -81,4 +81,56 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
     return None
 
 
-__all__ = ["PLAIN", "computes", "through_reference", "odd_one_out"]
+def suspect_reference(with_reference: list[Pair], candidate_pairs: list[Pair]) -> list[Pair]:
+    """The pairs of candidates to compare from a shared state of their own: when every candidate is BUG against
+    the reference, the reference itself may be the one that computes something else, and on a chaotic model the
+    candidates' own curves part past the envelope's saturation whatever they compute (INCONCLUSIVE or DIFFER,
+    and nothing to decide them through the reference). Only pairs in which neither run declares a difference:
+    a run whose declared formula the other lacks is expected to differ, and the emulation of one side's
+    formula on the other would apply it twice."""
+    if len(with_reference) < 2 or not all(p.verdict == BUG for p in with_reference):
+        return []
+    return [p for p in candidate_pairs if p.verdict in (INCONCLUSIVE, DIFFER) and not p.a.declared
+            and not p.b.declared]
+
+
+def decide_by_resync(p: Pair, rs: dict[str, Any] | None) -> None:
+    """A pair of candidates compared from the states of its first run (harness/localize.py resync, that run in
+    the reference's role): every resynced step agreeing makes it DRIFT, one that disagrees DIFFER; a comparison
+    that could not run leaves it as it is, said."""
+    p.resync = rs
+    rs = rs or {}
+    who = p.a.name
+    if rs.get("agree") is True and rs.get("n"):
+        p.notes.append(f"was {p.verdict}: every step agrees from {who}'s state ({rs['n']} resynced steps): "
+                       "their curves part by accumulated rounding")
+        p.verdict = DRIFT
+    elif rs.get("agree") is False:
+        bad = rs.get("first_disagreement") or {}
+        p.notes.append(f"was {p.verdict}: one step from {who}'s state computes something else"
+                       + (f" at step {bad['step']}" if bad.get("step") is not None else "")
+                       + (f" ({rs['n']} resynced steps)" if rs.get("n") else ""))
+        p.verdict = DIFFER
+    else:
+        p.notes.append(f"no shared-state comparison from {who}'s state "
+                       f"({rs.get('skipped') or rs.get('error') or 'none ran'})")
+
+
+def resync_candidates(pairs: list[Pair], resync: Callable[[Pair, list[int]], dict[str, Any] | None],
+                      jobs: int = 1) -> None:
+    """decide_by_resync for each pair, `jobs` at a time (the jobs are processes)."""
+    from .localize import divergent_steps
+
+    def one(p: Pair) -> None:
+        decide_by_resync(p, resync(p, divergent_steps(p)))
+    if jobs > 1 and len(pairs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, pairs))
+    else:
+        for p in pairs:
+            one(p)
+
+
+__all__ = ["PLAIN", "computes", "through_reference", "odd_one_out", "suspect_reference", "decide_by_resync",
+           "resync_candidates"]

@@ -27,7 +27,7 @@ import numpy as np
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
                    fmt_factor, not_moved)
-from .candidate_pairs import odd_one_out, through_reference
+from .candidate_pairs import odd_one_out, resync_candidates, suspect_reference, through_reference
 from .resync_verdict import apply_resync
 from .runs import SERIES, Run, declared_records, mismatches
 
@@ -305,6 +305,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 through_reference(p, index[(reference.name, x.name)], index[(reference.name, y.name)])
                 pairs.append(p)
                 index[(x.name, y.name)] = p
+        if resync is not None:   # every candidate BUG: is the reference the odd one out?
+            resync_candidates(suspect_reference(judged, pairs[len(judged):]), resync, jobs)
     odd = odd_one_out(runs, index)
     return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])
 

@@ -255,7 +255,7 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         within = [r[4] for r in agree if r[2] == DRIFT and r[4] is not None]
         past = sum(r[2] == DRIFT and r[4] is None for r in agree)
         inside = ((f"max {max(within):.2g}x of the envelope, " if within else "")
-                  + (f"{past} past it, both runs agreeing with the reference at every resynced step; " if past else ""))
+                  + (f"{past} past it, each decided by the shared-state step comparison; " if past else ""))
         return [f"pairs without the reference: {'the other ' if declared else 'all '}{said} "
                 f"({inside}margin x{margin:g}{hint})"] + expected
     rest = [r for r in rows if r[2] not in AGREE]

@@ -372,3 +372,46 @@ def test_a_pair_whose_sides_compute_different_verified_formulas_is_declared_thro
     p = pair("BUG")          # only a parting of the pair's own curves is decided through the reference
     through_reference(p, side(), keras)
     assert p.verdict == "BUG"
+
+
+def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_their_own_states():
+    """A wrong reference on a chaotic model: every candidate BUG against it, and the candidates' own curves part
+    past the envelope's saturation (INCONCLUSIVE), with nothing to decide them through the reference. Those pairs
+    are compared one step at a time from their first run's states: every step agreeing makes them DRIFT (so the
+    reference is named the odd one out), one disagreeing DIFFER, a comparison that could not run leaves them.
+    Only when every candidate is a BUG, and never for a run that declares a difference."""
+    from types import SimpleNamespace as NS
+
+    from harness.candidate_pairs import decide_by_resync, odd_one_out, resync_candidates, suspect_reference
+
+    def run(name, declared=()):
+        return NS(name=name, backend=name, declared=list(declared))
+    ref, x, y, z = run("torch"), run("jax"), run("numpy"), run("tensorflow")
+    with_ref = [NS(verdict="BUG", a=ref, b=c) for c in (x, y, z)]
+
+    def pair(a, b, verdict="INCONCLUSIVE"):
+        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None)
+    cands = [pair(x, y), pair(x, z, "DIFFER"), pair(y, z, "DRIFT")]
+    assert suspect_reference(with_ref, cands) == cands[:2]
+    assert suspect_reference([NS(verdict="DRIFT")] + with_ref[1:], cands) == []      # a candidate agrees
+    assert suspect_reference(with_ref[:1], cands) == []                              # one candidate: nothing to ask
+    assert suspect_reference(with_ref, [pair(x, run("keras-jax", [{"id": "adam_epsilon_hat"}]))]) == []
+
+    asked = []
+
+    def resync(p, extra):
+        asked.append((p.a.name, p.b.name))
+        return {"agree": True, "n": 7, "points": [0, 50]}
+    resync_candidates(cands[:2], resync, jobs=2)
+    assert sorted(asked) == [("jax", "numpy"), ("jax", "tensorflow")]
+    assert [p.verdict for p in cands] == ["DRIFT", "DRIFT", "DRIFT"]
+    assert "every step agrees from jax's state (7 resynced steps)" in cands[0].notes[0]
+    index = {(p.a.name, p.b.name): p for p in with_ref + cands}
+    assert odd_one_out([ref, x, y, z], index)["run"] == "torch"
+
+    p = pair(x, y)
+    decide_by_resync(p, {"agree": False, "n": 7, "first_disagreement": {"step": 50}})
+    assert p.verdict == "DIFFER" and "computes something else at step 50 (7 resynced steps)" in p.notes[0]
+    p = pair(x, y)
+    decide_by_resync(p, {"skipped": "no resync point"})
+    assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from jax's state (no resync point)" in p.notes[0]
