@@ -32,6 +32,19 @@ def computes(q: Pair) -> set[str] | None:
     return None
 
 
+def departs(q: Pair) -> str | None:
+    """Where a BUG candidate's shared-state comparison with the plain reference found another step, when by at
+    least twice its calibrated tolerance (so that a run agreeing with the reference within its tolerance
+    cannot agree with it): a short description, else None."""
+    rs = q.resync or {}
+    if q.verdict != BUG or rs.get("agree") is not False or rs.get("against"):
+        return None
+    w = rs.get("worst") or {}
+    if not w.get("worst_factor") or w["worst_factor"] < 2:
+        return None
+    return f"{w.get('worst_key')} at step {w.get('step')}, {w['worst_factor']:.3g}x its calibrated tolerance"
+
+
 def through_reference(p: Pair, px: Pair, py: Pair) -> None:
     """A pair without the reference has no shared-state comparison of its own; its sides' comparisons with the
     reference decide it when its own curves part (INCONCLUSIVE or DIFFER). Two candidates that each compute one
@@ -39,9 +52,19 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
     accumulated rounding, DRIFT. Two that each compute a different one, each verified at every resynced step
     (one the plain reference's, the other the reference computing its declared formula, or two formulas), and
     the formula at work (the plain reference disagrees with its side somewhere): they differ as their
-    declarations say, DECLARED, with that evidence. Nothing else is inferred: a BUG, an unverified DECLARED, a
-    side without the shared-state comparison leave the pair as it is."""
+    declarations say, DECLARED, with that evidence. An INCONCLUSIVE pair of which one side computes the
+    reference's step and the other, a BUG, departs from it by at least twice its tolerance (`departs`): DIFFER
+    (so that a buggy candidate on a chaotic model is the odd one out). Nothing else is inferred: a BUG, an
+    unverified DECLARED, a side without the shared-state comparison leave the pair as it is."""
     sx, sy = computes(px), computes(py)
+    if p.verdict == INCONCLUSIVE:
+        for (a, sa), (b, qb) in (((p.a, sx), (p.b, py)), ((p.b, sy), (p.a, px))):
+            gap = departs(qb)
+            if sa is not None and PLAIN in sa and gap is not None:
+                p.notes.append(f"was INCONCLUSIVE: {a.name} agrees with the reference at every resynced step and "
+                               f"{b.name} does not ({gap}): they compute different steps")
+                p.verdict = DIFFER
+                return
     if p.verdict not in (INCONCLUSIVE, DIFFER) or sx is None or sy is None:
         return
     n = f"{px.resync['n']} and {py.resync['n']} steps from its state"
@@ -59,7 +82,11 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
 
 
 def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:
-    """The run that disagrees with every other while all the others agree with each other."""
+    """The run that disagrees with every other while all the others agree with each other; or the odd group:
+    the runs split in two groups, each agreeing within itself, every pair across them disagreeing, and one
+    group smaller than the other, which has at least two runs (a bug in a backend's code shows in all its runs:
+    a reference and its own dp 2 run against every other backend). "runs" lists the odd run(s); "run" is the
+    odd run itself, or for a group the reference when it is in it (else its first run)."""
     if len(runs) < 3:
         return None
 
@@ -71,40 +98,64 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
             return "agree"
         return "disagree" if p.verdict in (BUG, DIFFER) else None
 
-    for x in runs:
-        others = [r for r in runs if r is not x]
-        if all(state(x, y) == "disagree" for y in others) and all(
-                state(y, z) == "agree" for i, y in enumerate(others) for z in others[i + 1:]):
-            return {"run": x.name, "backend": x.backend,
-                    "statement": f"{x.name} ({x.backend}) disagrees with all {len(others)} others, which agree "
-                                 f"with each other"}
-    return None
+    group = [runs[0]] + [r for r in runs[1:] if state(runs[0], r) == "agree"]
+    rest = [r for r in runs if r not in group]
+    small, big = sorted((group, rest), key=len)
+    if not small or len(small) == len(big) or len(big) < 2:
+        return None
+    within = all(state(x, y) == "agree" for g in (small, big) for i, x in enumerate(g) for y in g[i + 1:])
+    if not within or not all(state(x, y) == "disagree" for x in small for y in big):
+        return None
+    if len(small) == 1:
+        x = small[0]
+        return {"run": x.name, "runs": [x.name], "backend": x.backend,
+                "statement": f"{x.name} ({x.backend}) disagrees with all {len(big)} others, which agree with each other"}
+    backends = sorted({r.backend for r in small})
+    lead = runs[0] if runs[0] in small else small[0]
+    return {"run": lead.name, "runs": [r.name for r in small], "backend": backends[0] if len(backends) == 1 else None,
+            "statement": f"{', '.join(r.name for r in small)} ({', '.join(backends)}) agree with each other and "
+                         f"disagree with all {len(big)} others, which agree with each other"}
 
 
-def suspect_reference(with_reference: list[Pair], candidate_pairs: list[Pair]) -> list[Pair]:
-    """The pairs of candidates to compare from a shared state of their own: when every candidate is BUG against
-    the reference, the reference itself may be the one that computes something else, and on a chaotic model the
-    candidates' own curves part past the envelope's saturation whatever they compute (INCONCLUSIVE or DIFFER,
-    and nothing to decide them through the reference). Only pairs in which neither run declares a difference:
-    a run whose declared formula the other lacks is expected to differ, and the emulation of one side's
-    formula on the other would apply it twice."""
-    if len(with_reference) < 2 or not all(p.verdict == BUG for p in with_reference):
-        return []
-    return [p for p in candidate_pairs if p.verdict in (INCONCLUSIVE, DIFFER) and not p.a.declared
-            and not p.b.declared]
+def suspect_reference(with_reference: list[Pair], candidate_pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
+    """The pairs of candidates to compare from a shared state of their own: when two or more candidates are BUG
+    against the reference and every other candidate runs the reference's own backend, the reference's backend
+    may be the one that computes something else (a bug in its code shows in all its runs), and on a chaotic
+    model the BUG candidates' own curves part past the envelope's saturation whatever they compute
+    (INCONCLUSIVE or DIFFER, and nothing to decide them through the reference). Among the BUG candidates that
+    declare no difference (a run whose declared formula the other lacks is expected to differ, and the
+    emulation of one side's formula on the other would apply it twice), the first is the pivot: returned are
+    its pairs with the others, to compare from its states, and the other undecided pairs, to decide through it
+    (`through_pivot`): linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the
+    faults say where the bugs are)."""
+    if any(p.b.fault for p in with_reference if p.verdict == BUG):
+        return [], []
+    own = {p.a.backend for p in with_reference}
+    if not all(p.verdict == BUG or p.b.backend in own for p in with_reference):
+        return [], []
+    bugs = [p.b for p in with_reference if p.verdict == BUG and not p.b.declared]
+    names = {r.name for r in bugs}
+    among = [p for p in candidate_pairs if {p.a.name, p.b.name} <= names]
+    if len(bugs) < 2 or not any(p.verdict in (INCONCLUSIVE, DIFFER) for p in among):
+        return [], []
+    pivot = bugs[0].name
+    star = [p for p in among if pivot in (p.a.name, p.b.name)]
+    return star, [p for p in among if p not in star and p.verdict in (INCONCLUSIVE, DIFFER)]
 
 
 def decide_by_resync(p: Pair, rs: dict[str, Any] | None) -> None:
     """A pair of candidates compared from the states of its first run (harness/localize.py resync, that run in
-    the reference's role): every resynced step agreeing makes it DRIFT, one that disagrees DIFFER; a comparison
-    that could not run leaves it as it is, said."""
+    the reference's role): every resynced step agreeing makes it DRIFT, one that disagrees DIFFER (a pair whose
+    curves stayed inside the envelope too: one step from a shared state is the sharper comparison); a
+    comparison that could not run leaves it as it is, said."""
     p.resync = rs
     rs = rs or {}
     who = p.a.name
     if rs.get("agree") is True and rs.get("n"):
-        p.notes.append(f"was {p.verdict}: every step agrees from {who}'s state ({rs['n']} resynced steps): "
-                       "their curves part by accumulated rounding")
-        p.verdict = DRIFT
+        if p.verdict not in (DRIFT, IDENTICAL):
+            p.notes.append(f"was {p.verdict}: every step agrees from {who}'s state ({rs['n']} resynced steps): "
+                           "their curves part by accumulated rounding")
+            p.verdict = DRIFT
     elif rs.get("agree") is False:
         bad = rs.get("first_disagreement") or {}
         p.notes.append(f"was {p.verdict}: one step from {who}'s state computes something else"
@@ -116,21 +167,50 @@ def decide_by_resync(p: Pair, rs: dict[str, Any] | None) -> None:
                        f"({rs.get('skipped') or rs.get('error') or 'none ran'})")
 
 
-def resync_candidates(pairs: list[Pair], resync: Callable[[Pair, list[int]], dict[str, Any] | None],
-                      jobs: int = 1) -> None:
-    """decide_by_resync for each pair, `jobs` at a time (the jobs are processes)."""
+def through_pivot(p: Pair, star: dict[str, Pair], pivot: str) -> None:
+    """A pair of two candidates each compared from the pivot's states (`star`: run -> its pair with the pivot):
+    both agreeing at every resynced step makes it DRIFT (each computes the pivot's step); one agreeing and the
+    other departing by at least twice its tolerance DIFFER; anything else leaves it."""
+    def said(q: Pair | None) -> tuple[bool | None, float]:
+        rs = (q.resync if q is not None else None) or {}
+        ok = rs.get("agree") if rs.get("n") else None
+        return ok, float((rs.get("worst") or {}).get("worst_factor") or 0.0)
+    (oka, fa), (okb, fb) = said(star.get(p.a.name)), said(star.get(p.b.name))
+    n = f"{star[p.a.name].resync['n'] if oka is not None else '-'} and " \
+        f"{star[p.b.name].resync['n'] if okb is not None else '-'} steps from its state"
+    if oka is True and okb is True:
+        p.notes.append(f"was {p.verdict}: both runs agree with {pivot} at every resynced step ({n}), so they compute "
+                       "the same step; their curves part by accumulated rounding")
+        p.verdict = DRIFT
+    elif (oka is True and okb is False and fb >= 2) or (okb is True and oka is False and fa >= 2):
+        good, bad = (p.a.name, p.b.name) if oka else (p.b.name, p.a.name)
+        p.notes.append(f"was {p.verdict}: {good} agrees with {pivot} at every resynced step and {bad} departs from "
+                       f"it by {max(fa, fb):.3g}x its calibrated tolerance: they compute different steps")
+        p.verdict = DIFFER
+
+
+def resync_candidates(star: list[Pair], rest: list[Pair],
+                      resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> None:
+    """decide_by_resync for each pair with the pivot (`jobs` at a time: the jobs are processes), then
+    through_pivot for the rest."""
     from .localize import divergent_steps
+    if not star:
+        return
+    pivot = star[0].a.name
 
     def one(p: Pair) -> None:
         decide_by_resync(p, resync(p, divergent_steps(p)))
-    if jobs > 1 and len(pairs) > 1:
+    if jobs > 1 and len(star) > 1:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(one, pairs))
+            list(pool.map(one, star))
     else:
-        for p in pairs:
+        for p in star:
             one(p)
+    by_run = {p.b.name: p for p in star}
+    for p in rest:
+        through_pivot(p, by_run, pivot)
 
 
-__all__ = ["PLAIN", "computes", "through_reference", "odd_one_out", "suspect_reference", "decide_by_resync",
-           "resync_candidates"]
+__all__ = ["PLAIN", "computes", "departs", "through_reference", "odd_one_out", "suspect_reference",
+           "decide_by_resync", "through_pivot", "resync_candidates"]

@@ -306,7 +306,7 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 pairs.append(p)
                 index[(x.name, y.name)] = p
         if resync is not None:   # every candidate BUG: is the reference the odd one out?
-            resync_candidates(suspect_reference(judged, pairs[len(judged):]), resync, jobs)
+            resync_candidates(*suspect_reference(judged, pairs[len(judged):]), resync, jobs)
     odd = odd_one_out(runs, index)
     return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])
 

@@ -161,6 +161,15 @@ def odd_one_out_line(odd: dict[str, Any] | None, reference: str,
     if not odd:
         return None
     who = label(odd["run"])
+    group = odd.get("runs") or [odd["run"]]
+    if len(group) > 1:   # the odd group: a backend's bug shows in every run of it
+        names = [label(n) for n in group]
+        where = f"the {odd['backend']} backend they share" if odd.get("backend") else "what they share"
+        said = (f"{', '.join(names[:-1])} and {names[-1]} are the odd group: they agree with each other and disagree "
+                f"with every other run, and those all agree with each other; the bug is most likely in {where}")
+        if reference in group:
+            return True, f"The reference {said}."
+        return False, f"odd group: {said}."
     if odd["run"] == reference:
         return True, (f"The reference {who} is the odd one out: it disagrees with every other run, and they all "
                       "agree with each other; the bug is most likely in the reference.")

@@ -190,8 +190,8 @@ def verdict_table(comp: dict[str, Any]) -> str:
         if p.get("declared_differences"):
             extra = esc(declared_where(p["declared_differences"], p.get("declared_evidence"))
                         if p["verdict"] == "DECLARED" else "declared: " + ", ".join(p["declared_differences"]))
-        if odd.get("run") == p.get("candidate"):
-            extra += " odd one out"
+        if p.get("candidate") in (odd.get("runs") or [odd.get("run")]):
+            extra += " odd group" if len(odd.get("runs") or ()) > 1 else " odd one out"
         if p.get("arbiter"):
             extra += (" " if extra else "") + f"<span class=arbiter>{esc(p['arbiter'].get('statement'))}</span>"
         rows.append(f"<tr><td>{esc(_short(p['candidate'], ref))}</td>{_verdict_cell(p['verdict'])}"

@@ -301,7 +301,7 @@ def test_two_candidates_that_each_agree_with_the_reference_at_every_resynced_ste
         return NS(verdict=verdict, resync={"agree": agree, "n": n})
 
     def pair(verdict="INCONCLUSIVE"):
-        return NS(verdict=verdict, notes=[])
+        return NS(verdict=verdict, notes=[], a=NS(name="numpy"), b=NS(name="tensorflow"), declared=[])
     p = pair()
     through_reference(p, side(), side(verdict="IDENTICAL"))
     assert p.verdict == "DRIFT" and "agree with the reference at every resynced step (13 and 13" in p.notes[0]
@@ -374,44 +374,137 @@ def test_a_pair_whose_sides_compute_different_verified_formulas_is_declared_thro
     assert p.verdict == "BUG"
 
 
-def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_their_own_states():
+def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots_states():
     """A wrong reference on a chaotic model: every candidate BUG against it, and the candidates' own curves part
-    past the envelope's saturation (INCONCLUSIVE), with nothing to decide them through the reference. Those pairs
-    are compared one step at a time from their first run's states: every step agreeing makes them DRIFT (so the
-    reference is named the odd one out), one disagreeing DIFFER, a comparison that could not run leaves them.
-    Only when every candidate is a BUG, and never for a run that declares a difference."""
+    past the envelope's saturation (INCONCLUSIVE), with nothing to decide them through the reference. The first
+    BUG candidate is the pivot: its pairs are compared one step at a time from its states (every step agreeing:
+    DRIFT, so the reference is named the odd one out; one disagreeing: DIFFER; none ran: left, said), the other
+    pairs through it. Only when every candidate that is not a BUG runs the reference's backend, never for a run
+    that declares a difference, nor for candidates with a --fault (a self-test)."""
     from types import SimpleNamespace as NS
 
     from harness.candidate_pairs import decide_by_resync, odd_one_out, resync_candidates, suspect_reference
 
-    def run(name, declared=()):
-        return NS(name=name, backend=name, declared=list(declared))
-    ref, x, y, z = run("torch"), run("jax"), run("numpy"), run("tensorflow")
-    with_ref = [NS(verdict="BUG", a=ref, b=c) for c in (x, y, z)]
+    def run(name, declared=(), fault=None, backend=None):
+        return NS(name=name, backend=backend or name, declared=list(declared), fault=fault)
+    ref, w, x, y, z = run("torch"), run("jax"), run("numpy"), run("tensorflow"), run("keras-torch")
+    with_ref = [NS(verdict="BUG", a=ref, b=c) for c in (w, x, y, z)]
 
     def pair(a, b, verdict="INCONCLUSIVE"):
         return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None)
-    cands = [pair(x, y), pair(x, z, "DIFFER"), pair(y, z, "DRIFT")]
-    assert suspect_reference(with_ref, cands) == cands[:2]
-    assert suspect_reference([NS(verdict="DRIFT")] + with_ref[1:], cands) == []      # a candidate agrees
-    assert suspect_reference(with_ref[:1], cands) == []                              # one candidate: nothing to ask
-    assert suspect_reference(with_ref, [pair(x, run("keras-jax", [{"id": "adam_epsilon_hat"}]))]) == []
+    cands = [pair(w, x), pair(w, y, "DIFFER"), pair(w, z, "DRIFT"), pair(x, y), pair(x, z), pair(y, z, "DRIFT")]
+    star, rest = suspect_reference(with_ref, cands)
+    assert star == cands[:3] and rest == cands[3:5]
+    assert suspect_reference([NS(verdict="DRIFT", a=ref, b=w)] + with_ref[1:], cands) == ([], [])  # another agrees
+    assert suspect_reference(with_ref[:1], cands[:1]) == ([], [])                   # one BUG: nothing to ask
+    # the reference's own dp 2 run agrees with it (a bug in that backend's code is in both): still asked
+    torch2 = run("torch dp2", backend="torch")
+    assert suspect_reference(with_ref + [NS(verdict="DRIFT", a=ref, b=torch2)], cands)[0] == cands[:3]
+    keras = run("keras-jax", [{"id": "adam_epsilon_hat"}])
+    assert suspect_reference(with_ref[:1] + [NS(verdict="BUG", a=ref, b=keras)], [pair(w, keras)]) == ([], [])
+    faulty = [NS(verdict="BUG", a=ref, b=run(f"jax {f}", fault=f, backend="jax")) for f in ("a", "b")]
+    assert suspect_reference(faulty, [pair(faulty[0].b, faulty[1].b)]) == ([], [])
 
     asked = []
 
     def resync(p, extra):
         asked.append((p.a.name, p.b.name))
         return {"agree": True, "n": 7, "points": [0, 50]}
-    resync_candidates(cands[:2], resync, jobs=2)
-    assert sorted(asked) == [("jax", "numpy"), ("jax", "tensorflow")]
-    assert [p.verdict for p in cands] == ["DRIFT", "DRIFT", "DRIFT"]
+    resync_candidates(star, rest, resync, jobs=2)
+    assert sorted(asked) == [("jax", "keras-torch"), ("jax", "numpy"), ("jax", "tensorflow")]
+    assert [p.verdict for p in cands] == ["DRIFT"] * 6
     assert "every step agrees from jax's state (7 resynced steps)" in cands[0].notes[0]
+    assert not cands[2].notes                        # DRIFT already: the agreeing resync changes nothing
+    assert "both runs agree with jax at every resynced step (7 and 7 steps" in cands[3].notes[0]
     index = {(p.a.name, p.b.name): p for p in with_ref + cands}
-    assert odd_one_out([ref, x, y, z], index)["run"] == "torch"
+    assert odd_one_out([ref, w, x, y, z], index)["run"] == "torch"
 
-    p = pair(x, y)
-    decide_by_resync(p, {"agree": False, "n": 7, "first_disagreement": {"step": 50}})
-    assert p.verdict == "DIFFER" and "computes something else at step 50 (7 resynced steps)" in p.notes[0]
+    # one candidate computes something else from the pivot's states: DIFFER with the pivot, and with the others
+    cands = [pair(w, x), pair(w, y), pair(x, y)]
+    star, rest = suspect_reference(with_ref[:3], cands)
+    resync_candidates(star, rest, lambda p, extra: (
+        {"agree": True, "n": 7} if p.b.name == "numpy" else
+        {"agree": False, "n": 7, "first_disagreement": {"step": 50}, "worst": {"worst_factor": 9.0}}))
+    assert [p.verdict for p in cands] == ["DRIFT", "DIFFER", "DIFFER"]
+    assert "computes something else at step 50 (7 resynced steps)" in cands[1].notes[0]
+    assert "numpy agrees with jax at every resynced step and tensorflow departs from it by 9x" in cands[2].notes[0]
     p = pair(x, y)
     decide_by_resync(p, {"skipped": "no resync point"})
-    assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from jax's state (no resync point)" in p.notes[0]
+    assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from numpy's state (no resync point)" in p.notes[0]
+
+
+def test_a_buggy_candidate_on_a_chaotic_model_differs_from_the_runs_that_compute_the_reference_step():
+    """jax BUG against torch (its resynced step 0 20x its tolerance), numpy and tensorflow DRIFT with every resynced
+    step agreeing; the pairs of jax with them INCONCLUSIVE on their curves: DIFFER, said why, and jax is the odd one
+    out. A departure under twice the tolerance, or a side that does not compute the plain reference's step,
+    infers nothing."""
+    from types import SimpleNamespace as NS
+
+    from harness.candidate_pairs import odd_one_out, through_reference
+
+    def run(name):
+        return NS(name=name, backend=name, declared=[])
+    ref, jax, numpy, tf = run("torch"), run("jax"), run("numpy"), run("tensorflow")
+    good = {"agree": True, "n": 10}
+
+    def bug(factor=20.0):
+        return NS(verdict="BUG", resync={"agree": False, "n": 10, "worst": {"worst_key": "update0/fc2.bias", "step": 0,
+                                                                          "worst_factor": factor}})
+    sides = {"jax": bug(), "numpy": NS(verdict="DRIFT", resync=good), "tensorflow": NS(verdict="DRIFT", resync=good)}
+    index = {("torch", n): NS(verdict=q.verdict, a=ref, b=r) for (n, q), r in zip(sides.items(), (jax, numpy, tf))}
+    for a, b in ((jax, numpy), (jax, tf), (numpy, tf)):
+        p = NS(verdict="INCONCLUSIVE", a=a, b=b, notes=[], declared=[], evidence=None)
+        through_reference(p, sides[a.name], sides[b.name])
+        index[(a.name, b.name)] = p
+    assert [index[k].verdict for k in (("jax", "numpy"), ("jax", "tensorflow"), ("numpy", "tensorflow"))] == [
+        "DIFFER", "DIFFER", "DRIFT"]
+    assert "numpy agrees with the reference at every resynced step and jax does not (update0/fc2.bias at step 0, " \
+           "20x its calibrated tolerance)" in index[("jax", "numpy")].notes[0]
+    assert odd_one_out([ref, jax, numpy, tf], index)["run"] == "jax"
+    for q in (bug(1.5), NS(verdict="BUG", resync={"agree": False, "n": 10, "worst": {"worst_factor": 20.0},
+                                                   "against": {"change": {"fault": "x"}}})):
+        p = NS(verdict="INCONCLUSIVE", a=jax, b=numpy, notes=[], declared=[], evidence=None)
+        through_reference(p, q, sides["numpy"])
+        assert p.verdict == "INCONCLUSIVE" and not p.notes
+
+
+def test_the_reference_and_its_own_backends_other_runs_are_named_the_odd_group():
+    """A bug in the reference backend's code is in all its runs: torch and torch dp2 agree with each other and
+    disagree with jax, numpy and tensorflow, which agree with each other. The reference's group is named first,
+    with the backend they share; a candidate group the same way after the table; no group when the two sides are
+    the same size or one side does not agree within itself."""
+    from types import SimpleNamespace as NS
+
+    from harness.candidate_pairs import odd_one_out
+    from harness.compare_output import odd_one_out_line
+
+    def run(name, backend):
+        return NS(name=name, backend=backend)
+    runs = [run("torch", "torch"), run("torch dp2", "torch"), run("jax", "jax"), run("numpy", "numpy"),
+            run("tf", "tensorflow")]
+    side = {"torch": 0, "torch dp2": 0, "jax": 1, "numpy": 1, "tf": 1}
+
+    def index(flip=()):
+        out = {}
+        for i, x in enumerate(runs):
+            for y in runs[i + 1:]:
+                same = side[x.name] == side[y.name]
+                v = ("DRIFT" if same else ("BUG" if i == 0 else "DIFFER"))
+                if (x.name, y.name) in flip:
+                    v = "INCONCLUSIVE"
+                out[(x.name, y.name)] = NS(verdict=v)
+        return out
+    odd = odd_one_out(runs, index())
+    assert odd["runs"] == ["torch", "torch dp2"] and odd["run"] == "torch" and odd["backend"] == "torch"
+    lead, said = odd_one_out_line(odd, "torch", lambda n: n)
+    assert lead and said == ("The reference torch and torch dp2 are the odd group: they agree with each other and "
+                             "disagree with every other run, and those all agree with each other; the bug is most "
+                             "likely in the torch backend they share.")
+    assert odd_one_out(runs, index(flip=[("jax", "numpy")])) is None              # the others do not all agree
+    assert odd_one_out(runs, index(flip=[("torch", "jax")])) is None              # a cross pair undecided
+    assert odd_one_out(runs[:4], {k: v for k, v in index().items() if "tf" not in k}) is None   # 2 against 2
+    runs[0], runs[2] = runs[2], runs[0]          # jax the reference: the torch group is a candidate group
+    odd = odd_one_out(runs, index())
+    assert odd["runs"] == ["torch dp2", "torch"] and odd["run"] == "torch dp2"
+    lead, said = odd_one_out_line(odd, "jax", lambda n: n)
+    assert not lead and said.startswith("odd group: torch dp2 and torch are the odd group")
