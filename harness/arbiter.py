@@ -13,6 +13,7 @@ comparison.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -143,6 +144,7 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
                            "candidate_error": None, "reference_error": None, "candidate_tol": None,
                            "reference_tol": None, "set_aside": [],
                            "results": []}
+    sec.update(candidate_label=cand_l, reference_label=ref_l)
     loc_res = pair.localization or {}
     log(f"arbiter: {arbiter} float64 on {cand_l} vs the reference {ref_l}")
 
@@ -217,9 +219,25 @@ class ArbitratedComparison(Comparison):
 
 
 def lead_lines(arb: dict[str, Any]) -> list[str]:
-    """What leads every output: the arbiter naming the reference, and an arbiter that did not run."""
-    secs = arb.get("pairs", {}).values()
-    return ([s["statement"] for s in secs if s.get("side") in ("reference", "both")]
+    """What leads every output: the arbiter naming the reference, and an arbiter that did not run. Several
+    pairs in which the exact computation supports the candidate against the reference are one line (each
+    pair's own sentence stays in its notes)."""
+    secs = list(arb.get("pairs", {}).values())
+    against = [s for s in secs if s.get("side") == "reference"]
+    if len(against) >= 2 and all(s.get("candidate_label") for s in against):
+        keys = Counter(s.get("key") for s in against)
+        key, n = keys.most_common(1)[0]
+        at = next(s for s in against if s.get("key") == key)
+        names = [s["candidate_label"] for s in against]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        head = [f"arbiter ({arb.get('backend')} float64): the exact computation supports all {len(against)} "
+                f"candidates it was asked about ({shown}); the reference {at['reference_label']} disagrees with it "
+                f"at {key} (err {at['reference_error']:.2g}, tolerance {at['reference_tol']:.2g}"
+                + (f"; that key in {n} of them" if n < len(against) else "") + "): the bug is most likely in the "
+                "reference (each pair's notes have its numbers)"]
+    else:
+        head = [s["statement"] for s in against]
+    return (head + [s["statement"] for s in secs if s.get("side") == "both"]
             + [s["statement"] for s in secs if not s.get("ran")])
 
 

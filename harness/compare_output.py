@@ -12,7 +12,7 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
-from .pair import BUG, DECLARED, DRIFT, IDENTICAL, Pair, change_of, fmt_factor
+from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, Pair, change_of, fmt_factor
 from .runs import SERIES, Run
 
 # --------------------------------------------------------------------------- output
@@ -231,17 +231,22 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
 
 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
-                      hint: str = "; -v lists them") -> list[str]:
+                      hint: str = "; -v lists them", odd_group: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
     inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
-    table above), one for those whose difference the verified declarations explain, each other disagreeing
-    pair listed, every pair with verbose."""
+    table above), one for those whose difference the verified declarations explain, one for the DIFFER pairs
+    across the odd group (`odd_group`: its runs' labels; the lead line says why they differ), each other
+    disagreeing pair listed, every pair with verbose."""
     if not rows:
         return []
     head = f"pairs without the reference (margin x{margin:g})"
     if verbose:
         return [head + ":"] + ["  " + _pair_words(*r[:4]) + (f" (expected: {r[5]})" if r[5:] and r[5] else "")
                                for r in rows]
+    across = [r for r in rows if r[2] == DIFFER and len({r[0], r[1]} & set(odd_group)) == 1]
+    if across:
+        rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint)
+        return rest + [f"pairs without the reference: the {len(across)} across the odd group DIFFER, as it says{hint}"]
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
     rows = [r for r in rows if r not in declared]
     if len(declared) <= 3:
@@ -348,8 +353,10 @@ def render(c: Comparison, verbose: bool = False) -> str:
               if not p.with_reference]
     if others:
         lines.append("")
+        odd_runs = (c.odd or {}).get("runs") or []
+        group = {lab[n] for n in odd_runs if n in lab} if len(odd_runs) > 1 else set()
         lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,
-                                   hint="; -v lists them, with every pair's notes")
+                                   hint="; -v lists them, with every pair's notes", odd_group=group)
     if odd and not odd[0]:
         lines.append(odd[1])
     for n in c.notes:

@@ -285,7 +285,9 @@ def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v l
              declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"]))
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
-    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint)
+    odd = (comp.get("odd_one_out") or {}).get("runs") or []
+    group = {_short(n, ref) for n in odd} if len(odd) > 1 else set()
+    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint, group)
 
 
 def markdown(folder: Path, verbose: bool = False) -> str:

@@ -156,6 +156,15 @@ def test_statements():
                       "y": {"side": "candidate", "ran": True, "statement": "C"},
                       "z": {"side": None, "ran": False, "statement": "N"}}}
     assert lead_lines(secs) == ["R", "N"]
+    # a wrong reference: every candidate supported against it, one line (each pair's sentence stays in its notes)
+    many = {"backend": "numpy", "pairs": {
+        n: {"side": "reference", "ran": True, "statement": n, "key": "update1/conv1.bias" if n != "tf" else "loss",
+            "reference_error": 3.4e-4, "reference_tol": 1e-6, "candidate_label": n, "reference_label": "torch"}
+        for n in ("jax", "numpy", "tf")}}
+    assert lead_lines(many) == [
+        "arbiter (numpy float64): the exact computation supports all 3 candidates it was asked about (jax, numpy, tf); "
+        "the reference torch disagrees with it at update1/conv1.bias (err 0.00034, tolerance 1e-06; that key in 2 of "
+        "them): the bug is most likely in the reference (each pair's notes have its numbers)"]
 
 
 def test_options_the_arbiter_cannot_honour_are_said():
