@@ -231,7 +231,8 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
 
 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
-                      hint: str = "; -v lists them", odd_group: set[str] | frozenset[str] = frozenset()) -> list[str]:
+                      hint: str = "; -v lists them", odd_group: set[str] | frozenset[str] = frozenset(),
+                      some_apart: bool = False) -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
     inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
     table above), one for those whose difference the verified declarations explain, one for the DIFFER pairs
@@ -245,7 +246,7 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
                                for r in rows]
     across = [r for r in rows if r[2] == DIFFER and len({r[0], r[1]} & set(odd_group)) == 1]
     if across:
-        rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint)
+        rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint, some_apart=True)
         return rest + [f"pairs without the reference: the {len(across)} across the odd group DIFFER, as it says{hint}"]
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
     rows = [r for r in rows if r not in declared]
@@ -270,7 +271,7 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         past = sum(r[2] == DRIFT and r[4] is None for r in agree)
         inside = ((f"max {max(within):.2g}x of the envelope, " if within else "")
                   + (f"{past} past it, each decided by the shared-state step comparison; " if past else ""))
-        return [f"pairs without the reference: {'the other ' if declared else 'all '}{said} "
+        return [f"pairs without the reference: {'the other ' if declared or some_apart else 'all '}{said} "
                 f"({inside}margin x{margin:g}{hint})"] + expected
     rest = [r for r in rows if r[2] not in AGREE]
     return [f"{head}: " + (f"{said}; " if agree else "") + f"{len(rest)} do not:"] + [

@@ -508,3 +508,17 @@ def test_the_reference_and_its_own_backends_other_runs_are_named_the_odd_group()
     assert odd["runs"] == ["torch dp2", "torch"] and odd["run"] == "torch dp2"
     lead, said = odd_one_out_line(odd, "jax", lambda n: n)
     assert not lead and said.startswith("odd group: torch dp2 and torch are the odd group")
+
+
+def test_the_pairs_across_the_odd_group_are_one_line():
+    """torch and torch dp2 the odd group: torch dp2's pairs with the others DIFFER as the lead line says, one line;
+    the others' pairs with each other still their own line ("the other ..."), every pair with -v."""
+    from harness.compare_output import other_pairs_lines
+    first = {"step": 1, "series": "update_norm", "factor": 690.0}
+    rows = [("jax", "numpy", "DRIFT", None, 1.2, None), ("jax", "torch dp2", "DIFFER", first, 690.0, None),
+            ("numpy", "torch dp2", "DIFFER", first, 690.0, None)]
+    assert other_pairs_lines(rows, 6.0, odd_group={"torch dp2"}) == [
+        "pairs without the reference: the other 1 DRIFT (max 1.2x of the envelope, margin x6; -v lists them)",
+        "pairs without the reference: the 2 across the odd group DIFFER, as it says; -v lists them"]
+    assert other_pairs_lines(rows, 6.0)[0] == "pairs without the reference (margin x6): 1 DRIFT; 2 do not:"
+    assert len(other_pairs_lines(rows, 6.0, verbose=True, odd_group={"torch dp2"})) == 4
