@@ -152,6 +152,11 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
         sec["reason"] = why
         sec["statement"] = statement(None, arbiter, ref_l, cand_l, reason=f"for {cand_l}: {why}")
         return sec
+    own = [who for who, run in ((cand_l, cand), (ref_l, ref)) if run.backend == arbiter]
+    if own:   # a bug in that backend's code is in the arbiter too: it would side with it
+        sec["own_backend"] = True
+        return not_run(f"it is {own[0]}'s own backend, so a bug in that code is in the arbiter too: not an "
+                       "independent judge of this pair")
     if loc_res.get("stage") == "data":
         return not_run("the runs were fed different batches (localized: data); probes feed both sides the same batch "
                        "and cannot say whose data order is wrong")
@@ -219,7 +224,8 @@ class ArbitratedComparison(Comparison):
 
 
 def lead_lines(arb: dict[str, Any]) -> list[str]:
-    """What leads every output: the arbiter naming the reference, and an arbiter that did not run. Several
+    """What leads every output: the arbiter naming the reference, and an arbiter that did not run (but for a
+    pair with its own backend, which it never judges: said in that pair's notes). Several
     pairs in which the exact computation supports the candidate against the reference are one line (each
     pair's own sentence stays in its notes)."""
     secs = list(arb.get("pairs", {}).values())
@@ -238,7 +244,7 @@ def lead_lines(arb: dict[str, Any]) -> list[str]:
     else:
         head = [s["statement"] for s in against]
     return (head + [s["statement"] for s in secs if s.get("side") == "both"]
-            + [s["statement"] for s in secs if not s.get("ran")])
+            + [s["statement"] for s in secs if not s.get("ran") and not s.get("own_backend")])
 
 
 def arbitrate_comparison(c: Comparison, arbiter: str, *, timeout: float | None = None,

@@ -256,6 +256,21 @@ def test_the_arbiter_says_when_it_does_not_run():
     assert lead_lines({"pairs": {"c": sec}}) == [sec["statement"]]
 
 
+def test_the_arbiter_does_not_judge_a_pair_with_its_own_backend():
+    """A bug in the arbiter backend's code is in the arbiter too: as a candidate (or the reference) it would be
+    'supported' by itself, and that sentence would lead every output. It is not run for such a pair (said in the
+    pair's notes, not at the head), and no job starts."""
+    from harness.arbiter import arbitrate_pair
+    loc = StandInLocalizer()
+    for side in ("b", "a"):
+        pair = stand_in_pair({"stage": "optimizer"})
+        getattr(pair, side).manifest["backend"] = "arb"
+        sec = arbitrate_pair(pair, "arb", loc, capabilities={"float64"}, log=lambda m: None)
+        assert not sec["ran"] and sec["own_backend"] and "not an independent judge" in sec["statement"]
+        assert lead_lines({"pairs": {"c": sec}}) == []
+    assert not loc.calls
+
+
 # --------------------------------------------------------------------------- real probes, real comparisons
 ARBITER = "numpy"
 MODEL = "cnn2d_2conv_2fc"
