@@ -169,7 +169,7 @@ def odd_one_out_line(odd: dict[str, Any] | None, reference: str,
                 f"with every other run, and those all agree with each other; the bug is most likely in {where}")
         if reference in group:
             return True, f"The reference {said}."
-        return False, f"odd group: {said}."
+        return False, f"odd group: {said.replace(' are the odd group:', ':', 1)}."
     if odd["run"] == reference:
         return True, (f"The reference {who} is the odd one out: it disagrees with every other run, and they all "
                       "agree with each other; the bug is most likely in the reference.")
@@ -352,14 +352,14 @@ def render(c: Comparison, verbose: bool = False) -> str:
                inside_factor(p.verdict, bool(p.first or p.saturated), _max_inside(p)),
                declared_apart(sides, lab[p.a.name], lab[p.b.name], p.verdict)) for p in c.pairs
               if not p.with_reference]
+    if odd and not odd[0]:   # a candidate (or a group of them): named before the pairs that show it
+        lines += ["", odd[1]]
     if others:
         lines.append("")
         odd_runs = (c.odd or {}).get("runs") or []
         group = {lab[n] for n in odd_runs if n in lab} if len(odd_runs) > 1 else set()
         lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,
                                    hint="; -v lists them, with every pair's notes", odd_group=group)
-    if odd and not odd[0]:
-        lines.append(odd[1])
     for n in c.notes:
         lines.append(f"note: {n}")
     for f in c.forced:

@@ -315,7 +315,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
                           f"{f.get('series', '-')} | {_fmt(f.get('factor'))} | {where or '-'} |")
         md.append("")
         md += [f"- {x.strip()}" for x in arbiter_lines(comp)] + ([""] if arbiter_lines(comp) else [])
-        more = other_pairs(comp, verbose) + ([odd[1]] if odd and not odd[0] else [])
+        more = ([odd[1]] if odd and not odd[0] else []) + other_pairs(comp, verbose)
         if more:
             md += ["```", *more, "```", ""]
     status = load_status(folder)

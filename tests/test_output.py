@@ -507,7 +507,7 @@ def test_the_reference_and_its_own_backends_other_runs_are_named_the_odd_group()
     odd = odd_one_out(runs, index())
     assert odd["runs"] == ["torch dp2", "torch"] and odd["run"] == "torch dp2"
     lead, said = odd_one_out_line(odd, "jax", lambda n: n)
-    assert not lead and said.startswith("odd group: torch dp2 and torch are the odd group")
+    assert not lead and said.startswith("odd group: torch dp2 and torch: they agree with each other")
 
 
 def test_the_pairs_across_the_odd_group_are_one_line():
