@@ -155,7 +155,7 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
     own = [who for who, run in ((cand_l, cand), (ref_l, ref)) if run.backend == arbiter]
     if own:   # a bug in that backend's code is in the arbiter too: it would side with it
         sec["own_backend"] = True
-        return not_run(f"it is {own[0]}'s own backend, so a bug in that code is in the arbiter too: not an "
+        return not_run(f"the arbiter runs {own[0]}'s backend, so a bug in that code is in the arbiter too: not an "
                        "independent judge of this pair")
     if loc_res.get("stage") == "data":
         return not_run("the runs were fed different batches (localized: data); probes feed both sides the same batch "
