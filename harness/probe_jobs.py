@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import socket
 import sys
@@ -160,7 +161,7 @@ class ProbeJobs:
         folder = self.jobs / name
         cfg = config_of(run.manifest, self.root, **change)
         prep = runner.prepare(cfg, self.root)
-        key = hashlib.sha256(json.dumps([run_key(cfg, prep), mode, replay and replay.to_dict()], sort_keys=True,
+        key = hashlib.sha256(json.dumps([run_key(cfg, prep), mode, self._relocatable(replay)], sort_keys=True,
                                         default=str).encode()).hexdigest()[:20]
         if (folder / WORKER_FILE).is_file() and up_to_date(folder, key):
             return folder
@@ -168,6 +169,22 @@ class ProbeJobs:
         self.log(f"localize: {mode} {cfg.backend} ({name})")
         return runner.execute(cfg, self.jobs, name, mode=mode, prepared=prep, timeout=self.timeout,
                               replay=replay, manifest_extra={"run_key": key}, fresh_process=fresh_process)
+
+    def _relocatable(self, replay: Replay | None) -> dict[str, Any] | None:
+        """A replay's part of a job's key with the results folder's own path taken out of its checkpoint and state
+        files: the same job in a copied or moved results folder (a CI artefact compared again) is the same job,
+        found in the cache, not run again. Files outside the folder keep their path."""
+        if replay is None:
+            return None
+        d = replay.to_dict()
+        roots = {str(self.root) + os.sep, str(self.root.resolve()) + os.sep}
+        for k in ("checkpoints", "states"):
+            for t, p in (d.get(k) or {}).items():
+                for r in roots:
+                    if p.startswith(r):
+                        d[k][t] = "<results>/" + p[len(r):]
+                        break
+        return d
 
     def _probe0_job(self, run: Run, **change: Any) -> Path:
         """The folder of the step-0 probe job of `run` (with `change`), run once and cached."""
@@ -219,7 +236,14 @@ class ProbeJobs:
                        Replay(at, checkpoints={t: str(f) for t, f in cks.items()},
                               perturb_state_ulps=[None, *SENSITIVITY_SEEDS]))
         done = json.loads((rf / WORKER_FILE).read_text()).get("states") or {}
-        states = {str(t): str(rf / done.get(str(t), replay_state_file(t))) for t in at}   # absolute stays itself
+
+        def state_of(t: int) -> str:
+            """A state the job saved (relative to its folder), or a checkpoint it probed directly (the job names
+            it by its absolute path): the run's own checkpoint of that step where the run is now, so that a
+            cached job in a moved or copied results folder reads no file of the old place."""
+            p = done.get(str(t), replay_state_file(t))
+            return str(cks.get(t, p) if Path(p).is_absolute() else rf / p)
+        states = {str(t): state_of(t) for t in at}
         from_states = Replay(at, states={int(t): p for t, p in states.items()})
         # every job below needs only the reference's states: they run `self.parallel` at a time
         def candidate_job() -> Path:

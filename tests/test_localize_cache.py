@@ -2,6 +2,7 @@
 never one that a pair still being judged may read, and a foreign folder only after its grace period."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -69,3 +70,47 @@ def test_the_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "lots")
     with pytest.raises(BadInput, match=f"{ENV_VAR}='lots'"):
         limit_bytes()
+
+
+def test_a_replay_key_does_not_name_the_results_folder(tmp_path):
+    """The same replay in a copied or moved results folder (a CI artefact compared again) is the same job: its key
+    names checkpoint and state files relative to the results folder, whatever spelling of the folder the files
+    use; a file outside it keeps its path."""
+    from algorithms.contract import Replay
+    from harness.probe_jobs import ProbeJobs
+
+    def key(root: Path, outside: str) -> dict:
+        (root / "run" / "checkpoints").mkdir(parents=True, exist_ok=True)
+        rep = Replay([0, 50], checkpoints={0: str(root.resolve() / "run/checkpoints/step_0000000.npz")},
+                     states={50: str(root / ".localize/job/state_0000050.npz"), 0: outside})
+        return ProbeJobs(root)._relocatable(rep)
+    a, b = key(tmp_path / "a", "/elsewhere/x.npz"), key(tmp_path / "b", "/elsewhere/x.npz")
+    assert a == b and a["checkpoints"]["0"] == "<results>/run/checkpoints/step_0000000.npz"
+    assert a["states"] == {"0": "/elsewhere/x.npz", "50": "<results>/.localize/job/state_0000050.npz"}
+    assert key(tmp_path / "a", "/elsewhere/y.npz") != a
+    assert ProbeJobs(tmp_path)._relocatable(None) is None
+
+
+def test_a_moved_results_folder_is_compared_again_from_its_cache(tmp_path):
+    """numpy against numpy dp 2, compared (envelope, resync, replays), then the folder moved and compared again:
+    no job runs again, the same verdicts and notes, and no file of the old place is read (it is gone)."""
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.compare_runs import compare_folder
+    first = tmp_path / "first"
+    hp = HParams(steps=60)
+    for devices in (1, 2):
+        runner.execute(RunConfig(model="cnn2d_2conv_2fc", backend="numpy", hparams=hp, devices=devices), first)
+    said: list[str] = []
+    compare_folder(first, reference="numpy", log=said.append)
+    before = json.loads((first / "comparison.json").read_text())
+    assert any(m.startswith("localize:") for m in said), said
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    said.clear()
+    compare_folder(moved, reference="numpy", log=said.append)
+    after = json.loads((moved / "comparison.json").read_text())
+    assert not [m for m in said if m.startswith(("localize:", "envelope: training"))], said
+    strip = lambda doc: [(p["candidate"], p["verdict"], p["notes"]) for p in doc["pairs"]]   # noqa: E731
+    assert strip(after) == strip(before)
