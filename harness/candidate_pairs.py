@@ -11,24 +11,24 @@ from .runs import Run
 PLAIN = "the reference"
 
 
-def computes(q: Pair) -> set[str] | None:
-    """The steps a candidate computes from the reference's states, as its shared-state comparison found them:
-    the plain reference's step (DRIFT or IDENTICAL with every resynced step agreeing); the reference computing
-    its declared formula (verified against it: DECLARED with evidence, or DRIFT/IDENTICAL whose resynced steps
-    the plain reference disagrees with somewhere: the formula is at work there); both, when it agrees with the
-    emulating and the plain reference at every resynced step (the formula moves no step of this run). None: a
-    BUG, an unverified declaration, no shared-state comparison."""
+def computes(q: Pair, who: str = PLAIN) -> set[str] | None:
+    """The steps a run computes from `who`'s states (the reference's, or a pivot candidate's), as its
+    shared-state comparison with `who` found them: `who`'s own step (DRIFT or IDENTICAL with every resynced step
+    agreeing); `who` computing the run's declared formula (verified against it: DECLARED with evidence, or
+    DRIFT/IDENTICAL whose resynced steps plain `who` disagrees with somewhere: the formula is at work there);
+    both, when it agrees with the emulating and plain `who` at every resynced step (the formula moves no step
+    of this run). None: a BUG, an unverified declaration, no shared-state comparison."""
     rs = q.resync or {}
     if rs.get("agree") is not True or not rs.get("n"):
         return None
     against = rs.get("against")
     if not against:
-        return {PLAIN} if q.verdict in (DRIFT, IDENTICAL) else None
-    formula = f"{PLAIN} computing {change_of(against)}"
+        return {who} if q.verdict in (DRIFT, IDENTICAL) else None
+    formula = f"{who} computing {change_of(against)}"
     if q.verdict == DECLARED and (q.evidence or "").startswith("verified"):
         return {formula}
     if q.verdict in (DRIFT, IDENTICAL):
-        return {formula} if rs.get("evidence") else {formula, PLAIN}
+        return {formula} if rs.get("evidence") else {formula, who}
     return None
 
 
@@ -85,8 +85,9 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
     """The run that disagrees with every other while all the others agree with each other; or the odd group:
     the runs split in two groups, each agreeing within itself, every pair across them disagreeing, and one
     group smaller than the other, which has at least two runs (a bug in a backend's code shows in all its runs:
-    a reference and its own dp 2 run against every other backend). "runs" lists the odd run(s); "run" is the
-    odd run itself, or for a group the reference when it is in it (else its first run)."""
+    a reference and its own dp 2 run against every other backend). Agreeing: DRIFT, IDENTICAL, or DECLARED with
+    evidence (the same computation up to what the runs declare); disagreeing: BUG or DIFFER. "runs" lists the
+    odd run(s); "run" is the odd run itself, or for a group the reference when it is in it (else its first run)."""
     if len(runs) < 3:
         return None
 
@@ -94,8 +95,9 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
         p = pairs.get((x.name, y.name)) or pairs.get((y.name, x.name))
         if p is None:
             return None
-        if p.verdict in (IDENTICAL, DRIFT):
-            return "agree"
+        if p.verdict in (IDENTICAL, DRIFT) or (
+                p.verdict == DECLARED and (getattr(p, "evidence", None) or "").startswith("verified")):
+            return "agree"   # a verified DECLARED pair computes the same up to what its runs declare
         return "disagree" if p.verdict in (BUG, DIFFER) else None
 
     group = [runs[0]] + [r for r in runs[1:] if state(runs[0], r) == "agree"]
@@ -117,89 +119,107 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
                          f"disagree with all {len(big)} others, which agree with each other"}
 
 
-def suspect_reference(with_reference: list[Pair], candidate_pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
+def suspect_reference(with_reference: list[Pair],
+                      candidate_pairs: list[Pair]) -> tuple[list[Pair], list[Pair], str | None]:
     """The pairs of candidates to compare from a shared state of their own: when two or more candidates are BUG
     against the reference and every other candidate runs the reference's own backend, the reference's backend
     may be the one that computes something else (a bug in its code shows in all its runs), and on a chaotic
     model the BUG candidates' own curves part past the envelope's saturation whatever they compute
-    (INCONCLUSIVE or DIFFER, and nothing to decide them through the reference). Among the BUG candidates that
-    declare no difference (a run whose declared formula the other lacks is expected to differ, and the
-    emulation of one side's formula on the other would apply it twice), the first is the pivot: returned are
-    its pairs with the others, to compare from its states, and the other undecided pairs, to decide through it
-    (`through_pivot`): linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the
-    faults say where the bugs are)."""
+    (INCONCLUSIVE or DIFFER, and nothing to decide them through the reference). The first BUG candidate that
+    declares no difference is the pivot: returned are its pairs with every other BUG candidate, to compare from
+    its states (computing a candidate's declared formula where the candidate declares one, as the reference
+    does), the other undecided pairs among them, to decide through it (`through_pivot`), and the pivot's name:
+    linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the faults say where the bugs are)."""
     if any(p.b.fault for p in with_reference if p.verdict == BUG):
-        return [], []
+        return [], [], None
     own = {p.a.backend for p in with_reference}
     if not all(p.verdict == BUG or p.b.backend in own for p in with_reference):
-        return [], []
-    bugs = [p.b for p in with_reference if p.verdict == BUG and not p.b.declared]
+        return [], [], None
+    bugs = [p.b for p in with_reference if p.verdict == BUG]
+    plain = [r for r in bugs if not r.declared]
     names = {r.name for r in bugs}
     among = [p for p in candidate_pairs if {p.a.name, p.b.name} <= names]
-    if len(bugs) < 2 or not any(p.verdict in (INCONCLUSIVE, DIFFER) for p in among):
-        return [], []
-    pivot = bugs[0].name
+    if len(bugs) < 2 or not plain or not any(p.verdict in (INCONCLUSIVE, DIFFER) for p in among):
+        return [], [], None
+    pivot = plain[0].name
     star = [p for p in among if pivot in (p.a.name, p.b.name)]
-    return star, [p for p in among if p not in star and p.verdict in (INCONCLUSIVE, DIFFER)]
+    return star, [p for p in among if p not in star and p.verdict in (INCONCLUSIVE, DIFFER)], pivot
 
 
-def decide_by_resync(p: Pair, rs: dict[str, Any] | None) -> None:
-    """A pair of candidates compared from the states of its first run (harness/localize.py resync, that run in
-    the reference's role): every resynced step agreeing makes it DRIFT, one that disagrees DIFFER (a pair whose
-    curves stayed inside the envelope too: one step from a shared state is the sharper comparison); a
-    comparison that could not run leaves it as it is, said."""
+def decide_by_resync(p: Pair, rs: dict[str, Any] | None, pivot: str) -> None:
+    """A pair of candidates compared from the pivot's states (harness/localize.py resync, the pivot in the
+    reference's role, computing the other run's declared formula where it declares one): every resynced step
+    agreeing makes it DRIFT, or DECLARED when the formula is at work (plain pivot disagrees with the other run
+    somewhere: the resync's evidence); one that disagrees DIFFER (a pair whose curves stayed inside the envelope
+    too: one step from a shared state is the sharper comparison); a comparison that could not run leaves it as
+    it is, said."""
     p.resync = rs
     rs = rs or {}
-    who = p.a.name
+    against = rs.get("against")
     if rs.get("agree") is True and rs.get("n"):
-        if p.verdict not in (DRIFT, IDENTICAL):
-            p.notes.append(f"was {p.verdict}: every step agrees from {who}'s state ({rs['n']} resynced steps): "
+        if against and rs.get("evidence"):
+            p.notes.append(f"was {p.verdict}: every step agrees from {pivot}'s state with {pivot} computing "
+                           f"{change_of(against)} ({rs['n']} resynced steps), and plain {pivot} disagrees "
+                           f"({len(rs['evidence'])} probes): they differ as declared")
+            p.verdict, p.evidence = DECLARED, f"verified (every resynced step agrees with {pivot} computing the formula)"
+        elif p.verdict not in (DRIFT, IDENTICAL):
+            p.notes.append(f"was {p.verdict}: every step agrees from {pivot}'s state ({rs['n']} resynced steps): "
                            "their curves part by accumulated rounding")
             p.verdict = DRIFT
     elif rs.get("agree") is False:
         bad = rs.get("first_disagreement") or {}
-        p.notes.append(f"was {p.verdict}: one step from {who}'s state computes something else"
+        p.notes.append(f"was {p.verdict}: one step from {pivot}'s state computes something else"
                        + (f" at step {bad['step']}" if bad.get("step") is not None else "")
                        + (f" ({rs['n']} resynced steps)" if rs.get("n") else ""))
         p.verdict = DIFFER
     else:
-        p.notes.append(f"no shared-state comparison from {who}'s state "
+        p.notes.append(f"no shared-state comparison from {pivot}'s state "
                        f"({rs.get('skipped') or rs.get('error') or 'none ran'})")
 
 
 def through_pivot(p: Pair, star: dict[str, Pair], pivot: str) -> None:
-    """A pair of two candidates each compared from the pivot's states (`star`: run -> its pair with the pivot):
-    both agreeing at every resynced step makes it DRIFT (each computes the pivot's step); one agreeing and the
-    other departing by at least twice its tolerance DIFFER; anything else leaves it."""
-    def said(q: Pair | None) -> tuple[bool | None, float]:
-        rs = (q.resync if q is not None else None) or {}
-        ok = rs.get("agree") if rs.get("n") else None
-        return ok, float((rs.get("worst") or {}).get("worst_factor") or 0.0)
-    (oka, fa), (okb, fb) = said(star.get(p.a.name)), said(star.get(p.b.name))
-    n = f"{star[p.a.name].resync['n'] if oka is not None else '-'} and " \
-        f"{star[p.b.name].resync['n'] if okb is not None else '-'} steps from its state"
-    if oka is True and okb is True:
-        p.notes.append(f"was {p.verdict}: both runs agree with {pivot} at every resynced step ({n}), so they compute "
-                       "the same step; their curves part by accumulated rounding")
-        p.verdict = DRIFT
-    elif (oka is True and okb is False and fb >= 2) or (okb is True and oka is False and fa >= 2):
-        good, bad = (p.a.name, p.b.name) if oka else (p.b.name, p.a.name)
-        p.notes.append(f"was {p.verdict}: {good} agrees with {pivot} at every resynced step and {bad} departs from "
-                       f"it by {max(fa, fb):.3g}x its calibrated tolerance: they compute different steps")
-        p.verdict = DIFFER
-
-
-def resync_candidates(star: list[Pair], rest: list[Pair],
-                      resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> None:
-    """decide_by_resync for each pair with the pivot (`jobs` at a time: the jobs are processes), then
-    through_pivot for the rest."""
-    from .localize import divergent_steps
-    if not star:
+    """A pair of two candidates each compared from the pivot's states (`star`: run -> its pair with the pivot,
+    decided): decided as through_reference decides a pair through the reference, the pivot in its place."""
+    px, py = star.get(p.a.name), star.get(p.b.name)
+    if px is None or py is None:
         return
-    pivot = star[0].a.name
+    sx, sy = computes(px, pivot), computes(py, pivot)
+    if sx is not None and sy is not None:
+        n = f"{px.resync['n']} and {py.resync['n']} steps from its state"
+        if sx & sy:
+            p.notes.append(f"was {p.verdict}: both runs agree with {sorted(sx & sy)[0]} at every resynced step ({n}), "
+                           "so they compute the same step; their curves part by accumulated rounding")
+            p.verdict = DRIFT
+        else:
+            p.notes.append(f"was {p.verdict}: {p.a.name} agrees with {' and '.join(sorted(sx))} and {p.b.name} with "
+                           f"{' and '.join(sorted(sy))} at every resynced step ({n}): they differ as declared")
+            p.verdict, p.evidence = DECLARED, f"verified through {pivot} (each run agrees with its formula there)"
+        return
+    for (good, sg), (bad, qb) in (((p.a.name, sx), (p.b.name, py)), ((p.b.name, sy), (p.a.name, px))):
+        w = ((qb.resync or {}).get("worst") or {}).get("worst_factor") or 0.0
+        if sg is not None and pivot in sg and (qb.resync or {}).get("agree") is False and w >= 2:
+            p.notes.append(f"was {p.verdict}: {good} agrees with {pivot} at every resynced step and {bad} departs "
+                           f"from it by {w:.3g}x its calibrated tolerance: they compute different steps")
+            p.verdict = DIFFER
+            return
+
+
+def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
+                      resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> None:
+    """decide_by_resync for each pair with the pivot (the pivot in the reference's role; `jobs` at a time: the
+    jobs are processes), then through_pivot for the rest."""
+    import copy
+
+    from .localize import divergent_steps
+    if not star or pivot is None:
+        return
 
     def one(p: Pair) -> None:
-        decide_by_resync(p, resync(p, divergent_steps(p)))
+        view = p
+        if p.a.name != pivot:   # the pivot first: it plays the reference
+            view = copy.copy(p)
+            view.a, view.b, view.notes = p.b, p.a, []
+        decide_by_resync(p, resync(view, divergent_steps(p)), pivot)
     if jobs > 1 and len(star) > 1:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -207,7 +227,7 @@ def resync_candidates(star: list[Pair], rest: list[Pair],
     else:
         for p in star:
             one(p)
-    by_run = {p.b.name: p for p in star}
+    by_run = {(p.b.name if p.a.name == pivot else p.a.name): p for p in star}
     for p in rest:
         through_pivot(p, by_run, pivot)
 

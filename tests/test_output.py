@@ -377,10 +377,10 @@ def test_a_pair_whose_sides_compute_different_verified_formulas_is_declared_thro
 def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots_states():
     """A wrong reference on a chaotic model: every candidate BUG against it, and the candidates' own curves part
     past the envelope's saturation (INCONCLUSIVE), with nothing to decide them through the reference. The first
-    BUG candidate is the pivot: its pairs are compared one step at a time from its states (every step agreeing:
-    DRIFT, so the reference is named the odd one out; one disagreeing: DIFFER; none ran: left, said), the other
-    pairs through it. Only when every candidate that is not a BUG runs the reference's backend, never for a run
-    that declares a difference, nor for candidates with a --fault (a self-test)."""
+    BUG candidate that declares nothing is the pivot: its pairs are compared one step at a time from its states
+    (every step agreeing: DRIFT, so the reference is named the odd one out; one disagreeing: DIFFER; none ran:
+    left, said), the other pairs through it. Only when every candidate that is not a BUG runs the reference's
+    backend, not for candidates with a --fault (a self-test), and not without a pivot that declares nothing."""
     from types import SimpleNamespace as NS
 
     from harness.candidate_pairs import decide_by_resync, odd_one_out, resync_candidates, suspect_reference
@@ -391,26 +391,34 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     with_ref = [NS(verdict="BUG", a=ref, b=c) for c in (w, x, y, z)]
 
     def pair(a, b, verdict="INCONCLUSIVE"):
-        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None)
+        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None)
     cands = [pair(w, x), pair(w, y, "DIFFER"), pair(w, z, "DRIFT"), pair(x, y), pair(x, z), pair(y, z, "DRIFT")]
-    star, rest = suspect_reference(with_ref, cands)
-    assert star == cands[:3] and rest == cands[3:5]
-    assert suspect_reference([NS(verdict="DRIFT", a=ref, b=w)] + with_ref[1:], cands) == ([], [])  # another agrees
-    assert suspect_reference(with_ref[:1], cands[:1]) == ([], [])                   # one BUG: nothing to ask
+    star, rest, pivot = suspect_reference(with_ref, cands)
+    assert star == cands[:3] and rest == cands[3:5] and pivot == "jax"
+    none = ([], [], None)
+    assert suspect_reference([NS(verdict="DRIFT", a=ref, b=w)] + with_ref[1:], cands) == none   # another agrees
+    assert suspect_reference(with_ref[:1], cands[:1]) == none                   # one BUG: nothing to ask
     # the reference's own dp 2 run agrees with it (a bug in that backend's code is in both): still asked
     torch2 = run("torch dp2", backend="torch")
     assert suspect_reference(with_ref + [NS(verdict="DRIFT", a=ref, b=torch2)], cands)[0] == cands[:3]
-    keras = run("keras-jax", [{"id": "adam_epsilon_hat"}])
-    assert suspect_reference(with_ref[:1] + [NS(verdict="BUG", a=ref, b=keras)], [pair(w, keras)]) == ([], [])
     faulty = [NS(verdict="BUG", a=ref, b=run(f"jax {f}", fault=f, backend="jax")) for f in ("a", "b")]
-    assert suspect_reference(faulty, [pair(faulty[0].b, faulty[1].b)]) == ([], [])
+    assert suspect_reference(faulty, [pair(faulty[0].b, faulty[1].b)]) == none
+    keras = run("keras-jax", [{"id": "adam_epsilon_hat"}])
+    only_declared = [NS(verdict="BUG", a=ref, b=keras), NS(verdict="BUG", a=ref, b=run("keras-tf", keras.declared))]
+    assert suspect_reference(only_declared, [pair(keras, only_declared[1].b)]) == none    # no plain pivot
+    # a declared candidate first in order: the pivot is the first that declares nothing, its pairs turned to it
+    with_keras = [NS(verdict="BUG", a=ref, b=keras)] + with_ref[:2]
+    kp = [pair(keras, w), pair(keras, x), pair(w, x)]
+    star, rest, pivot = suspect_reference(with_keras, kp)
+    assert pivot == "jax" and star == [kp[0], kp[2]] and rest == [kp[1]]
 
     asked = []
 
     def resync(p, extra):
         asked.append((p.a.name, p.b.name))
         return {"agree": True, "n": 7, "points": [0, 50]}
-    resync_candidates(star, rest, resync, jobs=2)
+    star, rest, pivot = suspect_reference(with_ref, cands)
+    resync_candidates(star, rest, pivot, resync, jobs=2)
     assert sorted(asked) == [("jax", "keras-torch"), ("jax", "numpy"), ("jax", "tensorflow")]
     assert [p.verdict for p in cands] == ["DRIFT"] * 6
     assert "every step agrees from jax's state (7 resynced steps)" in cands[0].notes[0]
@@ -419,17 +427,36 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     index = {(p.a.name, p.b.name): p for p in with_ref + cands}
     assert odd_one_out([ref, w, x, y, z], index)["run"] == "torch"
 
+    # the declared candidate asked from the pivot's states, the pivot first: its formula at work makes the pair
+    # DECLARED, verified, and that counts as agreeing for the odd one out
+    asked.clear()
+
+    def with_formula(p, extra):
+        asked.append((p.a.name, p.b.name))
+        if p.b.name == "keras-jax":
+            return {"agree": True, "n": 7, "against": {"change": {"fault": "adam_eps_hat"}},
+                    "evidence": ["step 0: update0/fc2.bias"]}
+        return {"agree": True, "n": 7}
+    star, rest, pivot = suspect_reference(with_keras, kp)
+    resync_candidates(star, rest, pivot, with_formula)
+    assert sorted(asked) == [("jax", "keras-jax"), ("jax", "numpy")]
+    assert kp[0].verdict == "DECLARED" and kp[0].evidence.startswith("verified") and "they differ as declared" in \
+        kp[0].notes[0]
+    assert kp[1].verdict == "DECLARED" and "keras-jax agrees with jax computing fault adam_eps_hat" in kp[1].notes[0]
+    index = {(p.a.name, p.b.name): p for p in with_keras + kp}
+    assert odd_one_out([ref, keras, w, x], index)["run"] == "torch"
+
     # one candidate computes something else from the pivot's states: DIFFER with the pivot, and with the others
     cands = [pair(w, x), pair(w, y), pair(x, y)]
-    star, rest = suspect_reference(with_ref[:3], cands)
-    resync_candidates(star, rest, lambda p, extra: (
+    star, rest, pivot = suspect_reference(with_ref[:3], cands)
+    resync_candidates(star, rest, pivot, lambda p, extra: (
         {"agree": True, "n": 7} if p.b.name == "numpy" else
         {"agree": False, "n": 7, "first_disagreement": {"step": 50}, "worst": {"worst_factor": 9.0}}))
     assert [p.verdict for p in cands] == ["DRIFT", "DIFFER", "DIFFER"]
     assert "computes something else at step 50 (7 resynced steps)" in cands[1].notes[0]
     assert "numpy agrees with jax at every resynced step and tensorflow departs from it by 9x" in cands[2].notes[0]
     p = pair(x, y)
-    decide_by_resync(p, {"skipped": "no resync point"})
+    decide_by_resync(p, {"skipped": "no resync point"}, "numpy")
     assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from numpy's state (no resync point)" in p.notes[0]
 
 
