@@ -81,13 +81,17 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
     p.evidence = "verified through the reference (each run agrees with its formula at every resynced step)"
 
 
-def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str, Any] | None:
+def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
+                unplaced: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The run that disagrees with every other while all the others agree with each other; or the odd group:
     the runs split in two groups, each agreeing within itself, every pair across them disagreeing, and one
-    group smaller than the other, which has at least two runs (a bug in a backend's code shows in all its runs:
-    a reference and its own dp 2 run against every other backend). Agreeing: DRIFT, IDENTICAL, or DECLARED with
+    group spanning fewer backends than the other, which spans at least two (a bug in a backend's code shows in
+    all its runs: a reference and its own dp 2 run against every other backend). Agreeing: DRIFT, IDENTICAL, or DECLARED with
     evidence (the same computation up to what the runs declare); disagreeing: BUG or DIFFER. "runs" lists the
-    odd run(s); "run" is the odd run itself, or for a group the reference when it is in it (else its first run)."""
+    odd run(s); "run" is the odd run itself, or for a group the reference when it is in it (else its first run).
+    `unplaced` (run -> why, from resync_candidates): runs left out of the split, named in "unplaced"."""
+    unplaced = {n: w for n, w in (unplaced or {}).items() if any(r.name == n for r in runs)}
+    runs = [r for r in runs if r.name not in unplaced]
     if len(runs) < 3:
         return None
 
@@ -102,21 +106,27 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair]) -> dict[str
 
     group = [runs[0]] + [r for r in runs[1:] if state(runs[0], r) == "agree"]
     rest = [r for r in runs if r not in group]
-    small, big = sorted((group, rest), key=len)
-    if not small or len(small) == len(big) or len(big) < 2:
+    # sized by backends, not runs: a bug in one backend's code is in all its runs, so two runs of one backend
+    # agreeing is no evidence against a third backend; the larger side must hold two backends or more
+    width = {id(g): len({r.backend for r in g}) for g in (group, rest)}
+    small, big = sorted((group, rest), key=lambda g: width[id(g)])
+    if not small or width[id(small)] == width[id(big)] or width[id(big)] < 2:
         return None
     within = all(state(x, y) == "agree" for g in (small, big) for i, x in enumerate(g) for y in g[i + 1:])
     if not within or not all(state(x, y) == "disagree" for x in small for y in big):
         return None
+    aside = (f"; left aside: {', '.join(f'{n} ({w})' for n, w in unplaced.items())}" if unplaced else "")
     if len(small) == 1:
         x = small[0]
-        return {"run": x.name, "runs": [x.name], "backend": x.backend,
-                "statement": f"{x.name} ({x.backend}) disagrees with all {len(big)} others, which agree with each other"}
+        return {"run": x.name, "runs": [x.name], "backend": x.backend, "unplaced": unplaced,
+                "statement": f"{x.name} ({x.backend}) disagrees with all {len(big)} others, which agree with each "
+                             f"other" + aside}
     backends = sorted({r.backend for r in small})
     lead = runs[0] if runs[0] in small else small[0]
     return {"run": lead.name, "runs": [r.name for r in small], "backend": backends[0] if len(backends) == 1 else None,
+            "unplaced": unplaced,
             "statement": f"{', '.join(r.name for r in small)} ({', '.join(backends)}) agree with each other and "
-                         f"disagree with all {len(big)} others, which agree with each other"}
+                         f"disagree with all {len(big)} others, which agree with each other" + aside}
 
 
 def suspect_reference(with_reference: list[Pair],
@@ -205,14 +215,15 @@ def through_pivot(p: Pair, star: dict[str, Pair], pivot: str) -> None:
 
 
 def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
-                      resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> None:
+                      resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> dict[str, str]:
     """decide_by_resync for each pair with the pivot (the pivot in the reference's role; `jobs` at a time: the
-    jobs are processes), then through_pivot for the rest."""
+    jobs are processes), then through_pivot for the rest. Returns the runs that could not be placed: a candidate
+    whose declared formula the pivot's backend cannot compute (run -> why), for odd_one_out to leave aside."""
     import copy
 
     from .localize import divergent_steps
     if not star or pivot is None:
-        return
+        return {}
 
     def one(p: Pair) -> None:
         view = p
@@ -230,6 +241,15 @@ def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
     by_run = {(p.b.name if p.a.name == pivot else p.a.name): p for p in star}
     for p in rest:
         through_pivot(p, by_run, pivot)
+    unplaced = {}
+    for name, p in by_run.items():
+        other = p.b if p.b.name == name else p.a
+        rs = p.resync or {}
+        if (rs.get("skipped") or rs.get("error")) and other.declared:   # e.g. a formula only the reference computes
+            ids = ", ".join(sorted({d.get("id", "?") for d in other.declared}))
+            who = (p.a if p.a.name == pivot else p.b).backend
+            unplaced[name] = f"its declared {ids} not computed from the {who} run's states (see its pair's notes)"
+    return unplaced
 
 
 __all__ = ["PLAIN", "computes", "departs", "through_reference", "odd_one_out", "suspect_reference",

@@ -295,6 +295,7 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
         pairs.append(p)
         index[(reference.name, p.b.name)] = p
     runs = [reference] + candidates
+    unplaced: dict[str, str] = {}
     if all_pairs and len(runs) >= 3:
         for i, x in enumerate(candidates):
             for y in candidates[i + 1:]:
@@ -306,8 +307,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 pairs.append(p)
                 index[(x.name, y.name)] = p
         if resync is not None:   # every candidate BUG: is the reference the odd one out?
-            resync_candidates(*suspect_reference(judged, pairs[len(judged):]), resync, jobs)
-    odd = odd_one_out(runs, index)
+            unplaced = resync_candidates(*suspect_reference(judged, pairs[len(judged):]), resync, jobs)
+    odd = odd_one_out(runs, index, unplaced)
     return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])
 
 

@@ -166,15 +166,23 @@ def odd_one_out_line(odd: dict[str, Any] | None, reference: str,
         names = [label(n) for n in group]
         where = f"the {odd['backend']} backend they share" if odd.get("backend") else "what they share"
         said = (f"{', '.join(names[:-1])} and {names[-1]} are the odd group: they agree with each other and disagree "
-                f"with every other run, and those all agree with each other; the bug is most likely in {where}")
+                f"with every other run, and those all agree with each other; the bug is most likely in {where}"
+                + _aside(odd, label))
         if reference in group:
             return True, f"The reference {said}."
         return False, f"odd group: {said.replace(' are the odd group:', ':', 1)}."
     if odd["run"] == reference:
         return True, (f"The reference {who} is the odd one out: it disagrees with every other run, and they all "
-                      "agree with each other; the bug is most likely in the reference.")
+                      f"agree with each other; the bug is most likely in the reference{_aside(odd, label)}.")
     return False, (f"odd one out: {who}: disagrees with every other run, and they all agree with each other; "
-                   f"the bug is most likely in {who}.")
+                   f"the bug is most likely in {who}{_aside(odd, label)}.")
+
+
+def _aside(odd: dict[str, Any], label: Callable[[str], str]) -> str:
+    """The runs the split leaves aside (harness.candidate_pairs.resync_candidates: not placed), said."""
+    left = odd.get("unplaced") or {}
+    return ("" if not left else " (left aside, not placed in either group: "
+            + "; ".join(f"{label(n)}: {w}" for n, w in left.items()) + ")")
 
 
 def _pair_words(a: str, b: str, verdict: str, first: dict[str, Any] | None) -> str:

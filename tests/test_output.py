@@ -529,7 +529,16 @@ def test_the_reference_and_its_own_backends_other_runs_are_named_the_odd_group()
                              "likely in the torch backend they share.")
     assert odd_one_out(runs, index(flip=[("jax", "numpy")])) is None              # the others do not all agree
     assert odd_one_out(runs, index(flip=[("torch", "jax")])) is None              # a cross pair undecided
-    assert odd_one_out(runs[:4], {k: v for k, v in index().items() if "tf" not in k}) is None   # 2 against 2
+    # sized by backends: torch and torch dp2 (one backend) against jax and numpy (two) is still the torch group;
+    # against two runs of one other backend it is a tie, and one run against one other backend's two runs too
+    four = {k: v for k, v in index().items() if "tf" not in k}
+    assert odd_one_out(runs[:4], four)["runs"] == ["torch", "torch dp2"]
+    twins = [runs[0], runs[1], run("jax", "jax"), run("jax dp2", "jax")]
+    side["jax dp2"] = 1
+    tie = {(x.name, y.name): NS(verdict="DRIFT" if side[x.name] == side[y.name] else "DIFFER")
+           for i, x in enumerate(twins) for y in twins[i + 1:]}
+    assert odd_one_out(twins, tie) is None
+    assert odd_one_out([twins[0]] + twins[2:], tie) is None
     runs[0], runs[2] = runs[2], runs[0]          # jax the reference: the torch group is a candidate group
     odd = odd_one_out(runs, index())
     assert odd["runs"] == ["torch dp2", "torch"] and odd["run"] == "torch dp2"
@@ -549,3 +558,38 @@ def test_the_pairs_across_the_odd_group_are_one_line():
         "pairs without the reference: the 2 across the odd group DIFFER, as it says; -v lists them"]
     assert other_pairs_lines(rows, 6.0)[0] == "pairs without the reference (margin x6): 1 DRIFT; 2 do not:"
     assert len(other_pairs_lines(rows, 6.0, verbose=True, odd_group={"torch dp2"})) == 4
+
+
+def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
+    """keras-jax declares Adam's epsilon-hat and float32 betas, which only the reference's backend computes: from
+    the pivot jax's states it cannot be compared, so it is left out of the split, and the sentence says so; the
+    torch group (one backend) against jax and numpy (two) is still named."""
+    from types import SimpleNamespace as NS
+
+    from harness.candidate_pairs import odd_one_out, resync_candidates, suspect_reference
+    from harness.compare_output import odd_one_out_line
+
+    def run(name, backend=None, declared=()):
+        return NS(name=name, backend=backend or name, declared=list(declared), fault=None)
+    ref, ref2 = run("torch"), run("torch dp2", "torch")
+    keras, jax, numpy = run("keras-jax", declared=[{"id": "adam_epsilon_hat"}]), run("jax"), run("numpy")
+    with_ref = [NS(verdict="DRIFT", a=ref, b=ref2)] + [NS(verdict="BUG", a=ref, b=c) for c in (keras, jax, numpy)]
+
+    def pair(a, b, verdict):
+        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None)
+    cands = [pair(ref2, keras, "DIFFER"), pair(ref2, jax, "DIFFER"), pair(ref2, numpy, "DIFFER"),
+             pair(keras, jax, "DIFFER"), pair(keras, numpy, "DIFFER"), pair(jax, numpy, "INCONCLUSIVE")]
+    star, rest, pivot = suspect_reference(with_ref, cands)
+    unplaced = resync_candidates(star, rest, pivot, lambda p, extra: (
+        {"skipped": "fault 'adam_eps_hat+adam_float32_betas' is not implemented in this backend's wrapper"}
+        if "keras-jax" in (p.a.name, p.b.name) else {"agree": True, "n": 9}))
+    assert unplaced == {"keras-jax": "its declared adam_epsilon_hat not computed from the jax run's states (see its "
+                                     "pair's notes)"}
+    index = {(p.a.name, p.b.name): p for p in with_ref + cands}
+    assert odd_one_out([ref, ref2, keras, jax, numpy], index) is None      # keras-jax disagrees with both sides
+    odd = odd_one_out([ref, ref2, keras, jax, numpy], index, unplaced)
+    assert odd["runs"] == ["torch", "torch dp2"] and odd["unplaced"] == unplaced
+    lead, said = odd_one_out_line(odd, "torch", lambda n: n)
+    assert lead and said.endswith("the torch backend they share (left aside, not placed in either group: keras-jax: "
+                                  "its declared adam_epsilon_hat not computed from the jax run's states (see its pair's "
+                                  "notes)).")
