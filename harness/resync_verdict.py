@@ -339,7 +339,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         why = ("an update the resynced steps found to be what the candidate's own gradient implies (an "
                "ill-conditioned formula there)" if ill else "not reproduced from the reference's state" if updates_only
                else "a discontinuity (a kink flipped by rounding)")
-        p.notes.append(f"the step-0 probes disagreed only on " + ("updates and optimizer state" if updates_only else
+        p.notes.append("the step-0 probes disagreed only on " + ("updates and optimizer state" if updates_only else
                        "gradients and what follows from them") + f" ({superseded}), at steps the resync computed "
                        f"from the reference's own state, calibrated there, and found agreeing: {why}, not a "
                        f"different computation; decided by the resynced steps")
