@@ -86,9 +86,10 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
     """The run that disagrees with every other while all the others agree with each other; or the odd group:
     the runs split in two groups, each agreeing within itself, every pair across them disagreeing, and one
     group spanning fewer backends than the other, which spans at least two (a bug in a backend's code shows in
-    all its runs: a reference and its own dp 2 run against every other backend). Agreeing: DRIFT, IDENTICAL, or DECLARED with
-    evidence (the same computation up to what the runs declare); disagreeing: BUG or DIFFER. "runs" lists the
-    odd run(s); "run" is the odd run itself, or for a group the reference when it is in it (else its first run).
+    all its runs: a reference and its own dp 2 run against every other backend). Agreeing: DRIFT, IDENTICAL,
+    or DECLARED with evidence (the same computation up to what the runs declare); disagreeing: BUG or DIFFER.
+    "runs" lists the odd run(s); "run" is the odd run itself, or for a group the reference when it is in it
+    (else its first run).
     `unplaced` (run -> why, from resync_candidates): runs left out of the split, named in "unplaced"."""
     unplaced = {n: w for n, w in (unplaced or {}).items() if any(r.name == n for r in runs)}
     runs = [r for r in runs if r.name not in unplaced]
@@ -139,7 +140,8 @@ def suspect_reference(with_reference: list[Pair],
     declares no difference is the pivot: returned are its pairs with every other BUG candidate, to compare from
     its states (computing a candidate's declared formula where the candidate declares one, as the reference
     does), the other undecided pairs among them, to decide through it (`through_pivot`), and the pivot's name:
-    linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the faults say where the bugs are)."""
+    linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the faults say where the
+    bugs are)."""
     if any(p.b.fault for p in with_reference if p.verdict == BUG):
         return [], [], None
     own = {p.a.backend for p in with_reference}
@@ -171,7 +173,8 @@ def decide_by_resync(p: Pair, rs: dict[str, Any] | None, pivot: str) -> None:
             p.notes.append(f"was {p.verdict}: every step agrees from {pivot}'s state with {pivot} computing "
                            f"{change_of(against)} ({rs['n']} resynced steps), and plain {pivot} disagrees "
                            f"({len(rs['evidence'])} probes): they differ as declared")
-            p.verdict, p.evidence = DECLARED, f"verified (every resynced step agrees with {pivot} computing the formula)"
+            p.verdict = DECLARED
+            p.evidence = f"verified (every resynced step agrees with {pivot} computing the formula)"
         elif p.verdict not in (DRIFT, IDENTICAL):
             p.notes.append(f"was {p.verdict}: every step agrees from {pivot}'s state ({rs['n']} resynced steps): "
                            "their curves part by accumulated rounding")
