@@ -3,6 +3,7 @@ through their shared-state comparisons with the reference when their own curves 
 (the run that disagrees with every other while they all agree). Framework-free."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of
@@ -33,11 +34,11 @@ def computes(q: Pair, who: str = PLAIN) -> set[str] | None:
 
 
 def departs(q: Pair) -> str | None:
-    """Where a BUG candidate's shared-state comparison with the plain reference found another step, when by at
-    least twice its calibrated tolerance (so that a run agreeing with the reference within its tolerance
-    cannot agree with it): a short description, else None."""
+    """Where a run's shared-state comparison with the plain reference (or pivot) found another step (BUG, or
+    DIFFER from a pivot), when by at least twice its calibrated tolerance (so that a run agreeing with it
+    within its tolerance cannot agree with this one): a short description, else None."""
     rs = q.resync or {}
-    if q.verdict != BUG or rs.get("agree") is not False or rs.get("against"):
+    if q.verdict not in (BUG, DIFFER) or rs.get("agree") is not False or rs.get("against"):
         return None
     w = rs.get("worst") or {}
     if not w.get("worst_factor") or w["worst_factor"] < 2:
@@ -45,9 +46,10 @@ def departs(q: Pair) -> str | None:
     return f"{w.get('worst_key')} at step {w.get('step')}, {w['worst_factor']:.3g}x its calibrated tolerance"
 
 
-def through_reference(p: Pair, px: Pair, py: Pair) -> None:
+def through_reference(p: Pair, px: Pair, py: Pair, who: str = PLAIN) -> None:
     """A pair without the reference has no shared-state comparison of its own; its sides' comparisons with the
-    reference decide it when its own curves part (INCONCLUSIVE or DIFFER). Two candidates that each compute one
+    reference (`px`, `py`; or with a pivot candidate, named `who`: resync_candidates) decide it when its own
+    curves part (INCONCLUSIVE or DIFFER). Two candidates that each compute one
     and the same step at every resynced step (`computes`) compute the same step as each other: the parting is
     accumulated rounding, DRIFT. Two that each compute a different one, each verified at every resynced step
     (one the plain reference's, the other the reference computing its declared formula, or two formulas), and
@@ -56,12 +58,12 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
     reference's step and the other, a BUG, departs from it by at least twice its tolerance (`departs`): DIFFER
     (so that a buggy candidate on a chaotic model is the odd one out). Nothing else is inferred: a BUG, an
     unverified DECLARED, a side without the shared-state comparison leave the pair as it is."""
-    sx, sy = computes(px), computes(py)
+    sx, sy = computes(px, who), computes(py, who)
     if p.verdict == INCONCLUSIVE:
         for (a, sa), (b, qb) in (((p.a, sx), (p.b, py)), ((p.b, sy), (p.a, px))):
             gap = departs(qb)
-            if sa is not None and PLAIN in sa and gap is not None:
-                p.notes.append(f"was INCONCLUSIVE: {a.name} agrees with the reference at every resynced step and "
+            if sa is not None and who in sa and gap is not None:
+                p.notes.append(f"was INCONCLUSIVE: {a.name} agrees with {who} at every resynced step and "
                                f"{b.name} does not ({gap}): they compute different steps")
                 p.verdict = DIFFER
                 return
@@ -69,7 +71,7 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
         return
     n = f"{px.resync['n']} and {py.resync['n']} steps from its state"
     if sx & sy:
-        step = PLAIN if PLAIN in sx & sy else sorted(sx & sy)[0]
+        step = who if who in sx & sy else sorted(sx & sy)[0]
         p.notes.append(f"was {p.verdict}: both runs agree with {step} at every resynced step ({n}), so they compute "
                        "the same step; their curves part by accumulated rounding")
         p.verdict = DRIFT
@@ -78,7 +80,7 @@ def through_reference(p: Pair, px: Pair, py: Pair) -> None:
                    f"{' and '.join(sorted(sy))} at every resynced step ({n}), and those differ there: the runs "
                    f"differ as their declared difference(s) {', '.join(p.declared)} say they must")
     p.verdict = DECLARED
-    p.evidence = "verified through the reference (each run agrees with its formula at every resynced step)"
+    p.evidence = f"verified through {who} (each run agrees with its formula at every resynced step)"
 
 
 def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
@@ -139,7 +141,7 @@ def suspect_reference(with_reference: list[Pair],
     (INCONCLUSIVE or DIFFER, and nothing to decide them through the reference). The first BUG candidate that
     declares no difference is the pivot: returned are its pairs with every other BUG candidate, to compare from
     its states (computing a candidate's declared formula where the candidate declares one, as the reference
-    does), the other undecided pairs among them, to decide through it (`through_pivot`), and the pivot's name:
+    does), the other undecided pairs among them, to decide through it (`through_reference`), and the pivot's name:
     linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the faults say where the
     bugs are)."""
     if any(p.b.fault for p in with_reference if p.verdict == BUG):
@@ -190,40 +192,11 @@ def decide_by_resync(p: Pair, rs: dict[str, Any] | None, pivot: str) -> None:
                        f"({rs.get('skipped') or rs.get('error') or 'none ran'})")
 
 
-def through_pivot(p: Pair, star: dict[str, Pair], pivot: str) -> None:
-    """A pair of two candidates each compared from the pivot's states (`star`: run -> its pair with the pivot,
-    decided): decided as through_reference decides a pair through the reference, the pivot in its place."""
-    px, py = star.get(p.a.name), star.get(p.b.name)
-    if px is None or py is None:
-        return
-    sx, sy = computes(px, pivot), computes(py, pivot)
-    if sx is not None and sy is not None:
-        n = f"{px.resync['n']} and {py.resync['n']} steps from its state"
-        if sx & sy:
-            p.notes.append(f"was {p.verdict}: both runs agree with {sorted(sx & sy)[0]} at every resynced step ({n}), "
-                           "so they compute the same step; their curves part by accumulated rounding")
-            p.verdict = DRIFT
-        else:
-            p.notes.append(f"was {p.verdict}: {p.a.name} agrees with {' and '.join(sorted(sx))} and {p.b.name} with "
-                           f"{' and '.join(sorted(sy))} at every resynced step ({n}): they differ as declared")
-            p.verdict, p.evidence = DECLARED, f"verified through {pivot} (each run agrees with its formula there)"
-        return
-    for (good, sg), (bad, qb) in (((p.a.name, sx), (p.b.name, py)), ((p.b.name, sy), (p.a.name, px))):
-        w = ((qb.resync or {}).get("worst") or {}).get("worst_factor") or 0.0
-        if sg is not None and pivot in sg and (qb.resync or {}).get("agree") is False and w >= 2:
-            p.notes.append(f"was {p.verdict}: {good} agrees with {pivot} at every resynced step and {bad} departs "
-                           f"from it by {w:.3g}x its calibrated tolerance: they compute different steps")
-            p.verdict = DIFFER
-            return
-
-
 def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
                       resync: Callable[[Pair, list[int]], dict[str, Any] | None], jobs: int = 1) -> dict[str, str]:
     """decide_by_resync for each pair with the pivot (the pivot in the reference's role; `jobs` at a time: the
-    jobs are processes), then through_pivot for the rest. Returns the runs that could not be placed: a candidate
+    jobs are processes), then through_reference, the pivot in the reference's place, for the rest. Returns the runs that could not be placed: a candidate
     whose declared formula the pivot's backend cannot compute (run -> why), for odd_one_out to leave aside."""
-    import copy
-
     from .localize import divergent_steps
     if not star or pivot is None:
         return {}
@@ -243,7 +216,8 @@ def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
             one(p)
     by_run = {(p.b.name if p.a.name == pivot else p.a.name): p for p in star}
     for p in rest:
-        through_pivot(p, by_run, pivot)
+        if p.a.name in by_run and p.b.name in by_run:
+            through_reference(p, by_run[p.a.name], by_run[p.b.name], pivot)
     unplaced = {}
     for name, p in by_run.items():
         other = p.b if p.b.name == name else p.a
@@ -256,4 +230,4 @@ def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
 
 
 __all__ = ["PLAIN", "computes", "departs", "through_reference", "odd_one_out", "suspect_reference",
-           "decide_by_resync", "through_pivot", "resync_candidates"]
+           "decide_by_resync", "resync_candidates"]

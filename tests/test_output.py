@@ -391,7 +391,7 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     with_ref = [NS(verdict="BUG", a=ref, b=c) for c in (w, x, y, z)]
 
     def pair(a, b, verdict="INCONCLUSIVE"):
-        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None)
+        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None, declared=[])
     cands = [pair(w, x), pair(w, y, "DIFFER"), pair(w, z, "DRIFT"), pair(x, y), pair(x, z), pair(y, z, "DRIFT")]
     star, rest, pivot = suspect_reference(with_ref, cands)
     assert star == cands[:3] and rest == cands[3:5] and pivot == "jax"
@@ -451,10 +451,12 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     star, rest, pivot = suspect_reference(with_ref[:3], cands)
     resync_candidates(star, rest, pivot, lambda p, extra: (
         {"agree": True, "n": 7} if p.b.name == "numpy" else
-        {"agree": False, "n": 7, "first_disagreement": {"step": 50}, "worst": {"worst_factor": 9.0}}))
+        {"agree": False, "n": 7, "first_disagreement": {"step": 50},
+         "worst": {"worst_factor": 9.0, "worst_key": "update0/fc2.bias", "step": 50}}))
     assert [p.verdict for p in cands] == ["DRIFT", "DIFFER", "DIFFER"]
     assert "computes something else at step 50 (7 resynced steps)" in cands[1].notes[0]
-    assert "numpy agrees with jax at every resynced step and tensorflow departs from it by 9x" in cands[2].notes[0]
+    assert ("numpy agrees with jax at every resynced step and tensorflow does not (update0/fc2.bias at step 50, 9x "
+            "its calibrated tolerance)") in cands[2].notes[0]
     p = pair(x, y)
     decide_by_resync(p, {"skipped": "no resync point"}, "numpy")
     assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from numpy's state (no resync point)" in p.notes[0]
@@ -576,7 +578,7 @@ def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
     with_ref = [NS(verdict="DRIFT", a=ref, b=ref2)] + [NS(verdict="BUG", a=ref, b=c) for c in (keras, jax, numpy)]
 
     def pair(a, b, verdict):
-        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None)
+        return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None, declared=[])
     cands = [pair(ref2, keras, "DIFFER"), pair(ref2, jax, "DIFFER"), pair(ref2, numpy, "DIFFER"),
              pair(keras, jax, "DIFFER"), pair(keras, numpy, "DIFFER"), pair(jax, numpy, "INCONCLUSIVE")]
     star, rest, pivot = suspect_reference(with_ref, cands)
