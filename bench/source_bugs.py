@@ -168,10 +168,10 @@ MUTATIONS = (
              "the clipped gradient whenever the norm exceeds 1",
              reference="numpy"),
     Mutation("torch_zero_grad_forgotten", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
-             "        self.opt.zero_grad(set_to_none=False)\n        if self.distributed:",
+             "        self._zero_grads()\n        if self.distributed:",
              "        if self.distributed:",
              ("BUG",), ("backward", "optimizer"), "",
-             "starts after the first step: optimizer.zero_grad() dropped from the step, so backward accumulates every "
+             "starts after the first step: the gradients' zeroing dropped from the step, so backward accumulates every "
              "step's gradient into the last ones; the gradients are state the checkpoint does not hold",
              reference="numpy"),
     Mutation("jax_lr_scaled_by_its_own_step_count", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
