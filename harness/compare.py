@@ -288,10 +288,10 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
     if jobs > 1 and len(checked) > 1 and (resync is not None or localize is not None):
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            judged = list(pool.map(judge, checked))
+            with_reference = list(pool.map(judge, checked))
     else:
-        judged = [judge(p) for p in checked]
-    for p in judged:
+        with_reference = [judge(p) for p in checked]
+    for p in with_reference:
         pairs.append(p)
         index[(reference.name, p.b.name)] = p
     runs = [reference] + candidates
@@ -307,7 +307,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 pairs.append(p)
                 index[(x.name, y.name)] = p
         if resync is not None:   # every candidate BUG: is the reference the odd one out?
-            unplaced = resync_candidates(*suspect_reference(judged, pairs[len(judged):]), resync, jobs)
+            unplaced = resync_candidates(*suspect_reference(with_reference, pairs[len(with_reference):]), resync,
+                                         jobs)
     odd = odd_one_out(runs, index, unplaced)
     return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])
 
