@@ -16,10 +16,6 @@ from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, Pair, change_of, fmt_
 from .runs import SERIES, Run
 
 # --------------------------------------------------------------------------- output
-def atomic_write(path: Path, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def _num(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
@@ -123,15 +119,15 @@ def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool | None =
             if not per_step:
                 c.notes.append(f"comparison-steps.csv not written ({len(c.reference.step)} steps; --steps-csv writes it)")
         rows = [pair_row(p, c.forced) for p in c.pairs]
-        atomic_write(paths["csv"], to_csv(rows, CSV_FIELDS))
+        atomic_write_text(paths["csv"], to_csv(rows, CSV_FIELDS))
         if per_step:
             paths["steps"] = out_dir / "comparison-steps.csv"
-            atomic_write(paths["steps"], steps_csv(c))
+            atomic_write_text(paths["steps"], steps_csv(c))
     else:
-        atomic_write(paths["csv"], c.csv())
+        atomic_write_text(paths["csv"], c.csv())
     doc = jsonable(c.to_dict())
     doc["files"] = {k: str(v) for k, v in paths.items()}
-    atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(paths["json"], json.dumps(doc, indent=1) + "\n")
     return paths
 
 
@@ -222,6 +218,13 @@ def side_of(verdict: str, declared: list[str], evidence: str | None, resync: dic
     return verdict, list(declared or []), verified, change_of(against) if against else None
 
 
+def bug_against_agreeing(sides: dict[str, tuple], a: str, b: str) -> bool:
+    """One run is BUG against the reference and the other agrees with it (or is verified DECLARED): their pair
+    must differ, and says nothing the two verdicts do not (`sides`: run -> side_of)."""
+    (va, _, oka, _), (vb, _, okb, _) = (sides.get(n, ("", [], False, None)) for n in (a, b))
+    return (va == BUG and okb) or (vb == BUG and oka)
+
+
 def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None = None) -> str | None:
     """Why two runs that differ are expected to: each agrees with the reference or is DECLARED against it with
     evidence (or the pair itself is DECLARED: `verdict`, harness.compare.through_reference), and they do not
@@ -240,12 +243,14 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
                       hint: str = "; -v lists them", odd_group: set[str] | frozenset[str] = frozenset(),
-                      some_apart: bool = False) -> list[str]:
+                      some_apart: bool = False, sides: dict[str, tuple] | None = None) -> list[str]:
     """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
     inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
     table above), one for those whose difference the verified declarations explain, one for the DIFFER pairs
-    across the odd group (`odd_group`: its runs' labels; the lead line says why they differ), each other
-    disagreeing pair listed, every pair with verbose."""
+    across the odd group (`odd_group`: its runs' labels; the lead line says why they differ), one for the
+    DIFFER pairs of a BUG run with a run that agrees with the reference (`sides`: run -> side_of; the table
+    above says why they differ), one for the DIFFER pairs of two BUG runs (not calibrated: the envelope is the
+    reference's computation), each other disagreeing pair listed, every pair with verbose."""
     if not rows:
         return []
     head = f"pairs without the reference (margin x{margin:g})"
@@ -254,8 +259,21 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
                                for r in rows]
     across = [r for r in rows if r[2] == DIFFER and len({r[0], r[1]} & set(odd_group)) == 1]
     if across:
-        rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint, some_apart=True)
+        rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint, some_apart=True,
+                                 sides=sides)
         return rest + [f"pairs without the reference: the {len(across)} across the odd group DIFFER, as it says{hint}"]
+    implied = [r for r in rows if r[2] == DIFFER and bug_against_agreeing(sides or {}, r[0], r[1])]
+    both_bug = [r for r in rows if r[2] == DIFFER and all((sides or {}).get(n, ("",))[0] == BUG for n in r[:2])]
+    if implied or both_bug:
+        rest = other_pairs_lines([r for r in rows if r not in implied + both_bug], margin, verbose, hint,
+                                 some_apart=True)
+        t = sorted({r[3]["step"] for r in both_bug if (r[3] or {}).get("step") is not None}) or [None]
+        when = "" if t[0] is None else f" from step {t[0]}" + (f" to {t[-1]}" if t[-1] != t[0] else "")
+        return rest + ([f"pairs without the reference: the {len(implied)} of a BUG run with a run that agrees with "
+                        f"the reference DIFFER, as the verdicts above say{hint}"] if implied else []) + (
+            [f"pairs without the reference: {len(both_bug)} of two BUG runs DIFFER{when}; the envelope measures "
+             f"the reference's computation, which neither computes, so this does not tell whether they compute the "
+             f"same thing (their localizations above do){hint}"] if both_bug else [])
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
     rows = [r for r in rows if r not in declared]
     if len(declared) <= 3:
@@ -367,7 +385,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
         odd_runs = (c.odd or {}).get("runs") or []
         group = {lab[n] for n in odd_runs if n in lab} if len(odd_runs) > 1 else set()
         lines += other_pairs_lines(others, c.rule.margin * c.rule.pair_factor, verbose,
-                                   hint="; -v lists them, with every pair's notes", odd_group=group)
+                                   hint="; -v lists them, with every pair's notes", odd_group=group, sides=sides)
     for n in c.notes:
         lines.append(f"note: {n}")
     for f in c.forced:
@@ -376,4 +394,4 @@ def render(c: Comparison, verbose: bool = False) -> str:
 
 
 __all__ = ["write_outputs", "render", "labels", "odd_one_out_line", "other_pairs_lines", "declared_apart", "side_of",
-           "declared_where", "inside_factor", "to_csv", "jsonable", "pair_row", "steps_csv"]
+           "bug_against_agreeing", "declared_where", "inside_factor", "to_csv", "jsonable", "pair_row", "steps_csv"]

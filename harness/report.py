@@ -287,7 +287,8 @@ def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v l
     rule = comp.get("rule", {})
     odd = (comp.get("odd_one_out") or {}).get("runs") or []
     group = {_short(n, ref) for n in odd} if len(odd) > 1 else set()
-    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint, group)
+    return other_pairs_lines(rows, rule.get("margin", 3.0) * rule.get("pair_factor", 2.0), verbose, hint, group,
+                             sides=sides)
 
 
 def markdown(folder: Path, verbose: bool = False) -> str:

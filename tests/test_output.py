@@ -562,6 +562,33 @@ def test_the_pairs_across_the_odd_group_are_one_line():
     assert len(other_pairs_lines(rows, 6.0, verbose=True, odd_group={"torch dp2"})) == 4
 
 
+def test_pairs_the_verdicts_imply_and_pairs_of_two_bug_runs_are_one_line_each():
+    """A bug written into a layer every Keras backend shares (keras-* BUG, the rest DRIFT): each BUG run's pairs
+    with the agreeing runs DIFFER as the table says (one line, not one per pair), and the BUG runs' pairs with
+    each other, which the reference's envelope cannot calibrate, are one line that says so; an INCONCLUSIVE
+    candidate's pair is still listed on its own."""
+    from harness.compare_output import other_pairs_lines, side_of
+    sides = {"jax": side_of("DRIFT", [], None, None), "numpy": side_of("DRIFT", [], None, None),
+             "keras-jax": side_of("BUG", [], None, None), "keras-torch": side_of("BUG", [], None, None),
+             "tensorflow": side_of("INCONCLUSIVE", [], None, None)}
+    at0, at52 = ({"step": t, "series": s, "factor": f} for t, s, f in ((0, "loss", 1870.0), (52, "grad_norm", 77.8)))
+    rows = [("jax", "numpy", "DRIFT", None, 1.2, None), ("jax", "keras-jax", "DIFFER", at0, 1870.0, None),
+            ("jax", "keras-torch", "DIFFER", at0, 1870.0, None), ("keras-jax", "numpy", "DIFFER", at0, 1870.0, None),
+            ("keras-jax", "keras-torch", "DIFFER", at52, 77.8, None),
+            ("numpy", "tensorflow", "DIFFER", at52, 77.8, None)]
+    lines = other_pairs_lines(rows, 6.0, sides=sides)
+    assert lines == [
+        "pairs without the reference (margin x6): 1 DRIFT; 1 do not:",
+        "  numpy ~ tensorflow: DIFFER from step 52 (grad_norm, 77.8x)",
+        "pairs without the reference: the 3 of a BUG run with a run that agrees with the reference DIFFER, as the "
+        "verdicts above say; -v lists them",
+        "pairs without the reference: 1 of two BUG runs DIFFER from step 52; the envelope measures the reference's "
+        "computation, which neither computes, so this does not tell whether they compute the same thing (their "
+        "localizations above do); -v lists them"]
+    assert len(other_pairs_lines(rows, 6.0, verbose=True, sides=sides)) == 7
+    assert other_pairs_lines(rows, 6.0)[0] == "pairs without the reference (margin x6): 1 DRIFT; 5 do not:"
+
+
 def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
     """keras-jax declares Adam's epsilon-hat and float32 betas, which only the reference's backend computes: from
     the pivot jax's states it cannot be compared, so it is left out of the split, and the sentence says so; the
