@@ -212,7 +212,10 @@ def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
     bad = np.flatnonzero((y < 0) | (y != np.floor(y)))
     if bad.size:
         line = bad[0] + (2 if header else 1)
-        raise DataError(f"{path}: line {line}: label {y[bad[0]]:g} is not a non-negative integer")
+        col = (f"column {header[label_col]!r}" + ("" if header[label_col] == "label" else
+                                                   " (the header names no 'label' column: the first is taken)")
+               if header else "column 1")
+        raise DataError(f"{path}: line {line}, {col}: label {y[bad[0]]:g} is not a non-negative integer")
     x = np.delete(data, label_col, axis=1)
     return x.reshape(len(x), *_image_shape(x.shape[1], str(path), shape)), y
 
