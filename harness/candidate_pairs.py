@@ -132,22 +132,19 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
                          f"disagree with all {len(big)} others, which agree with each other" + aside}
 
 
-def suspect_reference(with_reference: list[Pair],
-                      candidate_pairs: list[Pair]) -> tuple[list[Pair], list[Pair], str | None]:
-    """The pairs of candidates to compare from a shared state of their own: when two or more candidates are BUG
-    against the reference and every other candidate runs the reference's own backend, the reference's backend
-    may be the one that computes something else (a bug in its code shows in all its runs), and on a chaotic
-    model the BUG candidates' own curves part past the envelope's saturation whatever they compute
-    (INCONCLUSIVE or DIFFER, and nothing to decide them through the reference). The first BUG candidate that
-    declares no difference is the pivot: returned are its pairs with every other BUG candidate, to compare from
-    its states (computing a candidate's declared formula where the candidate declares one, as the reference
-    does), the other undecided pairs among them, to decide through it (`through_reference`), and the pivot's name:
-    linear in the candidates. Not when a BUG candidate carries a --fault (a self-test: the faults say where the
-    bugs are)."""
+def pivot_pairs(with_reference: list[Pair], candidate_pairs: list[Pair]) -> tuple[list[Pair], list[Pair], str | None]:
+    """The pairs of BUG candidates to compare from a shared state of their own. Two or more candidates BUG against
+    the reference: either they compute one thing (the reference's backend is the one that computes something else,
+    a bug in its code showing in all its runs; or a bug in code the BUG runs share, e.g. one backend's dp 1 and
+    dp 2 runs, or every backend of one library), or each a thing of its own. Their own curves cannot tell: the
+    envelope measures the reference's computation, which none of them computes, and on a chaotic model they part
+    past its saturation whatever they compute (INCONCLUSIVE or DIFFER, nothing to decide them through the
+    reference). The first BUG candidate that declares no difference is the pivot: returned are its pairs with every
+    other BUG candidate, to compare from its states (computing a candidate's declared formula where the candidate
+    declares one, as the reference does), the other undecided pairs among them, to decide through it
+    (`through_reference`), and the pivot's name: linear in the candidates. Not when a BUG candidate carries a
+    --fault (a self-test: the faults say where the bugs are)."""
     if any(p.b.fault for p in with_reference if p.verdict == BUG):
-        return [], [], None
-    own = {p.a.backend for p in with_reference}
-    if not all(p.verdict == BUG or p.b.backend in own for p in with_reference):
         return [], [], None
     bugs = [p.b for p in with_reference if p.verdict == BUG]
     plain = [r for r in bugs if not r.declared]
@@ -229,5 +226,5 @@ def resync_candidates(star: list[Pair], rest: list[Pair], pivot: str | None,
     return unplaced
 
 
-__all__ = ["PLAIN", "computes", "departs", "through_reference", "odd_one_out", "suspect_reference",
+__all__ = ["PLAIN", "computes", "departs", "through_reference", "odd_one_out", "pivot_pairs",
            "decide_by_resync", "resync_candidates"]

@@ -27,7 +27,7 @@ import numpy as np
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
                    fmt_factor, not_moved)
-from .candidate_pairs import odd_one_out, resync_candidates, suspect_reference, through_reference
+from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
 from .runs import SERIES, Run, declared_records, mismatches
 
@@ -306,8 +306,8 @@ def compare(reference: Run, candidates: list[Run], envelope: dict[str, SeriesEnv
                 through_reference(p, index[(reference.name, x.name)], index[(reference.name, y.name)])
                 pairs.append(p)
                 index[(x.name, y.name)] = p
-        if resync is not None:   # every candidate BUG: is the reference the odd one out?
-            unplaced = resync_candidates(*suspect_reference(with_reference, pairs[len(with_reference):]), resync,
+        if resync is not None:   # two or more BUG: do they compute one thing (the reference or their shared code)?
+            unplaced = resync_candidates(*pivot_pairs(with_reference, pairs[len(with_reference):]), resync,
                                          jobs)
     odd = odd_one_out(runs, index, unplaced)
     return Comparison(reference, runs, envelope_runs, envelope, rule, pairs, odd, forced or [], [])

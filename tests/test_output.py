@@ -379,11 +379,12 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     past the envelope's saturation (INCONCLUSIVE), with nothing to decide them through the reference. The first
     BUG candidate that declares nothing is the pivot: its pairs are compared one step at a time from its states
     (every step agreeing: DRIFT, so the reference is named the odd one out; one disagreeing: DIFFER; none ran:
-    left, said), the other pairs through it. Only when every candidate that is not a BUG runs the reference's
-    backend, not for candidates with a --fault (a self-test), and not without a pivot that declares nothing."""
+    left, said), the other pairs through it. Whatever the candidates that are not BUG are (two BUG runs may share
+    the code with the bug), not for candidates with a --fault (a self-test), not without a pivot that declares
+    nothing."""
     from types import SimpleNamespace as NS
 
-    from harness.candidate_pairs import decide_by_resync, odd_one_out, resync_candidates, suspect_reference
+    from harness.candidate_pairs import decide_by_resync, odd_one_out, resync_candidates, pivot_pairs
 
     def run(name, declared=(), fault=None, backend=None):
         return NS(name=name, backend=backend or name, declared=list(declared), fault=fault)
@@ -393,23 +394,26 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     def pair(a, b, verdict="INCONCLUSIVE"):
         return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None, declared=[])
     cands = [pair(w, x), pair(w, y, "DIFFER"), pair(w, z, "DRIFT"), pair(x, y), pair(x, z), pair(y, z, "DRIFT")]
-    star, rest, pivot = suspect_reference(with_ref, cands)
+    star, rest, pivot = pivot_pairs(with_ref, cands)
     assert star == cands[:3] and rest == cands[3:5] and pivot == "jax"
     none = ([], [], None)
-    assert suspect_reference([NS(verdict="DRIFT", a=ref, b=w)] + with_ref[1:], cands) == none   # another agrees
-    assert suspect_reference(with_ref[:1], cands[:1]) == none                   # one BUG: nothing to ask
+    # another backend agrees with the reference: the BUG runs are still compared with each other (a bug in code
+    # they share makes them one group), numpy the pivot
+    star, rest, pivot = pivot_pairs([NS(verdict="DRIFT", a=ref, b=w)] + with_ref[1:], cands)
+    assert pivot == "numpy" and star == cands[3:5] and rest == []
+    assert pivot_pairs(with_ref[:1], cands[:1]) == none                   # one BUG: nothing to ask
     # the reference's own dp 2 run agrees with it (a bug in that backend's code is in both): still asked
     torch2 = run("torch dp2", backend="torch")
-    assert suspect_reference(with_ref + [NS(verdict="DRIFT", a=ref, b=torch2)], cands)[0] == cands[:3]
+    assert pivot_pairs(with_ref + [NS(verdict="DRIFT", a=ref, b=torch2)], cands)[0] == cands[:3]
     faulty = [NS(verdict="BUG", a=ref, b=run(f"jax {f}", fault=f, backend="jax")) for f in ("a", "b")]
-    assert suspect_reference(faulty, [pair(faulty[0].b, faulty[1].b)]) == none
+    assert pivot_pairs(faulty, [pair(faulty[0].b, faulty[1].b)]) == none
     keras = run("keras-jax", [{"id": "adam_epsilon_hat"}])
     only_declared = [NS(verdict="BUG", a=ref, b=keras), NS(verdict="BUG", a=ref, b=run("keras-tf", keras.declared))]
-    assert suspect_reference(only_declared, [pair(keras, only_declared[1].b)]) == none    # no plain pivot
+    assert pivot_pairs(only_declared, [pair(keras, only_declared[1].b)]) == none    # no plain pivot
     # a declared candidate first in order: the pivot is the first that declares nothing, its pairs turned to it
     with_keras = [NS(verdict="BUG", a=ref, b=keras)] + with_ref[:2]
     kp = [pair(keras, w), pair(keras, x), pair(w, x)]
-    star, rest, pivot = suspect_reference(with_keras, kp)
+    star, rest, pivot = pivot_pairs(with_keras, kp)
     assert pivot == "jax" and star == [kp[0], kp[2]] and rest == [kp[1]]
 
     asked = []
@@ -417,7 +421,7 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     def resync(p, extra):
         asked.append((p.a.name, p.b.name))
         return {"agree": True, "n": 7, "points": [0, 50]}
-    star, rest, pivot = suspect_reference(with_ref, cands)
+    star, rest, pivot = pivot_pairs(with_ref, cands)
     resync_candidates(star, rest, pivot, resync, jobs=2)
     assert sorted(asked) == [("jax", "keras-torch"), ("jax", "numpy"), ("jax", "tensorflow")]
     assert [p.verdict for p in cands] == ["DRIFT"] * 6
@@ -437,7 +441,7 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
             return {"agree": True, "n": 7, "against": {"change": {"fault": "adam_eps_hat"}},
                     "evidence": ["step 0: update0/fc2.bias"]}
         return {"agree": True, "n": 7}
-    star, rest, pivot = suspect_reference(with_keras, kp)
+    star, rest, pivot = pivot_pairs(with_keras, kp)
     resync_candidates(star, rest, pivot, with_formula)
     assert sorted(asked) == [("jax", "keras-jax"), ("jax", "numpy")]
     assert kp[0].verdict == "DECLARED" and kp[0].evidence.startswith("verified") and "they differ as declared" in \
@@ -448,7 +452,7 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
 
     # one candidate computes something else from the pivot's states: DIFFER with the pivot, and with the others
     cands = [pair(w, x), pair(w, y), pair(x, y)]
-    star, rest, pivot = suspect_reference(with_ref[:3], cands)
+    star, rest, pivot = pivot_pairs(with_ref[:3], cands)
     resync_candidates(star, rest, pivot, lambda p, extra: (
         {"agree": True, "n": 7} if p.b.name == "numpy" else
         {"agree": False, "n": 7, "first_disagreement": {"step": 50},
@@ -595,7 +599,7 @@ def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
     torch group (one backend) against jax and numpy (two) is still named."""
     from types import SimpleNamespace as NS
 
-    from harness.candidate_pairs import odd_one_out, resync_candidates, suspect_reference
+    from harness.candidate_pairs import odd_one_out, resync_candidates, pivot_pairs
     from harness.compare_output import odd_one_out_line
 
     def run(name, backend=None, declared=()):
@@ -608,7 +612,7 @@ def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
         return NS(verdict=verdict, a=a, b=b, notes=[], resync=None, first=None, evidence=None, declared=[])
     cands = [pair(ref2, keras, "DIFFER"), pair(ref2, jax, "DIFFER"), pair(ref2, numpy, "DIFFER"),
              pair(keras, jax, "DIFFER"), pair(keras, numpy, "DIFFER"), pair(jax, numpy, "INCONCLUSIVE")]
-    star, rest, pivot = suspect_reference(with_ref, cands)
+    star, rest, pivot = pivot_pairs(with_ref, cands)
     unplaced = resync_candidates(star, rest, pivot, lambda p, extra: (
         {"skipped": "fault 'adam_eps_hat+adam_float32_betas' is not implemented in this backend's wrapper"}
         if "keras-jax" in (p.a.name, p.b.name) else {"agree": True, "n": 9}))
