@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of
+from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice
 from .runs import Run
 
 PLAIN = "the reference"
@@ -167,6 +167,8 @@ def decide_by_resync(p: Pair, rs: dict[str, Any] | None, pivot: str) -> None:
     p.resync = rs
     rs = rs or {}
     against = rs.get("against")
+    if rs.get("agree") is False or (rs.get("agree") is True and rs.get("n")):
+        drop_stat_advice(p)      # decided: the saturated curves' advice to use --stat no longer stands
     if rs.get("agree") is True and rs.get("n"):
         if against and rs.get("evidence"):
             p.notes.append(f"was {p.verdict}: every step agrees from {pivot}'s state with {pivot} computing "

@@ -464,6 +464,15 @@ def test_when_every_candidate_is_a_bug_the_candidates_are_compared_from_a_pivots
     p = pair(x, y)
     decide_by_resync(p, {"skipped": "no resync point"}, "numpy")
     assert p.verdict == "INCONCLUSIVE" and "no shared-state comparison from numpy's state (no resync point)" in p.notes[0]
+    # decided from the pivot's states: the saturated curves' advice to use --stat is dropped, what they said is kept
+    saturated = "the envelope saturates at step 46: pointwise comparison has no power there"
+    for rs, verdict in (({"agree": True, "n": 7}, "DRIFT"), ({"agree": False, "n": 7}, "DIFFER"), (None, "INCONCLUSIVE")):
+        p = pair(x, y)
+        p.notes = [saturated + "; compare seeds statistically (--stat)"]
+        decide_by_resync(p, rs, "numpy")
+        assert p.verdict == verdict
+        assert p.notes[0] == ("free-running curves alone: " + saturated if rs else saturated +
+                              "; compare seeds statistically (--stat)")
 
 
 def test_a_buggy_candidate_on_a_chaotic_model_differs_from_the_runs_that_compute_the_reference_step():
