@@ -2,6 +2,7 @@
 harness/commands/, and the console entry. Every command: clear one-line errors, exit 2 for bad input."""
 from __future__ import annotations
 
+import errno
 import sys
 
 import click
@@ -14,7 +15,7 @@ from .commands.matrix import all_cmd, matrix_cmd
 from .commands.report import report_cmd
 from .commands.run import probe, run
 from .commands.selftest import selftest_cmd
-from .errors import EXIT_OK
+from .errors import EXIT_CRASH, EXIT_OK
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -59,6 +60,13 @@ def entry() -> None:
     except click.Abort:
         click.echo("duipai: interrupted", err=True)
         sys.exit(130)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a full disk is the machine's, not a bug to trace: one line (runs and jobs that finished are kept, and
+        # the same command again reuses them)
+        fail(f"no space left on the device{f' writing {e.filename}' if e.filename else ''}: free some space and run "
+             f"the same command again (the runs and jobs that finished are reused)", EXIT_CRASH)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,24 @@ def test_compare_options_out_of_range_are_one_line(tmp_path, args, needle, capsy
     code, err = _entry(["compare", str(tmp_path), *args], capsys, monkeypatch)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """A disk filled up under a long self-test (this VM, 2026-12-05) ended it with a traceback: one line now, exit
+    3, naming the file; any other OSError is still raised (a bug to trace)."""
+    import errno
+
+    from harness import cli
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/results/runs/x/steps.csv")
+    monkeypatch.setattr(cli.main, "main", full)
+    code, out, err = duipai_in_process(["models"], monkeypatch, capsys)
+    assert code == 3 and err.count("\n") == 1
+    assert "no space left on the device writing /results/runs/x/steps.csv: free some space" in err
+
+    def denied(*args, **kwargs):
+        raise OSError(errno.EACCES, "Permission denied", "/results")
+    monkeypatch.setattr(cli.main, "main", denied)
+    with pytest.raises(PermissionError):
+        duipai_in_process(["models"], monkeypatch, capsys)
