@@ -12,7 +12,7 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
-from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, Pair, change_of, fmt_factor
+from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, fmt_factor
 from .runs import SERIES, Run
 
 # --------------------------------------------------------------------------- output
@@ -263,7 +263,8 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
                                  sides=sides)
         return rest + [f"pairs without the reference: the {len(across)} across the odd group DIFFER, as it says{hint}"]
     implied = [r for r in rows if r[2] == DIFFER and bug_against_agreeing(sides or {}, r[0], r[1])]
-    both_bug = [r for r in rows if r[2] == DIFFER and all((sides or {}).get(n, ("",))[0] == BUG for n in r[:2])]
+    both_bug = [r for r in rows if r[2] in (DIFFER, INCONCLUSIVE) and all((sides or {}).get(n, ("",))[0] == BUG
+                                                                         for n in r[:2])]
     if implied or both_bug:
         rest = other_pairs_lines([r for r in rows if r not in implied + both_bug], margin, verbose, hint,
                                  some_apart=True)
@@ -271,7 +272,8 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         when = "" if t[0] is None else f" from step {t[0]}" + (f" to {t[-1]}" if t[-1] != t[0] else "")
         return rest + ([f"pairs without the reference: the {len(implied)} of a BUG run with a run that agrees with "
                         f"the reference DIFFER, as the verdicts above say{hint}"] if implied else []) + (
-            [f"pairs without the reference: {len(both_bug)} of two BUG runs DIFFER{when}; the envelope measures "
+            [f"pairs without the reference: {len(both_bug)} of two BUG runs "
+             f"{' or '.join(v for v in (DIFFER, INCONCLUSIVE) if v in {r[2] for r in both_bug})}{when}; the envelope measures "
              f"the reference's computation, which neither computes, so this does not tell whether they compute the "
              f"same thing (their localizations above do){hint}"] if both_bug else [])
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]

@@ -600,6 +600,11 @@ def test_pairs_the_verdicts_imply_and_pairs_of_two_bug_runs_are_one_line_each():
         "localizations above do); -v lists them"]
     assert len(other_pairs_lines(rows, 6.0, verbose=True, sides=sides)) == 7
     assert other_pairs_lines(rows, 6.0)[0] == "pairs without the reference (margin x6): 1 DRIFT; 5 do not:"
+    # a pair of two BUG runs whose curves part past the envelope's saturation (INCONCLUSIVE): the same line
+    sides["keras-tf"] = side_of("BUG", [], None, None)
+    undecided = rows + [("keras-jax", "keras-tf", "INCONCLUSIVE", None, None, None)]
+    assert other_pairs_lines(undecided, 6.0, sides=sides)[-1].startswith(
+        "pairs without the reference: 2 of two BUG runs DIFFER or INCONCLUSIVE from step 52; the envelope measures")
 
 
 def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
