@@ -15,6 +15,8 @@ from .files import atomic_write_text
 from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, fmt_factor
 from .runs import SERIES, Run
 
+NO_SIDE = ("", [], False, None)   # side_of of a run without a pair with the reference
+
 # --------------------------------------------------------------------------- output
 def _num(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
@@ -221,7 +223,7 @@ def side_of(verdict: str, declared: list[str], evidence: str | None, resync: dic
 def bug_against_agreeing(sides: dict[str, tuple], a: str, b: str) -> bool:
     """One run is BUG against the reference and the other agrees with it (or is verified DECLARED): their pair
     must differ, and says nothing the two verdicts do not (`sides`: run -> side_of)."""
-    (va, _, oka, _), (vb, _, okb, _) = (sides.get(n, ("", [], False, None)) for n in (a, b))
+    (va, _, oka, _), (vb, _, okb, _) = sides.get(a, NO_SIDE), sides.get(b, NO_SIDE)
     return (va == BUG and okb) or (vb == BUG and oka)
 
 
@@ -230,8 +232,7 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
     evidence (or the pair itself is DECLARED: `verdict`, harness.compare.through_reference), and they do not
     compute the same thing: other declared differences, or the same names checked against other formulas
     (`sides`: run -> side_of). None when nothing explains their difference."""
-    none = ("", [], False, None)
-    (va, da, oka, fa), (vb, db, okb, fb) = sides.get(a, none), sides.get(b, none)
+    (va, da, oka, fa), (vb, db, okb, fb) = sides.get(a, NO_SIDE), sides.get(b, NO_SIDE)
     if not (oka and okb) or DECLARED not in (va, vb, verdict) or (set(da) == set(db) and fa == fb):
         return None
     if set(da) != set(db):
@@ -244,13 +245,12 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
                       hint: str = "; -v lists them", odd_group: set[str] | frozenset[str] = frozenset(),
                       some_apart: bool = False, sides: dict[str, tuple] | None = None) -> list[str]:
-    """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor
-    inside[, why they differ as expected: declared_apart]): one line when they all agree (the answer is the
-    table above), one for those whose difference the verified declarations explain, one for the DIFFER pairs
-    across the odd group (`odd_group`: its runs' labels; the lead line says why they differ), one for the
-    DIFFER pairs of a BUG run with a run that agrees with the reference (`sides`: run -> side_of; the table
-    above says why they differ), one for the DIFFER pairs of two BUG runs (not calibrated: the envelope is the
-    reference's computation), each other disagreeing pair listed, every pair with verbose."""
+    """The pairs without the reference, rows of (label a, label b, verdict, first divergence, max factor inside[,
+    why they differ as expected: declared_apart[, compared from a shared state of its own]]): one line when all
+    agree (the table above is the answer), one for those the verified declarations explain, one for the DIFFER
+    pairs across the odd group (`odd_group`: its runs' labels), one for those of a BUG run with a run agreeing with
+    the reference (`sides`: run -> side_of), one for the pairs of two BUG runs nothing decided (the envelope is the
+    reference's computation; one a pivot compared is listed), each other disagreeing pair listed; all with verbose."""
     if not rows:
         return []
     head = f"pairs without the reference (margin x{margin:g})"
@@ -262,20 +262,21 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         rest = other_pairs_lines([r for r in rows if r not in across], margin, verbose, hint, some_apart=True,
                                  sides=sides)
         return rest + [f"pairs without the reference: the {len(across)} across the odd group DIFFER, as it says{hint}"]
-    implied = [r for r in rows if r[2] == DIFFER and bug_against_agreeing(sides or {}, r[0], r[1])]
-    both_bug = [r for r in rows if r[2] in (DIFFER, INCONCLUSIVE) and all((sides or {}).get(n, ("",))[0] == BUG
-                                                                         for n in r[:2])]
+    sides = sides or {}
+    implied = [r for r in rows if r[2] == DIFFER and bug_against_agreeing(sides, r[0], r[1])]
+    both_bug = [r for r in rows if r[2] in (DIFFER, INCONCLUSIVE) and not (r[6:] and r[6])
+                and all(sides.get(n, NO_SIDE)[0] == BUG for n in r[:2])]
     if implied or both_bug:
-        rest = other_pairs_lines([r for r in rows if r not in implied + both_bug], margin, verbose, hint,
-                                 some_apart=True)
         t = sorted({r[3]["step"] for r in both_bug if (r[3] or {}).get("step") is not None}) or [None]
         when = "" if t[0] is None else f" from step {t[0]}" + (f" to {t[-1]}" if t[-1] != t[0] else "")
-        return rest + ([f"pairs without the reference: the {len(implied)} of a BUG run with a run that agrees with "
-                        f"the reference DIFFER, as the verdicts above say{hint}"] if implied else []) + (
-            [f"pairs without the reference: {len(both_bug)} of two BUG runs "
-             f"{' or '.join(v for v in (DIFFER, INCONCLUSIVE) if v in {r[2] for r in both_bug})}{when}; the envelope measures "
-             f"the reference's computation, which neither computes, so this does not tell whether they compute the "
-             f"same thing (their localizations above do){hint}"] if both_bug else [])
+        kinds = " or ".join(v for v in (DIFFER, INCONCLUSIVE) if v in {r[2] for r in both_bug})
+        rest = [r for r in rows if r not in implied + both_bug]
+        return other_pairs_lines(rest, margin, verbose, hint, some_apart=True) + [
+            f"pairs without the reference: the {len(implied)} of a BUG run with a run that agrees with the reference "
+            f"DIFFER, as the verdicts above say{hint}"] * bool(implied) + [
+            f"pairs without the reference: {len(both_bug)} of two BUG runs {kinds}{when}; the envelope measures the "
+            f"reference's computation, which neither computes, so this does not tell whether they compute the same "
+            f"thing (their localizations above do){hint}"] * bool(both_bug)
     declared = [r for r in rows if r[2] not in AGREE and r[5:] and r[5]]
     rows = [r for r in rows if r not in declared]
     if len(declared) <= 3:
@@ -378,8 +379,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
     sides = {lab[p.b.name]: side_of(p.verdict, p.declared, p.evidence, p.resync) for p in c.pairs if p.with_reference}
     others = [(lab[p.a.name], lab[p.b.name], p.verdict, p.first,
                inside_factor(p.verdict, bool(p.first or p.saturated), _max_inside(p)),
-               declared_apart(sides, lab[p.a.name], lab[p.b.name], p.verdict)) for p in c.pairs
-              if not p.with_reference]
+               declared_apart(sides, lab[p.a.name], lab[p.b.name], p.verdict),
+               (p.resync or {}).get("agree") is not None) for p in c.pairs if not p.with_reference]
     if odd and not odd[0]:   # a candidate (or a group of them): named before the pairs that show it
         lines += ["", odd[1]]
     if others:

@@ -282,7 +282,8 @@ def other_pairs(comp: dict[str, Any], verbose: bool = False, hint: str = "; -v l
     rows = [(_short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"], p.get("first_divergence"),
              inside_factor(p["verdict"], bool(p.get("first_divergence") or p.get("saturated")),
                            max((_finite(c.get("max_ratio")) for c in p.get("series", {}).values()), default=0.0)),
-             declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"]))
+             declared_apart(sides, _short(p["reference"], ref), _short(p["candidate"], ref), p["verdict"]),
+             (p.get("resync") or {}).get("agree") is not None)
             for p in comp["pairs"] if not p.get("with_reference")]
     rule = comp.get("rule", {})
     odd = (comp.get("odd_one_out") or {}).get("runs") or []

@@ -605,6 +605,13 @@ def test_pairs_the_verdicts_imply_and_pairs_of_two_bug_runs_are_one_line_each():
     undecided = rows + [("keras-jax", "keras-tf", "INCONCLUSIVE", None, None, None)]
     assert other_pairs_lines(undecided, 6.0, sides=sides)[-1].startswith(
         "pairs without the reference: 2 of two BUG runs DIFFER or INCONCLUSIVE from step 52; the envelope measures")
+    # a pair of two BUG runs compared from a pivot's states is decided: listed with its own verdict, not in that line
+    decided = rows[:4] + [("keras-jax", "keras-torch", "DIFFER", at52, 77.8, None, True)]
+    assert other_pairs_lines(decided, 6.0, sides=sides) == [
+        "pairs without the reference (margin x6): 1 DRIFT; 1 do not:",
+        "  keras-jax ~ keras-torch: DIFFER from step 52 (grad_norm, 77.8x)",
+        "pairs without the reference: the 3 of a BUG run with a run that agrees with the reference DIFFER, as the "
+        "verdicts above say; -v lists them"]
 
 
 def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
