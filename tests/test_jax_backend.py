@@ -5,6 +5,8 @@ against the float64 reference, and two lowering faults that the probes must catc
 
 Runs in this process (JAX is set up with its registry environment before it is first imported);
 the float64 check runs in a child process, since x64 must be switched on before JAX starts.
+
+The checks every backend passes alike run here as TestJaxContract (tests/backend_contract.py).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ two lowering faults make the step-0 probe disagree with torch where they should.
 
 Runs in this process: TensorFlow is imported after the registry's environment is set, and the
 backend pins its thread pools before the first op.
+
+The checks every backend passes alike run here as TestTensorflowContract (tests/backend_contract.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The reference backend on its own: torch.optim's steps against the reference optimizer maths
 (`algorithms.optim.reference_update`, float64 NumPy) as the other backends are checked, exact state
-round trips, probes that leave the state alone, and the torch-convention layer semantics the spec fixes.
+round trips, and the torch-convention layer semantics the spec fixes; the checks every backend passes alike
+(probes that leave the state alone, replay, the layer semantics, the faults) are tests/backend_contract.py's.
 
 torch is the reference every other backend is judged against, so it must itself compute the reference
 mathematics: a wrong momentum/Nesterov/Adam/weight-decay convention here would turn every other backend's
@@ -23,6 +24,7 @@ from algorithms.contract import RunOptions  # noqa: E402
 from wrappers.torch.backend import TorchBackend  # noqa: E402
 from wrappers.worker import masks_for  # noqa: E402
 
+from .backend_contract import BackendContract  # noqa: E402
 from .optim_cases import BASE, REFERENCE_CASES as CASES  # noqa: E402
 
 
@@ -33,10 +35,22 @@ def batch(model, n=16, seed=1, dtype=np.float64):
     return x, y
 
 
-def make(model, hp: HParams, **opts) -> TorchBackend:
+def make(model, hp: HParams, params=None, **opts) -> TorchBackend:
     b = TorchBackend(model, hp, RunOptions(**opts))
-    b.load_params(init_params(model, 0))
+    b.load_params(init_params(model, 0) if params is None else params)
     return b
+
+
+class TestTorchContract(BackendContract):
+    """tests/backend_contract.py's checks, on the reference backend."""
+    backend = "torch"
+    opt_state_empty_before_first_step = True
+
+    def make(self, model, hp, params=None, **opts):
+        return make(model, hp, params, **opts)
+
+    def stored(self, b, name):
+        return b.p[name].detach().cpu().numpy()
 
 
 @pytest.mark.parametrize("model_name", ["cnn2d_2conv_2fc", "cnn2d_hard"])
@@ -123,25 +137,6 @@ def test_params_and_opt_state_round_trip_and_replay_bit_exact(optimizer):
         assert (sa.loss, sa.grad_norm, sa.update_norm, sa.param_norm) == (sb.loss, sb.grad_norm, sb.update_norm, sb.param_norm)
     pa, pb = a.export_params(), b.export_params()
     assert all(np.array_equal(pa[n], pb[n]) for n in pa)
-
-
-def test_forward_gradient_and_evaluation_probes_do_not_move_the_state():
-    """The read-only probes (forward per layer in both modes, gradients, evaluation) leave parameters, running
-    statistics and optimizer state as they were: a probe that moved them would shift the run it probes."""
-    m = load_model("cnn2d_hard")
-    hp = HParams(optimizer="adam", lr=1e-3, **BASE)
-    x, y = batch(m, dtype=np.float32)
-    b = make(m, hp)
-    b.train_step(0, x, y, masks_for(m, hp.seed, 0, len(x), b.opts.dropout))
-    p0, s0 = b.export_params(), b.export_opt_state()
-    masks = masks_for(m, hp.seed, 5, len(x), b.opts.dropout)
-    b.forward_layers(x, masks)
-    b.eval_layers(x)
-    b.gradients(x, y, masks)
-    b.evaluate(x, y)
-    p1, s1 = b.export_params(), b.export_opt_state()
-    assert all(np.array_equal(p0[n], p1[n]) for n in p0), "a probe moved a parameter or buffer"
-    assert all(np.array_equal(s0[n], s1[n]) for n in s0), "a probe moved the optimizer state"
 
 
 def test_batchnorm_keeps_torch_convention():
