@@ -10,48 +10,27 @@ A wrong gradient reduction or a wrong sharding breaks it by orders of magnitude.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from .conftest import need
+from .dp_runs import Runs, max_diff, steps_column as col
 
 STEPS = 60
 
 
-def col(folder: Path, name: str = "loss") -> np.ndarray:
-    return pd.read_csv(folder / "steps.csv")[name].to_numpy(np.float64)
-
-
-def max_diff(a: Path, b: Path) -> float:
-    return float(np.max(np.abs(col(a) - col(b))))
-
-
-class Runs:
-    def __init__(self, out: Path) -> None:
-        self.out, self.made = out, {}
-
-    def get(self, devices: int = 1, steps: int = STEPS, model: str = "cnn2d_2conv_2fc", **cfg) -> Path:
-        from algorithms.optim import HParams
-        from harness import runner
-        key = (model, steps, devices, tuple(sorted((k, str(v)) for k, v in cfg.items())))
-        if key not in self.made:
-            hp = HParams(steps=steps, eval_every=min(50, steps), checkpoint_every=min(50, steps))
-            self.made[key] = runner.execute(runner.RunConfig(model=model, backend="jax", hparams=hp, devices=devices,
-                                                             **cfg), self.out)
-        return self.made[key]
-
+class JaxRuns(Runs):
     def envelope(self) -> float:
-        one, u1, u2 = self.get(), self.get(perturb_ulp=1), self.get(perturb_ulp=2)
-        return 3 * max(max_diff(one, u1), max_diff(u1, u2))
+        """3 x the larger of the loss distances dp=1 ~ --perturb-ulp 1 and --perturb-ulp 1 ~ 2."""
+        return 3 * max(max_diff(self.get(), self.get(perturb_ulp=1)), self.ulp_spread())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
+def runs(tmp_path_factory) -> JaxRuns:
     need("jax")
-    return Runs(tmp_path_factory.mktemp("dp_jax"))
+    return JaxRuns(tmp_path_factory.mktemp("dp_jax"), "jax", STEPS)
 
 
 def test_dp2_agrees_with_dp1_within_the_ulp_envelope(runs):

@@ -23,44 +23,22 @@ from algorithms.contract import INIT_PARAMS_FILE, JOB_FILE, MANIFEST_FILE, ORDER
 from algorithms.optim import HParams
 
 from .conftest import ROOT, need
+from .dp_runs import Runs, max_diff, steps_column as loss
 
 STEPS = 60
 BASE = "cnn2d_2conv_2fc__torch__momentum-constant__s0"
 
 
-def loss(folder: Path, col: str = "loss") -> np.ndarray:
-    return pd.read_csv(folder / "steps.csv")[col].to_numpy(np.float64)
-
-
-def max_diff(a: Path, b: Path) -> float:
-    return float(np.max(np.abs(loss(a) - loss(b))))
-
-
-class Runs:
-    """Training runs (runner.execute: one backend launch each, as `duipai run` does) made once per module."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.made = out, {}
-
-    def get(self, devices: int = 1, steps: int = STEPS, model: str = "cnn2d_2conv_2fc", **cfg) -> Path:
-        from algorithms.optim import HParams
-        from harness import runner
-        key = (model, steps, devices, tuple(sorted((k, str(v)) for k, v in cfg.items())))
-        if key not in self.made:
-            hp = HParams(steps=steps, eval_every=min(50, steps), checkpoint_every=min(50, steps))
-            self.made[key] = runner.execute(runner.RunConfig(model=model, backend="torch", hparams=hp, devices=devices,
-                                                             **cfg), self.out)
-        return self.made[key]
-
+class TorchRuns(Runs):
     def envelope(self) -> float:
         """3 x the loss distance of two dp=1 runs one ULP apart in their initial weights."""
-        return 3 * max_diff(self.get(perturb_ulp=1), self.get(perturb_ulp=2))
+        return 3 * self.ulp_spread()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
+def runs(tmp_path_factory) -> TorchRuns:
     need("torch")
-    return Runs(tmp_path_factory.mktemp("dp_torch"))
+    return TorchRuns(tmp_path_factory.mktemp("dp_torch"), "torch", STEPS)
 
 
 def test_dp2_agrees_with_dp1_within_the_ulp_envelope(runs):
