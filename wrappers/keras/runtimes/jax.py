@@ -12,7 +12,9 @@ variables) lives here as JAX arrays, each step calls the model's own `train_func
 `make_train_function`: the jitted `train_step` below, state donated) on one batch, and the values
 that change from outside between steps -- the learning rate (the optimizer's `learning_rate`
 variable, an entry of the optimizer state: a schedule is a new value, never a retrace) and the
-harness's dropout masks (non-trainable variables) -- are written into their slots of the state.
+harness's dropout masks (non-trainable variables) -- are written into their slots of the state, and the step's
+statistics come back packed in one array (one blocking device-to-host read a step, as fit's logs are not read
+at all between callbacks).
 `sync()` writes the state back into the Keras variables (before every export, evaluation, probe or
 load), after which the variables are the state again until the next step.
 
@@ -61,11 +63,20 @@ def enable_float64() -> None:
     jax.config.update("jax_enable_x64", True)
 
 
+# the step's statistics, packed in this order (then the replica losses) into one array: one device-to-host read
+# a step instead of one per statistic (each a blocking transfer of its own)
+PACKED_LOGS = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
+
+
 def train_step(self, state, data):
     """One jitted step: value_and_grad of THIS batch's data loss through stateless_call, then
-    optimizer.stateless_apply. BatchNorm's moving statistics come back in non_trainable_variables."""
+    optimizer.stateless_apply. BatchNorm's moving statistics come back in non_trainable_variables. The logs
+    keep Keras' names (train_on_batch and fit read them) and add `packed`, what the Stepper reads."""
     self.traces += 1                                    # Python: counts traces, not steps
     logs, new_state, _ = step_with_gradients(self, state, data)
+    parts = [logs[k] for k in PACKED_LOGS] + ([logs["replica_losses"]] if "replica_losses" in logs else [])
+    dtype = logs["loss"].dtype                          # float32, or float64 (accuracy is exact in either)
+    logs["packed"] = ops.concatenate([ops.reshape(ops.cast(t, dtype), (-1,)) for t in parts])
     return logs, new_state
 
 
@@ -113,7 +124,8 @@ class Stepper:
         self.shardings = ({id(v): v.value.sharding for vs in self.groups for v in vs}
                           if parallel is not None else None)
         self.state: list[list[Any]] | None = None      # None: the Keras variables hold the state
-        self.written: dict[int, np.ndarray] = {}       # the value last written into each slot (since the pull)
+        self.written: dict[int, tuple] = {}            # (shape, bytes) last written into each slot (since the pull)
+        self.dtypes: dict[int, Any] = {}               # each written variable's dtype
         self.probe: Callable | None = None             # the step with its gradients, compiled as the step is
         self.layers_probe: tuple | None = None          # (recorder, the step's forward recording every layer)
 
@@ -125,18 +137,25 @@ class Stepper:
         if self.state is None:
             self.state = [[v.value for v in vs] for vs in self.groups]
         for var, val in values:
-            k, val = id(var), np.asarray(val, var.dtype)
-            prev = self.written.get(k)
-            if prev is not None and prev.shape == val.shape and np.array_equal(prev, val):
+            k = id(var)
+            if k not in self.dtypes:
+                self.dtypes[k] = var.dtype    # a Keras property that standardizes its dtype on every read
+            val = np.asarray(val, self.dtypes[k])
+            raw = (val.shape, val.tobytes())
+            if self.written.get(k) == raw:
                 continue                  # the slot holds it already (a constant lr: no transfer at all)
-            self.written[k] = val
+            self.written[k] = raw
             g, i = self.slots[k]
             self.state[g][i] = val if self.shardings is None else jax.device_put(val, self.shardings[k])
         if self.parallel is not None:
             x, y = self.parallel.distribute(x), self.parallel.distribute(y)
         logs, state = net.train_function(tuple(self.state), iter([(x, y, None)]))
         self.state = [list(s) for s in state]
-        return jax.device_get(logs)
+        packed = np.asarray(logs["packed"])                # the one blocking read of the step
+        out = dict(zip(PACKED_LOGS, packed))
+        if len(packed) > len(PACKED_LOGS):
+            out["replica_losses"] = packed[len(PACKED_LOGS):]
+        return out
 
     def gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, list]:
         """(data loss, gradients) of one batch from the training step's own program (step_with_gradients,
