@@ -12,6 +12,14 @@ window of `pool2` whose two largest inputs are 1.3e-7 apart in float64, picked o
 the other by three candidates; conv1, bn1 and conv2's gradients 4-5e-3 off, the reference's own eight
 1-ULP-nudged steps all on its side; docs/verdict.md). Seeing the crossing in the candidate's own activations
 is evidence that the backward disagreement is that flip, not another computation (harness.resync.judge).
+
+And the candidate's own step in float64 (`same_in_float64`): a gradient that is an ill-conditioned sum (a
+BatchNorm gamma's: the sum over the batch and the map of dy * x_hat, which nearly cancels) rounds in float32 by
+what the summation order makes of it, and a kernel that sums in another order (a channels-last BatchNorm
+backward on mobilenet_tiny, resynced step 1: ir2_expand_bn.gamma's gradient 2.2e-3 of its scale off, 4.3x the
+reference's own float32 error, every activation agreeing, no kink crossed) may round several times worse than
+the reference's. The candidate's float64 step from the same state computing what the float64 reference computes,
+to float64's resolution of that float32 disagreement, is evidence that its kernels compute the same function.
 """
 from __future__ import annotations
 
@@ -22,7 +30,19 @@ import numpy as np
 from algorithms.layout import pad_hw, pool_windows
 from algorithms.model import INPUT, LayerInfo, ModelSpec
 
-from .probes import EPS32
+from .probes import EPS32, kind_of, rms_rel
+
+# the candidate's float64 step explains a float32 disagreement of `rel` when its own error against the float64
+# reference is within FLOAT64_MARGIN x rel x eps64 / eps32 (what float64 rounding makes of the same conditioning),
+# never under FLOAT64_FLOOR: another computation (a bug) stays as far off in float64 as in float32
+FLOAT64_MARGIN = 100.0
+FLOAT64_FLOOR = 1e-13
+# and only a float32 disagreement within FLOAT64_REACH x its calibrated tolerance (the reference's own float32
+# error, margin included): one summation order rounds an ill-conditioned sum up to ~sqrt(n / log n) times worse
+# than another (25x for a BatchNorm's 8192 terms), not without bound; a key further off is not let through by a
+# float64 path that might not be the float32 one (a wrapper that computes in another precision in float32)
+FLOAT64_REACH = 10.0
+EPS_RATIO = float(np.finfo(np.float64).eps) / EPS32
 
 # the layer kinds whose derivative jumps at some input value (a kink), and what decides the branch
 KINK_KINDS = ("relu", "relu6", "leaky_relu", "maxpool2d")
@@ -134,19 +154,35 @@ def saturated(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np
     return out
 
 
+def same_in_float64(cand64: dict[str, np.ndarray] | None, ref64: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """The candidate's own float64 step against the float64 reference's from the same state (both computing the
+    candidate's declared formulas), per key of the backward pass: RMS error over the key's float64 scale, as
+    `rel` is. [] without the candidate's float64 step (a backend without float64, or its job failed)."""
+    if cand64 is None:
+        return []
+    keys = {k: rms_rel(np.asarray(cand64[k], np.float64), np.asarray(ref64[k], np.float64))
+            for k in cand64 if k in ref64 and kind_of(k)[0] in ("grad", "update", "opt")}
+    return [{"layer": "the candidate's own float64 step", "kind": "float64", "keys": keys}] if keys else []
+
+
 def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, margin: float,
                floor: float) -> list[dict[str, Any]] | None:
-    """The crossings and saturations in `found` (one step's `crossed` + `saturated`) that explain the
-    disagreeing keys `diffs` (probe diffs: key, kind, rel), when together they explain every one; else None.
-    A kink explains any key of a parameter upstream of it (a crossing moves a whole derivative); a saturation
-    a gradient upstream of it within `margin` x its allowance (an allowance under floor / margin explains
-    nothing the floor does not); an update or optimizer state follows its own parameter's explained gradient."""
+    """The crossings, saturations and float64 steps in `found` (one step's `crossed` + `saturated` +
+    `same_in_float64`) that explain the disagreeing keys `diffs` (probe diffs: key, kind, rel), when together
+    they explain every one; else None. A kink explains any key of a parameter upstream of it (a crossing moves a
+    whole derivative); a saturation a gradient upstream of it within `margin` x its allowance (an allowance under
+    floor / margin explains nothing the floor does not); the float64 step a key it computes as the float64
+    reference does (FLOAT64_MARGIN); an update or optimizer state follows its own parameter's explained gradient."""
     usable = [c for c in found if "allowance" not in c or margin * c["allowance"] > floor]
 
     def param(d: dict[str, Any]) -> str:        # "update0/conv1.kernel" -> "conv1.kernel"
         return d["key"].rsplit("/", 1)[-1]
 
     def explains(c: dict[str, Any], d: dict[str, Any]) -> bool:
+        if c["kind"] == "float64":
+            got = c["keys"].get(d["key"])
+            return (got is not None and d["rel"] <= FLOAT64_REACH * d["tol"]
+                    and got <= max(FLOAT64_FLOOR, FLOAT64_MARGIN * EPS_RATIO * d["rel"]))
         if param(d).rsplit(".", 1)[0] not in c["upstream"]:
             return False
         return "allowance" not in c or (d["kind"] == "grad" and d["rel"] <= margin * c["allowance"])
@@ -155,8 +191,11 @@ def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, marg
     explained = {param(d) for d in diffs if d["kind"] == "grad" and any(explains(c, d) for c in used)}
     ok = all(any(explains(c, d) for c in used) or (d["kind"] in ("update", "opt") and param(d) in explained)
              for d in diffs)
-    return used if ok else None
+    # a float64 step is reported with the keys it explains (float32 error, then its own float64 error), not all
+    said = [c if c["kind"] != "float64" else
+            dict(c, keys={d["key"]: [d["rel"], c["keys"][d["key"]]] for d in diffs if explains(c, d)}) for c in used]
+    return said if ok else None
 
 
 __all__ = ["CARRIED", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "explaining", "margins",
-           "saturated", "upstream"]
+           "same_in_float64", "saturated", "upstream"]

@@ -25,7 +25,7 @@ from algorithms.contract import WORKER_FILE, Replay, checkpoints_in, probe_file_
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import runner
-from .errors import BackendFailed
+from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
 from .runs import Run, check_reproduces, config_of
@@ -323,27 +323,34 @@ class ProbeJobs:
         return dict(rep, sensitivity=rep["sensitivity"].extended(more),
                     sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(len(g) for g, got in zip(groups, found) if got[at[0]]))
 
-    def every_sample(self, ref: Run, cand: Run, rep: dict[str, Any], t: int,
-                     change: dict[str, Any] | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    def every_sample(self, ref: Run, cand: Run, rep: dict[str, Any], t: int, change: dict[str, Any] | None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray] | None] | None:
         """Step `t` of a replay probed again by the candidate and by the float64 reference (computing the
         candidate's declared formulas, with `change`), every sample's activations kept: the evidence of a kink
-        the candidate's rounding crossed there (harness.kinks). None where there is no float64 reference
-        (a float64 or same-path reference) or a job failed."""
+        the candidate's rounding crossed there (harness.kinks); and the candidate's own step in float64 (None
+        where it has none). None where there is no float64 reference (a float64 or same-path reference) or a
+        job failed."""
         if not has_float64_reference(ref, cand):
             return None
         extra = Replay([t], states={t: rep["states"][str(t)]}, activation_rows=0)
-        tag, wide = f"at{t}-rows-all", dict(change or {}, dtype="float64")
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
-                fc = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}",
-                                 "replay", extra)
-                fz = pool.submit(self._job, ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(wide)}__{tag}",
-                                 "replay", extra, **wide)
-                stem = probe_file_stem(0)
-                return load_npz(fc.result() / f"{stem}.npz"), load_npz(fz.result() / f"{stem}.npz")
-        except BackendFailed as e:
-            self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
-            return None
+        tag, wide, stem = f"at{t}-rows-all", dict(change or {}, dtype="float64"), probe_file_stem(0)
+        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+            fc = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}",
+                             "replay", extra)
+            fz = pool.submit(self._job, ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(wide)}__{tag}",
+                             "replay", extra, **wide)
+            f64 = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__float64__from-{_tag(ref)}__{tag}",
+                              "replay", extra, dtype="float64")
+            try:
+                got = load_npz(fc.result() / f"{stem}.npz"), load_npz(fz.result() / f"{stem}.npz")
+            except BackendFailed as e:
+                self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
+                return None
+            try:
+                return (*got, load_npz(f64.result() / f"{stem}.npz"))
+            except (BackendFailed, BadInput) as e:
+                self.log(f"localize: no float64 step of {cand.name} at {t} ({str(e).splitlines()[0]})")
+                return (*got, None)
 
     def self_replay(self, run: Run) -> dict[str, Any]:
         """harness.self_replay: `run`'s backend re-trains every stretch between two of the run's checkpoints from

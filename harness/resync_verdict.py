@@ -75,13 +75,20 @@ def _crossed_what(dc: dict[str, Any]) -> str:
     if not crossed:
         return ""
     said = "; ".join(f"step {t}: " + ", ".join(map(_crossing_what, cs)) for t, cs in crossed.items())
-    return (f"; step(s) {', '.join(map(str, crossed))} agree by what the candidate's own activations show (only "
-            f"gradients upstream of it and what follows from them disagree; every sample compared with the float64 "
-            f"reference's): {said}")
+    return (f"; step(s) {', '.join(map(str, crossed))} agree by what the candidate's own activations or its own "
+            f"float64 step show (only gradients and what follows from them disagree; every sample compared with the "
+            f"float64 reference's): {said}")
 
 
 def _crossing_what(c: dict[str, Any]) -> str:
-    """One kink the candidate crossed, or one saturated layer (harness.kinks), said with its evidence."""
+    """One kink the candidate crossed, one saturated layer, or its own float64 step (harness.kinks), said with its
+    evidence."""
+    if c["kind"] == "float64":
+        return ("the candidate's own float64 step from the same state computes what the float64 reference does ("
+                + ", ".join(f"{k} {r32:.2g} of its scale off in float32, {r64:.2g} in float64"
+                            for k, (r32, r64) in list(c["keys"].items())[:3])
+                + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else "")
+                + "): its kernels round differently, the function is the same")
     if "allowance" in c:
         return (f"{c['layer']} ({c['kind']}) saturated: {c['carried_by']} of its {c['of']} outputs carry 99% of its "
                 f"derivative, which rounding of the candidate's own outputs moves by up to {c['allowance']:.2g} of "

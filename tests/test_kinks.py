@@ -80,7 +80,7 @@ def test_a_backward_disagreement_upstream_of_a_crossed_kink_agrees_at_that_point
     assert got["agree"], got["first_disagreement"]
     assert got["discontinuities"]["looked_for_crossings"] == [75] and list(got["discontinuities"]["crossed"]) == [75]
     assert next(p for p in got["per_point"] if p["step"] == 75)["crossed"][0]["layer"] == "k"
-    assert "agree by what the candidate's own activations show" in resync_what(got)
+    assert "agree by what the candidate's own activations or its own float64 step show" in resync_what(got)
     assert "k (maxpool2d, a kink crossed by 1 of 4096 outputs, float64 margin 1.3e-07)" in resync_what(got)
     # a kink whose derivative does not reach conv1 explains nothing of conv1's gradient
     assert not R.judge(_with_crossing(["fc1"]), LAYERS, analyse)["agree"]
@@ -122,12 +122,50 @@ def test_every_sample_probes_the_step_again_in_the_candidate_and_the_float64_ref
     ref, cand = run("torch", "ref"), run("tensorflow", "cand")
     got = jobs.every_sample(ref, cand, {"states": {"23": "/s/state_23.npz", "24": "/s/state_24.npz"}}, 23,
                             {"fault": "adam_eps_hat"})
-    assert got is not None and len(got) == 2
-    by = {b: (extra, change) for b, _, mode, extra, change in asked}
-    for extra, _ in by.values():
+    assert got is not None and len(got) == 3 and got[2] is not None    # and the candidate's own float64 step
+    by = sorted((b, sorted(change.items())) for b, _, mode, extra, change in asked)
+    for *_, extra, _ in asked:
         assert extra == Replay([23], states={23: "/s/state_23.npz"}, probe_steps=1, activation_rows=0)
-    assert by["tensorflow"][1] == {} and by["torch"][1] == {"fault": "adam_eps_hat", "dtype": "float64"}
+    assert by == [("tensorflow", []), ("tensorflow", [("dtype", "float64")]),
+                  ("torch", [("dtype", "float64"), ("fault", "adam_eps_hat")])]
     assert jobs.every_sample(ref, run("torch", "ref-dp1-again"), {"states": {"23": "x"}}, 23, None) is None
+
+
+# --------------------------------------------------------------------------- the candidate's float64 step
+def _with_float64_step(off64: float, size: float = 1.5e-4) -> dict:
+    """The candidate jumps at step 75 by `size` in grad/conv1.kernel and update0/conv1.kernel (no kink crossed);
+    its own float64 step there is `off64` (of the key's scale) from the float64 reference's."""
+    rep = kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[75], size=size)
+    keys = {"grad/conv1.kernel": off64, "update0/conv1.kernel": off64, "grad/fc1.kernel": 0.0}
+    return dict(rep, crossings={75: [{"layer": "the candidate's own float64 step", "kind": "float64", "keys": keys}]})
+
+
+def test_the_candidates_float64_step_computing_the_same_explains_its_float32_rounding_only():
+    """A backward disagreement no kink explains (an ill-conditioned sum rounded in another order) agrees when the
+    candidate's own float64 step from that state is the float64 reference's to float64's resolution; the same
+    disagreement in float64 is another computation, and a float32 error far past its tolerance is not let
+    through by a float64 path."""
+    got = R.judge(_with_float64_step(1e-15), LAYERS, analyse)
+    assert got["agree"], got["first_disagreement"]
+    said = resync_what(got)
+    assert "the candidate's own float64 step from the same state computes what the float64 reference does" in said
+    assert "grad/conv1.kernel" in said and "1e-15 in float64" in said and "grad/fc1.kernel" not in said
+    assert not R.judge(_with_float64_step(1e-4), LAYERS, analyse)["agree"]        # off in float64 too: a bug
+    assert not R.judge(_with_float64_step(1e-6), LAYERS, analyse)["agree"]        # past float64's resolution
+    far = _with_float64_step(1e-15, size=5e-3)
+    assert not R.judge(far, LAYERS, analyse)["agree"]                             # past FLOAT64_REACH x its tol
+    plain = _with_float64_step(1e-15)
+    plain.pop("crossings")
+    assert not R.judge(plain, LAYERS, analyse)["agree"]                           # no evidence: it stands
+
+
+def test_same_in_float64_compares_the_backward_keys_on_their_scale():
+    ref64 = {"grad/a": np.array([1.0, -2.0]), "update0/a": np.array([0.1, 0.2]), "forward/x": np.ones(3)}
+    cand64 = {"grad/a": np.array([1.0, -2.0 + 4e-15]), "update0/a": np.array([0.1, 0.2]), "forward/x": np.zeros(3)}
+    (got,) = kinks.same_in_float64(cand64, ref64)
+    assert got["kind"] == "float64" and set(got["keys"]) == {"grad/a", "update0/a"}
+    assert got["keys"]["grad/a"] == pytest.approx(np.sqrt(8e-30) / 2, rel=1e-6) and got["keys"]["update0/a"] == 0.0
+    assert kinks.same_in_float64(None, ref64) == []
 
 
 # --------------------------------------------------------------------------- saturations
