@@ -30,7 +30,7 @@ import numpy as np
 from algorithms.layout import pad_hw, pool_windows
 from algorithms.model import INPUT, LayerInfo, ModelSpec
 
-from .probes import EPS32, kind_of, rms_rel
+from .probes import BACKWARD_KINDS, EPS32, kind_of, rms_rel
 
 # the candidate's float64 step explains a float32 disagreement of `rel` when its own error against the float64
 # reference is within FLOAT64_MARGIN x rel x eps64 / eps32 (what float64 rounding makes of the same conditioning),
@@ -161,7 +161,7 @@ def same_in_float64(cand64: dict[str, np.ndarray] | None, ref64: dict[str, np.nd
     if cand64 is None:
         return []
     keys = {k: rms_rel(np.asarray(cand64[k], np.float64), np.asarray(ref64[k], np.float64))
-            for k in cand64 if k in ref64 and kind_of(k)[0] in ("grad", "update", "opt")}
+            for k in cand64 if k in ref64 and kind_of(k)[0] in BACKWARD_KINDS}
     return [{"layer": "the candidate's own float64 step", "kind": "float64", "keys": keys}] if keys else []
 
 

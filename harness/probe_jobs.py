@@ -339,8 +339,8 @@ class ProbeJobs:
                              "replay", extra)
             fz = pool.submit(self._job, ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(wide)}__{tag}",
                              "replay", extra, **wide)
-            f64 = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__float64__from-{_tag(ref)}__{tag}",
-                              "replay", extra, dtype="float64")
+            f64 = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__float64__from-{_tag(ref)}__at{t}",
+                              "replay", Replay([t], states=extra.states), dtype="float64")   # its gradients only
             try:
                 got = load_npz(fc.result() / f"{stem}.npz"), load_npz(fz.result() / f"{stem}.npz")
             except BackendFailed as e:

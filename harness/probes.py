@@ -56,6 +56,12 @@ class ProbeDiff:
         return asdict(self)
 
 
+# the probe kinds a discontinuity of one step moves while the forward pass agrees: a ReLU (or ReLU6, or a
+# max-pool tie) is continuous in its input, so a flip of its derivative changes the gradients below it and
+# what follows from them (the update, the optimizer state), never an activation, the loss or a buffer
+BACKWARD_KINDS = ("grad", "update", "opt")
+
+
 def kind_of(key: str) -> tuple[str, int]:
     head = key.split("/", 1)[0]
     m = re.fullmatch(r"(update|buffer|opt)(\d+)", head)

@@ -31,7 +31,7 @@ from .implied import optimizer_rest
 from .kinks import explaining
 from .bias_test import sequential_test, signed_deviations
 from .probe_analysis import eval_disagreement
-from .probes import kind_of
+from .probes import BACKWARD_KINDS, kind_of
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
 # on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
@@ -83,10 +83,6 @@ def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
     return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
 
 
-# the probe kinds a discontinuity of one step moves while the forward pass agrees: a ReLU (or ReLU6, or a
-# max-pool tie) is continuous in its input, so a flip of its derivative changes the gradients below it and
-# what follows from them (the update, the optimizer state), never an activation, the loss or a buffer
-BACKWARD_KINDS = ("grad", "update", "opt")
 
 
 def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: float = JUMP) -> dict[str, Any]:

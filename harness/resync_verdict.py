@@ -129,7 +129,7 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
     those keys; else None. The resync's steps are the better instrument: calibrated at each state, with the
     reference's own 1-ULP-nudged steps, where a ReLU kink flipped by rounding shows (harness/resync.py)."""
     from .probes import kind_of
-    from .resync import BACKWARD_KINDS
+    from .probes import BACKWARD_KINDS
     keys = (loc or {}).get("disagreeing_keys") or []
     if not keys or (loc or {}).get("missing_keys") or "resync" in str((loc or {}).get("method", "")):
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -151,6 +151,9 @@ class StepStats:
     update_norm: float
     param_norm: float
     replica_losses: list[float] | None = None   # data parallel: each replica's mean loss on its shard
+
+
+STEP_STATS = tuple(f.name for f in fields(StepStats) if f.name != "replica_losses")   # one vector's order
 
 
 def shard_bounds(batch: int, replicas: int, fault: str | None = None) -> list[tuple[int, int]]:

@@ -30,15 +30,12 @@ from algorithms.faults import Seams
 from algorithms.optim import HParams
 from algorithms.spec import ModelSpec
 
-from ..base import Backend, Masks, StepStats, UnsupportedError
+from ..base import STEP_STATS, Backend, Masks, StepStats, UnsupportedError
 from . import JaxEntry
 from .layers import cross_entropy, forward, from_native, per_example_cross_entropy, to_native
 from .optim import (ADAM_STATE, in_tuple, adam_hyperparams, export_state, keras_velocity, load_state, make_optimizer,
                     step_eps)
 from .parallel import DataParallel, host_value
-
-
-STEP_STATS = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")   # the step's vector, in order
 
 
 def _global_norm(tree) -> jax.Array:

@@ -41,6 +41,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from ...base import STEP_STATS
 from ..parallel import Parallel
 from . import traced_sum_of_squares as sum_of_squares  # noqa: F401  (this module's name for it)
 
@@ -63,18 +64,14 @@ def enable_float64() -> None:
     jax.config.update("jax_enable_x64", True)
 
 
-# the step's statistics, packed in this order (then the replica losses) into one array: one device-to-host read
-# a step instead of one per statistic (each a blocking transfer of its own)
-PACKED_LOGS = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
-
-
 def train_step(self, state, data):
     """One jitted step: value_and_grad of THIS batch's data loss through stateless_call, then
     optimizer.stateless_apply. BatchNorm's moving statistics come back in non_trainable_variables. The logs
     keep Keras' names (train_on_batch and fit read them) and add `packed`, what the Stepper reads."""
     self.traces += 1                                    # Python: counts traces, not steps
     logs, new_state, _ = step_with_gradients(self, state, data)
-    parts = [logs[k] for k in PACKED_LOGS] + ([logs["replica_losses"]] if "replica_losses" in logs else [])
+    # the statistics in STEP_STATS' order (then the replica losses) in one array: one device-to-host read a step
+    parts = [logs[k] for k in STEP_STATS] + ([logs["replica_losses"]] if "replica_losses" in logs else [])
     dtype = logs["loss"].dtype                          # float32, or float64 (accuracy is exact in either)
     logs["packed"] = ops.concatenate([ops.reshape(ops.cast(t, dtype), (-1,)) for t in parts])
     return logs, new_state
@@ -152,9 +149,9 @@ class Stepper:
         logs, state = net.train_function(tuple(self.state), iter([(x, y, None)]))
         self.state = [list(s) for s in state]
         packed = np.asarray(logs["packed"])                # the one blocking read of the step
-        out = dict(zip(PACKED_LOGS, packed))
-        if len(packed) > len(PACKED_LOGS):
-            out["replica_losses"] = packed[len(PACKED_LOGS):]
+        out = dict(zip(STEP_STATS, packed))
+        if len(packed) > len(STEP_STATS):
+            out["replica_losses"] = packed[len(STEP_STATS):]
         return out
 
     def gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, list]:
