@@ -2,8 +2,9 @@
 
 Runs one backend in its own process with the environment the harness gives it (`python -m wrappers`'s
 set_backend_env), on the job the harness would write, and times every piece of the per-step loop separately:
-batch gather, dropout masks, Backend.train_step, the row's bookkeeping (epoch, lr, batch checksum,
-CSV formatting and write), the progress line, and the periodic checkpoint and evaluation. Then it
+batch gather, dropout masks, Backend.train_step, the row's formatting (its step, epoch, lr and batch
+checksum formatted before the loop, as there), the progress line, and the periodic checkpoint (the state read
+in the loop; the file written by a writer thread, timed apart) and evaluation. Then it
 profiles train_step itself with cProfile and prints the functions where its time goes.
 
     python bench/profile_worker.py -b torch [--steps 300] [--top 25]
@@ -62,6 +63,7 @@ def child(job_path: str, top: int) -> None:
     entry = REGISTRY[job.backend]
     set_backend_env(entry, job.options)
     from algorithms import data as D
+    from algorithms.contract import state_arrays
     from algorithms.params import load_npz, save_npz
     from wrappers import worker as W
 
@@ -74,9 +76,13 @@ def child(job_path: str, top: int) -> None:
     backend.load_params(load_npz(job.params))
     out_dir = Path(job.out)
     n_train = len(x_tr)
-    t: dict[str, list[float]] = {k: [] for k in ("gather", "masks", "train_step", "epoch+lr", "checksum",
-                                                 "fmt+write", "progress", "iteration")}
-    periodic: dict[str, list[float]] = {"checkpoint": [], "evaluate": []}
+    t: dict[str, list[float]] = {k: [] for k in ("gather", "masks", "train_step", "fmt+row", "progress", "iteration")}
+    periodic: dict[str, list[float]] = {"checkpoint": [], "checkpoint write (writer thread)": [], "evaluate": []}
+    heads = [f"{s},{D.epoch_of(s, n_train, hp.batch_size)}" for s in range(hp.steps)]
+    tails = [f"{W.fmt(backend.logged_lr(s))},{D.batch_checksum(x_tr[order[s]], y_tr[order[s]])}" for s in range(hp.steps)]
+    rows: list[str] = []
+    dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)   # as run_train
+    last_progress = -W.PROGRESS_EVERY_S
     sink = open(os.devnull, "w")
     pc = time.perf_counter
     half = hp.steps // 2
@@ -86,7 +92,7 @@ def child(job_path: str, top: int) -> None:
             profiling = step >= half
             t_it = pc()
             a = pc(); idx = order[step]; x, y = x_tr[idx], y_tr[idx]; b = pc(); t["gather"].append(b - a)
-            a = pc(); masks = W.masks_for(model, hp.seed, step, hp.batch_size, opts.dropout); b = pc()
+            a = pc(); masks = W.masks_for(model, hp.seed, step, hp.batch_size, opts.dropout) if dropout else {}; b = pc()
             t["masks"].append(b - a)
             if profiling:
                 prof.enable()
@@ -94,28 +100,29 @@ def child(job_path: str, top: int) -> None:
             if profiling:
                 prof.disable()
             t["train_step"].append(b - a)
-            a = pc(); ep = D.epoch_of(step, n_train, hp.batch_size); lr = backend.lr_for(step); b = pc()
-            t["epoch+lr"].append(b - a)
-            a = pc(); cs = D.batch_checksum(x, y); b = pc(); t["checksum"].append(b - a)
+            a = pc()   # as run_train: step, epoch, lr and checksum were formatted before the loop
+            row = (heads[step], st.loss, st.accuracy, st.grad_norm, st.update_norm, st.param_norm, tails[step], 0.0)
+            rows.append(",".join(map(W.fmt, row)) + "\n")
+            b = pc(); t["fmt+row"].append(b - a)
             a = pc()
-            row = (step, ep, st.loss, st.accuracy, st.grad_norm, st.update_norm, st.param_norm, lr, cs, 0.0)
-            fs.write(",".join(W.fmt(v) for v in row) + "\n")
-            b = pc(); t["fmt+write"].append(b - a)
-            a = pc()
-            if (step + 1) % max(1, hp.steps // 100) == 0 or step + 1 == hp.steps:   # as run_train
+            if a - last_progress >= W.PROGRESS_EVERY_S:   # as run_train
+                last_progress = a
                 W.progress(sink, step=step + 1, of=hp.steps, loss=float(st.loss))
             b = pc()
             t["progress"].append(b - a)
             t["iteration"].append(pc() - t_it)
             done = step + 1
-            if done % hp.checkpoint_every == 0:
+            if done % hp.checkpoint_every == 0:   # as run_train: the state read in the loop, written by a thread
                 a = pc()
-                state = {f"param/{k}": v for k, v in backend.export_params().items()}
-                state.update({f"opt/{k}": v for k, v in backend.export_opt_state().items()})
+                state = {k: np.array(v, copy=True) for k, v in
+                         state_arrays(backend.export_params(), backend.export_opt_state()).items()}
+                b = pc()
                 save_npz(out_dir / f"ckpt_{done}.npz", state)
-                periodic["checkpoint"].append(pc() - a)
+                periodic["checkpoint"].append(b - a)
+                periodic["checkpoint write (writer thread)"].append(pc() - b)
             if done % hp.eval_every == 0:
-                a = pc(); fs.flush(); backend.evaluate(x_te, y_te); periodic["evaluate"].append(pc() - a)
+                a = pc(); fs.writelines(rows); rows.clear(); fs.flush(); backend.evaluate(x_te, y_te)
+                periodic["evaluate"].append(pc() - a)
     res = {"backend": job.backend, "steps": hp.steps,
            "p10_us": {k: float(np.percentile(v[WARMUP:], 10)) * 1e6 for k, v in t.items()},
            "median_us": {k: statistics.median(v[WARMUP:]) * 1e6 for k, v in t.items()},

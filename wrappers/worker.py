@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -98,8 +99,18 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
     backend.load_params(load_npz(job.params))
     (out_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
 
+    # a checkpoint's state is read here (a private copy: training goes on) and written by one writer thread, so
+    # the loop does not wait for the zip and the disk; every write has finished (or raised) before the run ends
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+    writes: list[Future] = []
+
     def checkpoint(step: int) -> None:
-        save_npz(out_dir / checkpoint_file(step), state_arrays(backend.export_params(), backend.export_opt_state()))
+        for w in writes:
+            if w.done():
+                w.result()          # an earlier write that failed stops the run now
+        state = state_arrays(backend.export_params(), backend.export_opt_state())
+        state = {k: np.array(v, copy=True) for k, v in state.items()}
+        writes.append(writer.submit(save_npz, out_dir / checkpoint_file(step), state))
 
     def evaluate(step: int, f: TextIO) -> None:
         loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
@@ -107,9 +118,11 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
         f.flush()
 
     replicas = opts.devices
-    # what the loop needs that does not depend on training, computed once before it: the batch
-    # checksums follow from the known order, and a model without dropout layers needs no masks
-    checksums = [D.batch_checksum(x_tr[order[s]], y_tr[order[s]]) for s in range(hp.steps)]
+    # what the loop needs that does not depend on training, computed once before it: the row's columns
+    # "step,epoch" and "lr,checksum" (the batch checksums follow from the known order), formatted; and a
+    # model without dropout layers needs no masks
+    heads = [f"{s},{D.epoch_of(s, n_train, hp.batch_size)}" for s in range(hp.steps)]
+    tails = [f"{fmt(backend.logged_lr(s))},{D.batch_checksum(x_tr[order[s]], y_tr[order[s]])}" for s in range(hp.steps)]
     dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)
     rows: list[str] = []   # CSV rows, written at each evaluation, checkpoint and the end
     with open(out_dir / STEPS_FILE, "w") as fs, open(out_dir / EVAL_FILE, "w") as fe:
@@ -135,8 +148,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
                 dt = time.perf_counter() - t0
                 if step == 0:
                     gc.freeze()
-                row = (step, D.epoch_of(step, n_train, hp.batch_size), st.loss, st.accuracy, st.grad_norm,
-                       st.update_norm, st.param_norm, backend.logged_lr(step), checksums[step], dt)
+                row = (heads[step], st.loss, st.accuracy, st.grad_norm, st.update_norm, st.param_norm, tails[step], dt)
                 if replicas > 1:
                     if not st.replica_losses or len(st.replica_losses) != replicas:
                         raise RuntimeError(f"backend {backend.name} ran {replicas} replicas but returned "
@@ -160,8 +172,11 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
                 if t0 - last_progress >= PROGRESS_EVERY_S or done == hp.steps:
                     last_progress = t0
                     progress(channel, step=done, of=hp.steps, loss=float(st.loss))
-        finally:   # rows of a run that stops with an error are kept too
+        finally:   # rows of a run that stops with an error are kept too, and every checkpoint written
             fs.writelines(rows)
+            writer.shutdown(wait=True)
+        for w in writes:
+            w.result()
         wall = time.perf_counter() - t_total
     final = backend.export_params()
     save_npz(out_dir / FINAL_PARAMS_FILE, final)
