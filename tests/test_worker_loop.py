@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from algorithms import data as D
-from algorithms.contract import CHECKPOINT_DIR, Job, RunOptions, checkpoint_file, split_state
+from algorithms.contract import CHECKPOINT_DIR, Job, checkpoint_file, split_state
 from algorithms.optim import HParams, lr_at
 from algorithms.params import init_params, load_npz, save_npz
 from algorithms.spec import load_model
