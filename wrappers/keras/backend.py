@@ -264,11 +264,11 @@ class KerasBackend(Backend):
         """Whether the strategy's replicas run their own programs (read, evaluate, record, differentiate apart)."""
         return self.par is not None and self.par.replica_programs
 
-    def _read(self, var) -> np.ndarray:
-        """A variable's value (data parallel on TF: replica 0's component)."""
+    def _read(self, variables: list) -> list[np.ndarray]:
+        """The variables' values, in one read where the runtime can (data parallel on TF: replica 0's component)."""
         if self._per_replica():
-            return self.par.primary(var)
-        return _np(var.value)
+            return [self.par.primary(v) for v in variables]
+        return self.stepper.read(variables)
 
     def _sync(self) -> None:
         """The Keras variables current (keras-jax keeps the training state outside them between steps)."""
@@ -289,18 +289,18 @@ class KerasBackend(Backend):
         self._sync()
         if self._per_replica():   # the mirrored parameters must not have diverged
             self.par.check_in_sync({n: self._var(n) for n in self.trainable})
-        return {q.name: self._canonical(q.name, self._read(self._var(q.name))) for q in self.model.params}
+        values = self._read([self._var(q.name) for q in self.model.params])
+        return {q.name: self._canonical(q.name, a) for q, a in zip(self.model.params, values)}
 
     def export_opt_state(self) -> dict[str, np.ndarray]:
         self._sync()
-        it = int(self._read(self.optimizer.iterations))
-        if it == 0:              # as torch: no optimizer state before the first step
+        it = int(self._read([self.optimizer.iterations])[0])
+        if it == 0:              # as torch: no optimizer state before the first step (nor its slots)
             return {}
-        out: dict[str, np.ndarray] = {}
-        for n in self.trainable:
-            for kind, slot in self._opt_slots(n).items():
-                a = optim.to_canonical(kind, self._read(slot), self.last_lr)
-                out[f"{kind}/{n}"] = self._canonical(n, a)
+        slots = [(n, kind, slot) for n in self.trainable for kind, slot in self._opt_slots(n).items()]
+        values = self._read([slot for _, _, slot in slots])
+        out = {f"{kind}/{n}": self._canonical(n, optim.to_canonical(kind, a, self.last_lr))
+               for (n, kind, _), a in zip(slots, values)}
         if self.hp.optimizer in ("adam", "adamw"):
             out["step"] = np.asarray(float(it))
         return out

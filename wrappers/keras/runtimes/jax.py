@@ -203,6 +203,10 @@ class Stepper:
         self.state = None
         self.written.clear()
 
+    def read(self, variables: list) -> list[np.ndarray]:
+        """The variables' values (host copies)."""
+        return [np.array(ops.convert_to_numpy(v.value), copy=True) for v in variables]
+
 
 class JaxDataParallel(Parallel):
     """keras.distribution.DataParallel over the first N JAX devices (see the module docstring)."""

@@ -107,6 +107,7 @@ class Stepper:
         self.net, self.optimizer, self.parallel = net, optimizer, parallel
         self.probe = None             # the step with its gradients, compiled as the step is
         self.layers_probe = None      # (recorder, the step recording every layer's output, compiled as the step is)
+        self.readers: dict[tuple, tuple[list, Callable]] = {}   # `read`: one compiled read per set of variables
 
     def gradients(self, x: np.ndarray, y: np.ndarray):
         """(data loss, gradients) of one batch from the training step's own body (step_with_gradients) in a
@@ -174,6 +175,16 @@ class Stepper:
 
     def sync(self) -> None:
         """Nothing to do: the variables are the state."""
+
+    def read(self, variables: list) -> list[np.ndarray]:
+        """The variables' values in one call of a tf.function reading them all (made once per set of variables):
+        eagerly each read is a ReadVariableOp, an identity and a conversion, ~0.15 ms each, 3 ms a checkpoint of
+        the default model."""
+        key = tuple(id(v) for v in variables)
+        if key not in self.readers:     # the variables kept with their reader: no id of theirs is reused
+            values = [v.value for v in variables]
+            self.readers[key] = (variables, tf.function(lambda: [tf.identity(v) for v in values]))
+        return [t.numpy() for t in self.readers[key][1]()]
 
 
 class MirroredDataParallel(Parallel):

@@ -115,6 +115,10 @@ class Stepper:
     def sync(self) -> None:
         """Nothing to do: the variables are the state."""
 
+    def read(self, variables: list) -> list[np.ndarray]:
+        """The variables' values (host copies)."""
+        return [np.array(ops.convert_to_numpy(v.value), copy=True) for v in variables]
+
 
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
     """Keras 3 has no data parallelism on its torch backend: refused loudly."""
