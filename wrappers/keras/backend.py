@@ -358,7 +358,8 @@ class KerasBackend(Backend):
             logits = self.par.predict(self.net, x)
         else:
             logits = _np(self.net.predict_on_batch(x))
-        loss = float(_np(batch_mean(self.eval_loss, y, ops.convert_to_tensor(logits))))
+        # the loss's own per-sample function and its 'sum' (what Loss.__call__ computes, without its eager bookkeeping)
+        loss = float(_np(batch_mean(lambda t, p: ops.sum(self.eval_loss.call(t, p)), y, ops.convert_to_tensor(logits))))
         return loss, float(np.mean(np.argmax(logits, -1) == y))
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
