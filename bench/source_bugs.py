@@ -78,7 +78,7 @@ MUTATIONS = (
              'nesterov=hp.optimizer == "nesterov")', "nesterov=True)", ("BUG",), ("optimizer",), "",
              "a config copied from another project: Nesterov momentum where plain momentum is asked for"),
     Mutation("jax_eval_label_smoothing", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
-             "return cross_entropy(logits, y), jnp.mean", "return cross_entropy(logits, y, 0.1), jnp.mean",
+             "return jnp.stack([cross_entropy(logits, y), jnp.mean", "return jnp.stack([cross_entropy(logits, y, 0.1), jnp.mean",
              ("BUG",), ("eval",), "", "the training loss's label smoothing leaks into the evaluation loss"),
     Mutation("keras_bn_momentum_torch_convention", "cnn2d_hard", "keras-tensorflow", 1, "wrappers/keras/layers.py",
              "momentum=keras_mom, epsilon=eps", "momentum=1.0 - keras_mom, epsilon=eps", ("BUG",),
