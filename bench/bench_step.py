@@ -227,11 +227,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"its own process, first {meta['warmup']} steps left out; one thread pinned on both sides."
              f"{' **Quick smoke run.**' if meta['quick'] else ''}",
              "", "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
-             f"| backend | harness median (ms) | hand median (ms) | ratio, median | harness p10 (ms) | "
-             f"hand p10 (ms) | ratio, p10 | interleaved ratio, p10 (median) | harness whole-loop (ms) | "
-             f"hand whole-loop (ms) | ratio, whole-loop | whole-loop ratio without evaluations (and the "
-             f"harness's checkpoints) | fastest run of each side: ratio, median / whole-loop | slow runs, harness / hand | "
-             f"p10 ratio per pair | load average (1 min) |",
+             "| backend | harness median (ms) | hand median (ms) | ratio, median | harness p10 (ms) | "
+             "hand p10 (ms) | ratio, p10 | interleaved ratio, p10 (median) | harness whole-loop (ms) | "
+             "hand whole-loop (ms) | ratio, whole-loop | whole-loop ratio without evaluations (and the "
+             "harness's checkpoints) | fastest run of each side: ratio, median / whole-loop | slow runs, harness / hand | "
+             "p10 ratio per pair | load average (1 min) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     notes = []
 
