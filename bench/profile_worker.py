@@ -3,8 +3,7 @@
 Runs one backend in its own process with the environment the harness gives it (`python -m wrappers`'s
 set_backend_env), on the job the harness would write, and times every piece of the per-step loop separately:
 batch gather, dropout masks, Backend.train_step, the row's formatting (its step, epoch, lr and batch
-checksum formatted before the loop, as there), the progress line, and the periodic checkpoint (the state read
-in the loop; the file written by a writer thread, timed apart) and evaluation. Then it
+checksum formatted before the loop, as there), the progress line, and the periodic checkpoint and evaluation. Then it
 profiles train_step itself with cProfile and prints the functions where its time goes.
 
     python bench/profile_worker.py -b torch [--steps 300] [--top 25]
@@ -62,7 +61,6 @@ def child(job_path: str, top: int) -> None:
     job = Job.read(job_path)
     entry = REGISTRY[job.backend]
     set_backend_env(entry, job.options)
-    from algorithms import data as D
     from algorithms.contract import state_arrays
     from algorithms.params import load_npz, save_npz
     from wrappers import worker as W
@@ -75,11 +73,9 @@ def child(job_path: str, top: int) -> None:
     order = np.load(job.order)
     backend.load_params(load_npz(job.params))
     out_dir = Path(job.out)
-    n_train = len(x_tr)
     t: dict[str, list[float]] = {k: [] for k in ("gather", "masks", "train_step", "fmt+row", "progress", "iteration")}
-    periodic: dict[str, list[float]] = {"checkpoint": [], "checkpoint write (writer thread)": [], "evaluate": []}
-    heads = [f"{s},{D.epoch_of(s, n_train, hp.batch_size)}" for s in range(hp.steps)]
-    tails = [f"{W.fmt(backend.logged_lr(s))},{D.batch_checksum(x_tr[order[s]], y_tr[order[s]])}" for s in range(hp.steps)]
+    periodic: dict[str, list[float]] = {"checkpoint": [], "evaluate": []}
+    heads, tails = W.fixed_columns(backend, x_tr, y_tr, order)
     rows: list[str] = []
     dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)   # as run_train
     last_progress = -W.PROGRESS_EVERY_S
@@ -112,14 +108,10 @@ def child(job_path: str, top: int) -> None:
             t["progress"].append(b - a)
             t["iteration"].append(pc() - t_it)
             done = step + 1
-            if done % hp.checkpoint_every == 0:   # as run_train: the state read in the loop, written by a thread
+            if done % hp.checkpoint_every == 0:   # as run_train
                 a = pc()
-                state = {k: np.array(v, copy=True) for k, v in
-                         state_arrays(backend.export_params(), backend.export_opt_state()).items()}
-                b = pc()
-                save_npz(out_dir / f"ckpt_{done}.npz", state)
-                periodic["checkpoint"].append(b - a)
-                periodic["checkpoint write (writer thread)"].append(pc() - b)
+                save_npz(out_dir / f"ckpt_{done}.npz", state_arrays(backend.export_params(), backend.export_opt_state()))
+                periodic["checkpoint"].append(pc() - a)
             if done % hp.eval_every == 0:
                 a = pc(); fs.writelines(rows); rows.clear(); fs.flush(); backend.evaluate(x_te, y_te)
                 periodic["evaluate"].append(pc() - a)

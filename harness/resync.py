@@ -83,8 +83,6 @@ def resync_points(steps: int, every: int, extra: list[int] = ()) -> list[int]:
     return sorted({int(t) for t in pts + list(extra) if 0 <= int(t) < steps})
 
 
-
-
 def discontinuities(per_point_diffs: dict[int, list[dict[str, Any]]], jump: float = JUMP) -> dict[str, Any]:
     """Where the reference's own one step is discontinuous, from its own errors (`own` of every probe diff:
     float32 vs float64 and the 1-ULP-nudged steps) over all resynced steps: per key of BACKWARD_KINDS, its

@@ -128,8 +128,7 @@ def superseded_by_resync(loc: dict[str, Any] | None, rs: dict[str, Any]) -> str 
     from the candidate's own state after its first), and the resync agreed there: a short description of
     those keys; else None. The resync's steps are the better instrument: calibrated at each state, with the
     reference's own 1-ULP-nudged steps, where a ReLU kink flipped by rounding shows (harness/resync.py)."""
-    from .probes import kind_of
-    from .probes import BACKWARD_KINDS
+    from .probes import BACKWARD_KINDS, kind_of
     keys = (loc or {}).get("disagreeing_keys") or []
     if not keys or (loc or {}).get("missing_keys") or "resync" in str((loc or {}).get("method", "")):
         return None

@@ -1,7 +1,6 @@
-"""The training loop (wrappers/worker.py run_train) in this process, on the NumPy backend: its checkpoints are
-written by a writer thread, so each must hold the state of its own step (a private copy, however training
-goes on) and a write that fails must fail the run (not vanish with the thread); and the row columns it
-formats once before the loop (step, epoch, lr, batch checksum) are those of each step.
+"""The training loop (wrappers/worker.py run_train) in this process, on the NumPy backend: each checkpoint holds
+the state of its own step, a checkpoint that cannot be written fails the run, and the row columns it formats
+once before the loop (step, epoch, lr, batch checksum) are those of each step.
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -87,6 +86,16 @@ def build_backend(job: Job, cls: type[Backend]) -> Backend:
     return backend_class(cls, job.options)(model, job.hparams, job.options)
 
 
+def fixed_columns(backend: Backend, x_tr: np.ndarray, y_tr: np.ndarray, order: np.ndarray
+                  ) -> tuple[list[str], list[str]]:
+    """Each step's row columns that do not depend on training, formatted before the loop: "step,epoch" and
+    "lr,batch checksum" (the checksums follow from the known order)."""
+    hp = backend.hp
+    heads = [f"{s},{D.epoch_of(s, len(x_tr), hp.batch_size)}" for s in range(hp.steps)]
+    tails = [f"{fmt(backend.logged_lr(s))},{D.batch_checksum(x_tr[order[s]], y_tr[order[s]])}" for s in range(hp.steps)]
+    return heads, tails
+
+
 def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dict[str, Any]:
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job.data)
@@ -95,22 +104,11 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
     order = np.load(job.order)
     if opts.fault == "data_shift_one_batch":   # the loader skips the first batch
         order = np.concatenate([order[1:], order[:1]])
-    n_train = len(x_tr)
     backend.load_params(load_npz(job.params))
     (out_dir / CHECKPOINT_DIR).mkdir(exist_ok=True)
 
-    # a checkpoint's state is read here (a private copy: training goes on) and written by one writer thread, so
-    # the loop does not wait for the zip and the disk; every write has finished (or raised) before the run ends
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-    writes: list[Future] = []
-
     def checkpoint(step: int) -> None:
-        for w in writes:
-            if w.done():
-                w.result()          # an earlier write that failed stops the run now
-        state = state_arrays(backend.export_params(), backend.export_opt_state())
-        state = {k: np.array(v, copy=True) for k, v in state.items()}
-        writes.append(writer.submit(save_npz, out_dir / checkpoint_file(step), state))
+        save_npz(out_dir / checkpoint_file(step), state_arrays(backend.export_params(), backend.export_opt_state()))
 
     def evaluate(step: int, f: TextIO) -> None:
         loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
@@ -118,11 +116,9 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
         f.flush()
 
     replicas = opts.devices
-    # what the loop needs that does not depend on training, computed once before it: the row's columns
-    # "step,epoch" and "lr,checksum" (the batch checksums follow from the known order), formatted; and a
-    # model without dropout layers needs no masks
-    heads = [f"{s},{D.epoch_of(s, n_train, hp.batch_size)}" for s in range(hp.steps)]
-    tails = [f"{fmt(backend.logged_lr(s))},{D.batch_checksum(x_tr[order[s]], y_tr[order[s]])}" for s in range(hp.steps)]
+    # what the loop needs that does not depend on training, computed once before it: the rows' fixed columns,
+    # and a model without dropout layers needs no masks
+    heads, tails = fixed_columns(backend, x_tr, y_tr, order)
     dropout = opts.dropout == "harness" and any(l.kind == "dropout" for l in model.layers)
     rows: list[str] = []   # CSV rows, written at each evaluation, checkpoint and the end
     with open(out_dir / STEPS_FILE, "w") as fs, open(out_dir / EVAL_FILE, "w") as fe:
@@ -172,11 +168,8 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
                 if t0 - last_progress >= PROGRESS_EVERY_S or done == hp.steps:
                     last_progress = t0
                     progress(channel, step=done, of=hp.steps, loss=float(st.loss))
-        finally:   # rows of a run that stops with an error are kept too, and every checkpoint written
+        finally:   # rows of a run that stops with an error are kept too
             fs.writelines(rows)
-            writer.shutdown(wait=True)
-        for w in writes:
-            w.result()
         wall = time.perf_counter() - t_total
     final = backend.export_params()
     save_npz(out_dir / FINAL_PARAMS_FILE, final)

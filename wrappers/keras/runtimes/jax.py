@@ -43,7 +43,7 @@ from keras import ops
 
 from ...base import STEP_STATS
 from ..parallel import Parallel
-from . import traced_sum_of_squares as sum_of_squares  # noqa: F401  (this module's name for it)
+from . import host_copies, traced_sum_of_squares as sum_of_squares  # noqa: F401  (this module's name for it)
 
 PARALLEL = "keras.distribution.DataParallel"
 FLOAT64_REFUSAL = ""           # float64 works (jax_enable_x64, switched on by `enable_float64`)
@@ -205,7 +205,7 @@ class Stepper:
 
     def read(self, variables: list) -> list[np.ndarray]:
         """The variables' values (host copies)."""
-        return [np.array(ops.convert_to_numpy(v.value), copy=True) for v in variables]
+        return host_copies(variables)
 
 
 class JaxDataParallel(Parallel):

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from keras import ops
 
+from . import host_copies
+
 # Keras 3.15's dtypes.result_type maps 64-bit to 32-bit (BIT64_TO_BIT32_DTYPE), and the torch backend's matmul
 # casts to that result type: Dense would silently run in float32
 FLOAT64_REFUSAL = ("keras-torch: float64 is not float64 in Keras 3.15 (ops.matmul computes float64 inputs in "
@@ -117,7 +119,7 @@ class Stepper:
 
     def read(self, variables: list) -> list[np.ndarray]:
         """The variables' values (host copies)."""
-        return [np.array(ops.convert_to_numpy(v.value), copy=True) for v in variables]
+        return host_copies(variables)
 
 
 def make_parallel(replicas: int, hosts: int, sync_bn: bool, fault: str | None, extra: dict[str, Any]):
