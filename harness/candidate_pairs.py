@@ -92,6 +92,9 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
     or DECLARED with evidence (the same computation up to what the runs declare); disagreeing: BUG or DIFFER.
     "runs" lists the odd run(s); "run" is the odd run itself, or for a group the reference when it is in it
     (else its first run).
+    Not when the larger side's runs all carry one injected --fault that the smaller side's do not: their
+    agreement is the shared fault's, not evidence against the smaller side (a self-test's faulted runs
+    against their clean reference).
     `unplaced` (run -> why, from resync_candidates): runs left out of the split, named in "unplaced"."""
     unplaced = {n: w for n, w in (unplaced or {}).items() if any(r.name == n for r in runs)}
     runs = [r for r in runs if r.name not in unplaced]
@@ -118,6 +121,9 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
     within = all(state(x, y) == "agree" for g in (small, big) for i, x in enumerate(g) for y in g[i + 1:])
     if not within or not all(state(x, y) == "disagree" for x in small for y in big):
         return None
+    shared = {getattr(r, "fault", None) for r in big}
+    if len(shared) == 1 and None not in shared and all(getattr(r, "fault", None) not in shared for r in small):
+        return None   # the larger side agrees because it shares one injected fault (a self-test): no evidence
     aside = (f"; left aside: {', '.join(f'{n} ({w})' for n, w in unplaced.items())}" if unplaced else "")
     if len(small) == 1:
         x = small[0]

@@ -249,6 +249,21 @@ def test_odd_one_out_among_three(fam):
     assert c.odd and c.odd["backend"] == "tensorflow"
 
 
+def test_runs_sharing_one_injected_fault_do_not_make_the_reference_the_odd_one_out(fam):
+    """A self-test's runs with one --fault agree with each other and disagree with their clean reference:
+    the shared fault explains that, not a bug in the reference. The same runs without the fault recorded
+    do point at the reference."""
+    root, ref, members = fam
+    s = base_series(N)
+    s["loss"] = s["loss"] * 1.01
+    for fault, odd_is_reference in (("label_smoothing", False), (None, True)):
+        cands = [load_run(write_run(root / str(fault), f"c{i}", s, base_eval(N), backend=b, fault=fault))
+                 for i, b in enumerate(("jax", "tensorflow"))]
+        c = compare(ref, cands, compute(ref, members), members)
+        assert [p.verdict for p in c.pairs if p.with_reference] == [BUG, BUG]
+        assert bool(c.odd and c.odd["run"] == ref.name) is odd_is_reference, (fault, c.odd)
+
+
 # --------------------------------------------------------------------------- the command: outputs and bad input
 def test_cli_writes_csv_and_json_and_exit_code(fam):
     root, ref, members = fam
