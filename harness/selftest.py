@@ -180,12 +180,17 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
                               fault=f), "fault",
                     {"kind": "fault", "fault": f, "backend": b, "model": model, "stage": fault_info(f).stage,
                      "layer": layer}, run=implements(b, f))
+    # the clean control: every backend's clean run of the default scenario on the default model and on every model
+    # a fault ran on, so that a fault's BUG stands beside the same model's clean verdict in that backend
     base = Scenario()
+    injected = [e.cfg.model for e in p.entries if e.role == "fault"]
+    candidates = [b for b in backends if b != reference]
+    for model in dict.fromkeys([base.model, *injected]) if candidates else ():
+        hp_model = group(model, base)
+        for b in candidates:
+            add(RunConfig(model=model, backend=b, hparams=hp_model, data=builtin_data(model)), "run",
+                {"kind": "clean", "variant": "clean", "backend": b, "model": model})
     hp = group(base.model, base)
-    for b in backends:
-        if b != reference:
-            add(RunConfig(model=base.model, backend=b, hparams=hp), "run",
-                {"kind": "clean", "variant": "clean", "backend": b})
     for v in variants:
         over, capability = DRIFT_VARIANTS[v]
         for b in backends:

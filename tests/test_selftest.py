@@ -36,9 +36,12 @@ def test_plan_runs_each_fault_once_per_backend_with_its_reference_and_envelope()
     assert {e.cfg.hparams.eval_every for e in p.entries} == {S.Scenario().hparams(40).eval_every}
     roles = {(e.cfg.model, e.role) for e in p.entries if e.cfg.backend == "torch" and e.cfg.fault is None}
     assert ("cnn2d_hard", "envelope") in roles and ("cnn2d_2conv_2fc", "envelope") in roles
-    # a variant only where it applies (xla: tensorflow), the clean candidate for every non-reference backend
-    kinds = {(x["kind"], x.get("variant"), x["backend"]) for x in p.expect.values() if x["kind"] != "fault"}
-    assert kinds == {("variant", "dp2", "torch"), ("variant", "dp2", "jax"), ("clean", "clean", "jax")}
+    # a variant only where it applies (xla: tensorflow), on the default model; the clean candidate of every
+    # non-reference backend on the default model and on each model a fault ran on (dropout_in_eval: cnn2d_hard)
+    kinds = {(x["kind"], x.get("variant"), x["backend"], x.get("model")) for x in p.expect.values()
+             if x["kind"] != "fault"}
+    assert kinds == {("variant", "dp2", "torch", None), ("variant", "dp2", "jax", None),
+                     ("clean", "clean", "jax", "cnn2d_2conv_2fc"), ("clean", "clean", "jax", "cnn2d_hard")}
     exp = next(x for x in p.expect.values() if x.get("fault") == "flatten_no_permute")
     assert exp["stage"] == "forward" and exp["layer"] == "fc1"
 
@@ -133,3 +136,19 @@ def test_the_full_plan_injects_each_fault_into_every_model_whose_layers_it_touch
     assert refs == set(S.SELFTEST_MODELS)
     short = S.plan(("torch",), ("lr_rel_1e-04_from_100",), (), steps=40)
     assert not [x for x in short.expect.values() if x["kind"] == "fault"]
+
+
+def test_every_model_a_fault_ran_on_has_its_clean_control_in_every_backend():
+    """A fault's BUG on a model stands beside that model's clean run in the same backend (the clean candidates of
+    a graph model, on its own 32x32x3 data); with the reference alone (the reduced self-test) nothing is added."""
+    p = S.plan(("torch", "jax", "tensorflow"), ("grad_double",), (), steps=300, models=("mobilenet_tiny",))
+    clean = {(e.cfg.model, e.cfg.backend, e.cfg.data) for e in p.entries
+             if p.expect.get(e.name, {}).get("kind") == "clean"}
+    assert clean == {(m, b, S.builtin_data(m)) for m in ("cnn2d_2conv_2fc", "mobilenet_tiny") for b in ("jax", "tensorflow")}
+    assert S.builtin_data("mobilenet_tiny") == "digits32"
+    # each clean control has its reference run and envelope on that model
+    assert {("mobilenet_tiny", "run"), ("mobilenet_tiny", "envelope")} <= {
+        (e.cfg.model, e.role) for e in p.entries if e.cfg.backend == "torch" and e.cfg.fault is None}
+    alone = S.plan(("torch",), ("grad_double",), (), steps=300, models=("mobilenet_tiny",))
+    assert not [x for x in alone.expect.values() if x["kind"] == "clean"]
+    assert sorted(e.role for e in alone.entries if e.cfg.model == "mobilenet_tiny") == ["envelope"] * 4 + ["fault", "run"]

@@ -34,8 +34,9 @@ from ..selftest import DRIFT_VARIANTS, REDUCED, SCENARIO_MODELS, registered_back
               help="Seconds each run or localization job may take (a loaded machine or the 32x32x3 models need more).")
 def selftest_cmd(reduced: bool, backends: str | None, faults: str | None, variants: str | None, steps: int | None,
                  out: Path, jobs: int, models: str | None, timeout: float) -> None:
-    """Inject every catalogued fault and run every drift-only variant; print and write the detection
-    matrix (<out>/selftest*/selftest.md). Exit 1 if a fault is missed or a variant is called a BUG.
+    """Inject every catalogued fault, run every drift-only variant and each backend's clean run of every
+    model a fault ran on; print and write the detection matrix (<out>/selftest*/selftest.md). Exit 1 if a
+    fault is missed or a clean run or variant is called a BUG.
 
     \b
     Would it catch my bug on my machine?
