@@ -121,8 +121,8 @@ def odd_one_out(runs: list[Run], pairs: dict[tuple[str, str], Pair],
     within = all(state(x, y) == "agree" for g in (small, big) for i, x in enumerate(g) for y in g[i + 1:])
     if not within or not all(state(x, y) == "disagree" for x in small for y in big):
         return None
-    shared = {getattr(r, "fault", None) for r in big}
-    if len(shared) == 1 and None not in shared and all(getattr(r, "fault", None) not in shared for r in small):
+    shared = {r.fault for r in big}
+    if len(shared) == 1 and None not in shared and not shared & {r.fault for r in small}:
         return None   # the larger side agrees because it shares one injected fault (a self-test): no evidence
     aside = (f"; left aside: {', '.join(f'{n} ({w})' for n, w in unplaced.items())}" if unplaced else "")
     if len(small) == 1:

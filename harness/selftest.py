@@ -183,14 +183,14 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
     # the clean control: every backend's clean run of the default scenario on the default model and on every model
     # a fault ran on, so that a fault's BUG stands beside the same model's clean verdict in that backend
     base = Scenario()
+    hp = group(base.model, base)
     injected = [e.cfg.model for e in p.entries if e.role == "fault"]
     candidates = [b for b in backends if b != reference]
     for model in dict.fromkeys([base.model, *injected]) if candidates else ():
-        hp_model = group(model, base)
+        group(model, base)      # that model's reference and envelope (the hyper-parameters are the scenario's: hp)
         for b in candidates:
-            add(RunConfig(model=model, backend=b, hparams=hp_model, data=builtin_data(model)), "run",
+            add(RunConfig(model=model, backend=b, hparams=hp, data=builtin_data(model)), "run",
                 {"kind": "clean", "variant": "clean", "backend": b, "model": model})
-    hp = group(base.model, base)
     for v in variants:
         over, capability = DRIFT_VARIANTS[v]
         for b in backends:

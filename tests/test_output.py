@@ -485,7 +485,7 @@ def test_a_buggy_candidate_on_a_chaotic_model_differs_from_the_runs_that_compute
     from harness.candidate_pairs import odd_one_out, through_reference
 
     def run(name):
-        return NS(name=name, backend=name, declared=[])
+        return NS(name=name, backend=name, declared=[], fault=None)     # what odd_one_out reads of a Run
     ref, jax, numpy, tf = run("torch"), run("jax"), run("numpy"), run("tensorflow")
     good = {"agree": True, "n": 10}
 
@@ -521,7 +521,7 @@ def test_the_reference_and_its_own_backends_other_runs_are_named_the_odd_group()
     from harness.compare_output import odd_one_out_line
 
     def run(name, backend):
-        return NS(name=name, backend=backend)
+        return NS(name=name, backend=backend, fault=None)     # what odd_one_out reads of a Run
     runs = [run("torch", "torch"), run("torch dp2", "torch"), run("jax", "jax"), run("numpy", "numpy"),
             run("tf", "tensorflow")]
     side = {"torch": 0, "torch dp2": 0, "jax": 1, "numpy": 1, "tf": 1}
