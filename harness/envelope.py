@@ -31,7 +31,8 @@ THE RULE (measured by bench/calibrate_envelope.py; the numbers are in docs/verdi
               trajectories that bifurcate, chaotic growth); every catalogued fault left it at
               step 0, by 37x or more.
 
-The factor reported for a divergence is |cand - ref| / E at the divergent point.
+The factor reported for a divergence is |cand - ref| / E at the divergent point; for an accuracy, E is
+at least quantum / margin there, the tolerance the rule applies (one sample more is never 'x1000').
 """
 from __future__ import annotations
 
@@ -232,6 +233,12 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = dev / E
     ratio = np.where(dev == 0, 0.0, ratio)
+    if q > 0:   # the factor reported against the tolerance applied: one sample is never an exceedance
+        E_applied = np.maximum(E, q / margin)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shown = np.where(dev == 0, 0.0, dev / E_applied)
+    else:
+        E_applied, shown = E, ratio
     nonfinite = np.isinf(dev)
     sat_idx = n if env.saturated_at is None else int(np.searchsorted(idx, env.saturated_at))
     valid = np.arange(n) < sat_idx
@@ -265,8 +272,8 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
             cand.append((int(iso_pos[0]), "isolated"))
         if cand:
             diverged, reason = min(cand)
-    fin = np.isfinite(ratio) & valid      # the largest factor where the series still has power
-    mr_i = int(np.argmax(np.where(fin, ratio, -1))) if n else None
+    fin = np.isfinite(shown) & valid      # the largest factor where the series still has power
+    mr_i = int(np.argmax(np.where(fin, shown, -1))) if n else None
     if n and nonfinite.any():
         mr_i = int(np.argmax(nonfinite))
     first_nf_step = int(grid[np.argmax(~np.isfinite(a) | ~np.isfinite(b))]) if n and (
@@ -274,20 +281,20 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     return SeriesCheck(
         series=env.series, points=n, identical=ident,
         max_dev=float(np.max(dev)) if n else 0.0,
-        max_ratio=float(ratio[mr_i]) if n and (fin[mr_i] or nonfinite[mr_i]) else 0.0,
+        max_ratio=float(shown[mr_i]) if n and (fin[mr_i] or nonfinite[mr_i]) else 0.0,
         max_ratio_step=int(grid[mr_i]) if n else None,
         exceedances=int(ex_idx.size), isolated=n_iso,
         first_exceed_step=int(grid[ex_idx[0]]) if ex_idx.size else None,
         diverged_step=None if diverged is None else int(grid[diverged]),
-        factor=None if diverged is None else float(ratio[diverged]),
+        factor=None if diverged is None else float(shown[diverged]),
         dev_at_divergence=None if diverged is None else float(dev[diverged]),
-        env_at_divergence=None if diverged is None else float(E[diverged]),
+        env_at_divergence=None if diverged is None else float(E_applied[diverged]),
         reason=reason,
         saturated_step=None if sat_idx >= n else int(grid[sat_idx]),
         nonfinite_step=first_nf_step,
         a_value=None if diverged is None else float(a[diverged]),
         b_value=None if diverged is None else float(b[diverged]),
-        ratios=ratio)
+        ratios=shown)
 
 
 # --------------------------------------------------------------------------- generating the envelope runs

@@ -136,10 +136,14 @@ def test_one_sample_accuracy_flip_is_not_an_exceedance(fam):
     s = base_series(N)
     s["accuracy"] = s["accuracy"].copy()
     s["accuracy"][[20, 21, 22]] += 1 / 64
-    assert verdict_of(root, ref, members, "one", s, base_eval(N)).verdict == DRIFT
+    one = verdict_of(root, ref, members, "one", s, base_eval(N))
+    assert one.verdict == DRIFT
+    # its factor is read against the tolerance applied (one sample = the margin), not a raw spread of ~0
+    assert one.checks["accuracy"].max_ratio <= DEFAULT_RULE.margin * (1 + 1e-6)
     s["accuracy"][[20, 21, 22]] += 1 / 64                  # two samples, three steps running
     p = verdict_of(root, ref, members, "two", s, base_eval(N))
     assert p.verdict == BUG and p.first["series"] == "accuracy" and p.first["step"] == 20
+    assert p.first["factor"] == pytest.approx(2 * DEFAULT_RULE.margin, rel=0.35)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
