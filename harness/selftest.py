@@ -91,9 +91,10 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
     "concat_wrong_axis": Scenario(model=GRAPH_SCENARIO),
     "depthwise_multiplier_order": Scenario(model=GRAPH_SCENARIO),
 }
-# the models the full self-test injects every fault into (where the fault touches their layers): the built-in
-# straight-line models, the two graph models the graph faults touch, and the graph scenario model
-SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard", "resnet_tiny", "convnext_tiny", GRAPH_SCENARIO)
+# the models the full self-test injects every fault into (where the fault touches their layers): every built-in
+# model and the graph scenario model
+SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard", "resnet_tiny", "mobilenet_tiny", "convnext_tiny",
+                   GRAPH_SCENARIO)
 
 
 # drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);

@@ -152,3 +152,8 @@ def test_every_model_a_fault_ran_on_has_its_clean_control_in_every_backend():
     alone = S.plan(("torch",), ("grad_double",), (), steps=300, models=("mobilenet_tiny",))
     assert not [x for x in alone.expect.values() if x["kind"] == "clean"]
     assert sorted(e.role for e in alone.entries if e.cfg.model == "mobilenet_tiny") == ["envelope"] * 4 + ["fault", "run"]
+
+
+def test_the_full_self_test_covers_every_built_in_model():
+    from algorithms.spec import model_names
+    assert set(model_names()) <= set(S.SELFTEST_MODELS)
