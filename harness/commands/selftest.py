@@ -26,8 +26,8 @@ from ..selftest import DRIFT_VARIANTS, REDUCED, SCENARIO_MODELS, registered_back
 @click.option("--steps", type=int, default=None, help="Steps per run (default 300, or 40 when reduced).")
 @click.option("--models", default=None,
               help="Comma-separated built-in models (or scenario models: " + ", ".join(SCENARIO_MODELS) + ") to "
-                   "inject every fault into where it touches their layers (default: the straight-line models, "
-                   "resnet_tiny, convnext_tiny and the scenario models, or each fault's own model when reduced).")
+                   "inject every fault into where it touches their layers (default: every built-in model and the "
+                   "scenario models, or each fault's own model when reduced).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True)
 @click.option("-j", "--jobs", type=int, default=1, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=900, show_default=True,
