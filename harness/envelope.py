@@ -233,12 +233,9 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = dev / E
     ratio = np.where(dev == 0, 0.0, ratio)
-    if q > 0:   # the factor reported against the tolerance applied: one sample is never an exceedance
-        E_applied = np.maximum(E, q / margin)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            shown = np.where(dev == 0, 0.0, dev / E_applied)
-    else:
-        E_applied, shown = E, ratio
+    E_applied = np.maximum(E, q / margin)   # the factor shown is against the tolerance applied: for an accuracy
+    with np.errstate(divide="ignore", invalid="ignore"):    # one sample (the quantum) is never an exceedance
+        shown = np.where(dev == 0, 0.0, dev / E_applied)
     nonfinite = np.isinf(dev)
     sat_idx = n if env.saturated_at is None else int(np.searchsorted(idx, env.saturated_at))
     valid = np.arange(n) < sat_idx

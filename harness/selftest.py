@@ -17,7 +17,7 @@ from typing import Any
 from algorithms.fault_reach import expected_layer
 from algorithms.faults import FAULTS, fault_info
 from algorithms.optim import HParams
-from algorithms.spec import load_model
+from algorithms.spec import load_model, model_names
 
 from . import matrix as M
 from . import runner
@@ -93,8 +93,7 @@ FAULT_SCENARIOS: dict[str, Scenario] = {
 }
 # the models the full self-test injects every fault into (where the fault touches their layers): every built-in
 # model and the graph scenario model
-SELFTEST_MODELS = ("cnn2d_2conv_2fc", "cnn2d_3conv_3fc", "cnn2d_hard", "resnet_tiny", "mobilenet_tiny", "convnext_tiny",
-                   GRAPH_SCENARIO)
+SELFTEST_MODELS = (*model_names(), GRAPH_SCENARIO)
 
 
 # drift-only variants: name -> (RunConfig overrides, the capability a backend must declare for it to apply);

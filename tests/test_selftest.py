@@ -154,6 +154,7 @@ def test_every_model_a_fault_ran_on_has_its_clean_control_in_every_backend():
     assert sorted(e.role for e in alone.entries if e.cfg.model == "mobilenet_tiny") == ["envelope"] * 4 + ["fault", "run"]
 
 
-def test_the_full_self_test_covers_every_built_in_model():
+def test_the_full_self_test_injects_a_fault_that_touches_every_model_into_every_built_in_model():
     from algorithms.spec import model_names
-    assert set(model_names()) <= set(S.SELFTEST_MODELS)
+    p = S.plan(("torch",), ("lr_rel_1e-05",), (), steps=300, models=S.SELFTEST_MODELS)
+    assert {x["model"] for x in p.expect.values() if x["kind"] == "fault"} == {*model_names(), S.GRAPH_SCENARIO}
