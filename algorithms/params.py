@@ -103,6 +103,9 @@ def check_params(model: ModelSpec, params: Params, source: str = "params") -> No
 # comparison writes one per resync point per job: 30 GB for one configuration of 22 runs (measured,
 # mobilenet_tiny); the sample keeps every layer's error and the first layer that disagrees
 REPLAY_ACTIVATION_ROWS = 8
+# an every-sample replay's keys from Backend.layers_and_gradients (one program's activations, loss and gradients):
+# JOINT + "forward/<layer>", + "grad/<param>", + "loss", beside the probe's own
+JOINT = "joint/"
 
 
 def thin_activations(probes: dict[str, np.ndarray], rows: int = REPLAY_ACTIVATION_ROWS) -> dict[str, np.ndarray]:

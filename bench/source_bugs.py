@@ -427,6 +427,17 @@ MUTATIONS = (
              "that layer's outputs move by ~5e-6 relative, under one step's tolerance, and only the few layers after "
              "it inherit it, so the forward kind's median over resnet_tiny's 40 layers does not move",
              args=("--steps", "100")),
+    Mutation("tf_residual_shortcut_gradient_stopped", "resnet_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n",
+             "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n"
+             "        if layer.name == \"block3_add\":         # a port of a detached shortcut\n"
+             "            x = outs[layer.inputs[0]] + tf.stop_gradient(outs[layer.inputs[1]])\n",
+             ("BUG",), ("backward",), "block3_proj_bn",
+             "the last block's projection shortcut detached from the gradient (a port of a `.detach()`): every "
+             "activation and the loss agree, the backward pass differs; the shared-state step's disagreement is "
+             "backward-only with kinks near rounding in a BatchNorm-ReLU net, where the recorded program's "
+             "gradients (harness.kinks.same_when_recorded) must not explain it: the same code, recorded, has the bug",
+             args=("--steps", "60")),
 )
 
 

@@ -20,6 +20,14 @@ backward on mobilenet_tiny, resynced step 1: ir2_expand_bn.gamma's gradient 2.2e
 reference's own float32 error, every activation agreeing, no kink crossed) may round several times worse than
 the reference's. The candidate's float64 step from the same state computing what the float64 reference computes,
 to float64's resolution of that float32 disagreement, is evidence that its kernels compute the same function.
+
+And the candidate's step with its activations recorded (`same_when_recorded`): a graph compiler may fuse a
+BatchNorm with the ReLU after it in the plain step, whose activations no probe sees; a program that returns them
+is another program (two graph-compiled backends on resnet_tiny at step 0, 2026-12-06: a ReLU input 7.8e-7 below
+the kink in float64, -6e-8 in every recorded program, on the active side in the fused one; `block3_bn1.beta`'s
+gradient 2.1e-4 off, everything upstream 1e-3..2e-2). The same code compiled with its activations as outputs computing
+the reference's gradients within their calibrated tolerance, beside a kink whose input is within the candidate's
+own rounding of it, is evidence that the plain step's disagreement upstream of that kink is a kernel's rounding.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import numpy as np
 
 from algorithms.layout import pad_hw, pool_windows
 from algorithms.model import INPUT, LayerInfo, ModelSpec
+from algorithms.params import JOINT
 
 from .probes import BACKWARD_KINDS, EPS32, kind_of, rms_rel
 
@@ -165,6 +174,34 @@ def same_in_float64(cand64: dict[str, np.ndarray] | None, ref64: dict[str, np.nd
     return [{"layer": "the candidate's own float64 step", "kind": "float64", "keys": keys}] if keys else []
 
 
+def same_when_recorded(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.ndarray]
+                       ) -> list[dict[str, Any]]:
+    """The candidate's step compiled with every activation as an output (Backend.layers_and_gradients: `JOINT`
+    keys of its every-sample replay) against the float64 reference, per gradient (RMS error over its float64
+    scale, as `rel` is), with the kink layers that have an input within the candidate's own rounding of the kink
+    (float64 margin <= the largest |error| of its recorded input) and the layers upstream of them. [] without
+    those keys (a backend whose probes are one program already) or without such a kink."""
+    grads = {k[len(JOINT):]: v for k, v in cand.items() if k.startswith(JOINT + "grad/")}
+    near = []
+    for layer in model.layers if grads else ():
+        if layer.kind not in KINK_KINDS or len(layer.inputs) != 1 or layer.inputs[0] == INPUT:
+            continue
+        key = f"forward/{layer.inputs[0]}"
+        x = cand.get(JOINT + key)
+        if x is None or key not in ref64 or x.shape != ref64[key].shape:
+            continue
+        x64 = np.asarray(ref64[key], np.float64)
+        err, m = float(np.max(np.abs(np.asarray(x, np.float64) - x64))), margins(layer, x64)
+        if (m <= err).any():
+            near.append({"layer": layer.name, "kind": layer.kind, "near": int((m <= err).sum()), "of": int(m.size),
+                         "margin_min": float(m.min()), "rounding": err})
+    if not near:
+        return []
+    keys = {k: rms_rel(np.asarray(v, np.float64), np.asarray(ref64[k], np.float64)) for k, v in grads.items() if k in ref64}
+    return [{"layer": "the candidate's step with its activations recorded", "kind": "recorded", "keys": keys,
+             "near": near, "upstream": sorted(set().union(*(upstream(model, n["layer"]) for n in near)))}]
+
+
 def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, margin: float,
                floor: float) -> list[dict[str, Any]] | None:
     """The crossings, saturations and float64 steps in `found` (one step's `crossed` + `saturated` +
@@ -183,6 +220,9 @@ def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, marg
             got = c["keys"].get(d["key"])
             return (got is not None and d["rel"] <= FLOAT64_REACH * d["tol"]
                     and got <= max(FLOAT64_FLOOR, FLOAT64_MARGIN * EPS_RATIO * d["rel"]))
+        if c["kind"] == "recorded":   # the same code agrees when recorded; a near kink is what fusing crossed
+            got = c["keys"].get(d["key"])
+            return got is not None and got <= d["tol"] and param(d).rsplit(".", 1)[0] in c["upstream"]
         if param(d).rsplit(".", 1)[0] not in c["upstream"]:
             return False
         return "allowance" not in c or (d["kind"] == "grad" and d["rel"] <= margin * c["allowance"])
@@ -192,10 +232,10 @@ def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, marg
     ok = all(any(explains(c, d) for c in used) or (d["kind"] in ("update", "opt") and param(d) in explained)
              for d in diffs)
     # a float64 step is reported with the keys it explains (float32 error, then its own float64 error), not all
-    said = [c if c["kind"] != "float64" else
+    said = [c if c["kind"] not in ("float64", "recorded") else
             dict(c, keys={d["key"]: [d["rel"], c["keys"][d["key"]]] for d in diffs if explains(c, d)}) for c in used]
     return said if ok else None
 
 
 __all__ = ["CARRIED", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "explaining", "margins",
-           "same_in_float64", "saturated", "upstream"]
+           "same_in_float64", "same_when_recorded", "saturated", "upstream"]

@@ -89,6 +89,15 @@ def _crossing_what(c: dict[str, Any]) -> str:
                             for k, (r32, r64) in list(c["keys"].items())[:3])
                 + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else "")
                 + "): its kernels round differently, the function is the same")
+    if c["kind"] == "recorded":
+        return ("the candidate's own step compiled with its activations as outputs computes the reference's "
+                "gradients (" + ", ".join(f"{k} {r32:.2g} of its scale off in its plain step, {r:.2g} recorded"
+                                          for k, (r32, r) in list(c["keys"].items())[:3])
+                + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else "")
+                + "), each upstream of a kink with inputs within its rounding ("
+                + "; ".join(f"{n['layer']}: {n['near']} of {n['of']}, float64 margin {n['margin_min']:.2g}, its "
+                            f"rounding {n['rounding']:.2g}" for n in c["near"])
+                + "): a kernel its plain step fuses across such a kink rounded one to the other side")
     if "allowance" in c:
         return (f"{c['layer']} ({c['kind']}) saturated: {c['carried_by']} of its {c['of']} outputs carry 99% of its "
                 f"derivative, which rounding of the candidate's own outputs moves by up to {c['allowance']:.2g} of "

@@ -65,6 +65,7 @@ def layers_model(layers: list[dict[str, Any]], shape: tuple[int, ...] = (6, 6, 2
 class BackendContract:
     backend: str = ""                               # its registry name (the probes against torch run it)
     opt_state_empty_before_first_step: bool = False  # torch's convention; some frameworks hold zeros
+    joint_program: bool = False                     # Backend.layers_and_gradients records (not None)
 
     def make(self, model: ModelSpec, hp: HParams, params: dict | None = None, **opts: Any) -> Backend:
         """The backend on `model`, with `params` (default: the canonical initial weights of seed 0) loaded."""
@@ -179,6 +180,27 @@ class BackendContract:
         b.evaluate(x, y)
         assert_same(b.export_params(), p0)          # a probe that moved them would shift the run it probes
         assert_same(b.export_opt_state(), s0)
+
+    def test_layers_and_gradients_are_the_forward_probes_and_gradients_from_one_program(self):
+        """Backend.layers_and_gradients (the activations its gradients saw, for harness.kinks.same_when_recorded):
+        where the backend records them (`joint_program`), every layer's output and gradient is its
+        forward_layers' and gradients' up to the rounding of another compiled program, its state untouched;
+        None from a backend whose probes are one program already."""
+        m = load_model("cnn2d_hard")
+        x, y = batch(m)
+        b = self.make(m, HP["adam"])
+        run_steps(b, x, y, 1)
+        p0, masks = b.export_params(), masks_for(m, 0, 1, len(x), "harness")
+        got = b.layers_and_gradients(x, y, masks)
+        assert (got is not None) == self.joint_program
+        if got is None:
+            return
+        layers, loss, grads = got
+        _, plain = b.gradients(x, y, masks)
+        assert_same(layers, b.forward_layers(x, masks), exact=False, rtol=1e-5)
+        assert_same(grads, plain, exact=False, rtol=1e-4)
+        assert np.isfinite(loss)
+        assert_same(b.export_params(), p0)
 
     def test_dropout_uses_the_harness_masks(self):
         m = load_model("cnn2d_hard")

@@ -175,6 +175,8 @@ def collect(backend: str, path: str) -> None:
     b2 = cls(hard, hp_bn, b.opts)
     b2.load_params(init_params(hard, 0))
     res["bn"] = {"forward": b2.forward_layers(x, _masks(hard, hp_bn, 0)), "trace": tr}
+    res["joint"] = {"got": b2.layers_and_gradients(x, y, _masks(hard, hp_bn, 0)),
+                    "grads": b2.gradients(x, y, _masks(hard, hp_bn, 0))[1]}
     res["step_forward"] = _step_forward_in_inference(b2, x, _masks(hard, hp_bn, 0))
     # 'same' average pooling, asymmetric and symmetric overhang
     res["avgpool"] = {}
@@ -623,3 +625,22 @@ def test_fault_l2_not_decoupled(backend, root):
 
 if __name__ == "__main__":
     collect(sys.argv[1], sys.argv[2])
+
+
+@pytest.mark.parametrize("backend", KERAS)
+def test_the_recorded_step_program_gives_the_forward_probes_and_its_gradients_on_the_tensorflow_runtime(backend, root):
+    """Backend.layers_and_gradients (the activations its gradients saw: harness.kinks.same_when_recorded): on
+    keras-tensorflow the forward probes' recorded step, whose activations are `forward_layers`' and whose
+    gradients are the gradient probe's up to the rounding of another compiled program; the other runtimes
+    record none (None: their probes need no second program for the kink evidence)."""
+    r = collected(backend, root)
+    if backend != "keras-tensorflow":
+        assert r["joint"]["got"] is None
+        return
+    layers, loss, grads = r["joint"]["got"]
+    assert set(layers) == set(r["bn"]["forward"]) and np.isfinite(loss)
+    for k, v in r["bn"]["forward"].items():
+        np.testing.assert_allclose(layers[k], v, rtol=1e-5, atol=1e-5 * float(np.abs(v).max()))
+    assert set(grads) == set(r["joint"]["grads"])
+    for k, g in r["joint"]["grads"].items():
+        np.testing.assert_allclose(grads[k], g, rtol=1e-4, atol=1e-4 * float(np.abs(g).max()))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from algorithms.contract import Replay, RunOptions
+from algorithms.params import JOINT
 from algorithms.spec import load_model
 from harness import kinks
 from harness import resync as R
@@ -167,6 +168,51 @@ def test_same_in_float64_compares_the_backward_keys_on_their_scale():
     assert got["kind"] == "float64" and set(got["keys"]) == {"grad/a", "update0/a"}
     assert got["keys"]["grad/a"] == pytest.approx(np.sqrt(8e-30) / 2, rel=1e-6) and got["keys"]["update0/a"] == 0.0
     assert kinks.same_in_float64(None, ref64) == []
+
+
+# --------------------------------------------------------------------------- the candidate's recorded step
+def test_same_when_recorded_reads_the_joint_gradients_beside_a_kink_within_the_candidates_rounding():
+    """tensorflow, resnet_tiny, step 0 (2026-12-06): a ReLU input 7.8e-7 below the kink in float64, within the
+    candidate's 1e-5 rounding of that layer; the recorded program's gradients are on their float64 scale."""
+    z = _forward()
+    z["grad/conv1.kernel"] = np.array([1.0, -2.0])
+    z["forward/bn1"][0, 3, 3, 7] = -7.8e-7
+    cand = {JOINT + k: v + (1e-5 if k == "forward/bn1" else 0.0) for k, v in z.items() if k.startswith("forward/")}
+    cand[JOINT + "grad/conv1.kernel"] = np.array([1.0, -2.0 + 2e-6])
+    (got,) = kinks.same_when_recorded(HARD, cand, z)
+    assert got["kind"] == "recorded" and got["keys"] == {"grad/conv1.kernel": pytest.approx(np.sqrt(2e-12) / 2)}
+    assert [(n["layer"], n["near"]) for n in got["near"]] == [("relu_1", 1)]
+    assert got["near"][0]["margin_min"] == pytest.approx(7.8e-7) and set(got["upstream"]) == {"bn1", "conv1"}
+    assert kinks.same_when_recorded(HARD, {k[len(JOINT):]: v for k, v in cand.items()}, z) == []   # none recorded
+    exact = {JOINT + k: v for k, v in z.items() if k.startswith("forward/")}
+    exact[JOINT + "grad/conv1.kernel"] = z["grad/conv1.kernel"]
+    assert kinks.same_when_recorded(HARD, exact, z) == []            # no kink within its rounding: no evidence
+
+
+def _with_recorded_step(err: float, upstream: tuple[str, ...] = ("conv1",)) -> dict:
+    """The candidate's plain step jumps at step 75 by 5e-3 (33x past FLOAT64_REACH's room: a kink its fused
+    kernel crossed unseen); its recorded program's gradient there is `err` of its scale off the float64 one."""
+    rep = kinked_rep(list(range(0, 300, 25)), ref_jumps=[], cand_jumps=[75], size=5e-3)
+    near = [{"layer": "relu_1", "kind": "relu", "near": 1, "of": 4096, "margin_min": 7.8e-7, "rounding": 1e-5}]
+    c = {"layer": "the candidate's step with its activations recorded", "kind": "recorded",
+         "keys": {"grad/conv1.kernel": err}, "near": near, "upstream": list(upstream)}
+    return dict(rep, crossings={75: [c]})
+
+
+def test_the_recorded_step_explains_the_plain_step_only_where_it_computes_the_reference_gradient():
+    """The same code compiled with its activations as outputs computing the reference's gradient, upstream of a
+    kink within the candidate's rounding, explains its plain step's disagreement there; a recorded gradient as
+    far off (a bug is in both programs) or a parameter not upstream of the near kink is not explained."""
+    got = R.judge(_with_recorded_step(1e-7), LAYERS, analyse)
+    assert got["agree"], got["first_disagreement"]
+    said = resync_what(got)
+    assert "compiled with its activations as outputs computes the reference's gradients" in said
+    assert "relu_1: 1 of 4096, float64 margin 7.8e-07" in said
+    assert not R.judge(_with_recorded_step(5e-3), LAYERS, analyse)["agree"]           # off when recorded too
+    assert not R.judge(_with_recorded_step(1e-7, upstream=("fc1",)), LAYERS, analyse)["agree"]
+    plain = _with_recorded_step(1e-7)
+    plain.pop("crossings")
+    assert not R.judge(plain, LAYERS, analyse)["agree"]                               # no evidence: it stands
 
 
 # --------------------------------------------------------------------------- saturations

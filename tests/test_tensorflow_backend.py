@@ -46,6 +46,7 @@ class TestTensorflowContract(BackendContract):
     """tests/backend_contract.py's checks, on this backend."""
     backend = "tensorflow"
     opt_state_empty_before_first_step = True      # as torch
+    joint_program = True                          # tf.function: the recorded program is another one
 
     def make(self, model, hp, params=None, **opts):
         return make(model, hp, params, **opts)

@@ -37,10 +37,9 @@ DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu"
 
 
 def jax_platform_env(opts: RunOptions, local_devices: int | None = None) -> dict[str, str]:
-    """JAX's platform and XLA flags, set before jax is imported (jax and keras-jax).
-
-    CPU unless a JAX GPU plugin is installed (or `extra.platform` says otherwise): on CPU, N data-parallel
-    devices are forced host devices; on GPU the visible GPUs are used with XLA's deterministic GPU ops."""
+    """JAX's platform and XLA flags, set before jax is imported (jax and keras-jax). CPU unless a JAX GPU plugin
+    is installed (or `extra.platform` says otherwise): on CPU, N data-parallel devices are forced host devices;
+    on GPU the visible GPUs are used with XLA's deterministic GPU ops."""
     import importlib.util
     extra = opts.extra
     gpu_plugin = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
@@ -269,6 +268,11 @@ class Backend:
         """(loss, d loss / d param) for every trainable parameter, canonical layout, no state change."""
         raise NotImplementedError(f"{type(self).__name__}.gradients")
 
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[dict, float, dict] | None:
+        """Every layer's training-mode output, the loss and the gradients from ONE program (a compiler that fuses
+        a BatchNorm with its ReLU in the plain step may round a near-kink input across unseen). None: not had."""
+        return None
+
     # ---- the probe protocol, built on the primitives
     def probe(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], start_step: int = 0) -> dict[str, np.ndarray]:
         """Forward per layer, the inference-mode forward per layer from the same state (`eval/<layer>`:
@@ -309,10 +313,9 @@ class Backend:
 
     def restart_check(self, x: np.ndarray, y: np.ndarray, masks_per_step: list[Masks], probed: dict[str, np.ndarray],
                       start_step: int = 0) -> dict[str, Any]:
-        """After `probe`: a fresh backend loads the state this one exported after the probe's first step and
-        takes the second; its update should be `update1/` (same code, same inputs, the same state), up to the
-        rounding of the optimizer-state conversion. A difference means state the checkpoint does not hold
-        (gradients accumulated across steps, a counter or cache kept outside the optimizer state): the resync,
+        """After `probe`: a fresh backend loads the state exported after the probe's first step and takes the
+        second; its update should be `update1/` up to the optimizer-state conversion's rounding. A difference is
+        state no checkpoint holds (accumulated gradients, a counter kept outside the optimizer state): the resync,
         which starts every step from a loaded checkpoint, cannot see such a bug. {'checked', 'rel', 'key'}."""
         if len(masks_per_step) < 2 or self.after_first is None:
             return {"checked": False, "why": "fewer than two probe steps"}
@@ -343,13 +346,11 @@ LOWERING_FAULTS = frozenset({"flatten_no_permute", "symmetric_same_padding", "bn
                              "adam_eps_hat", "keras_momentum_schedule", "l2_not_decoupled", "label_smoothing",
                              "dropout_in_eval", "missing_bias", "maxpool_ceil", "grad_double"})
 DP_FAULTS = frozenset({"grad_sum_replicas", "overlapping_shards"})
-# the graph layers' lowering faults (algorithms.faults.Seams: concat_axis, bypassed_norms,
-# depthwise_channel_major): a wrapper that lowers concat, add and grouped convolutions can list them
+# the graph layers' lowering faults (algorithms.faults.Seams: concat_axis, bypassed_norms, depthwise_channel_major)
 GRAPH_LOWERING_FAULTS = frozenset({"concat_wrong_axis", "projection_without_bn", "depthwise_multiplier_order"})
 
-# faults the generic worker loop injects for every backend (they change data handling, not lowering)
-# (and the catalogued perturbations: every wrapper applies them through effective_hparams, lr_for,
-# effective_model_decl and eval_inputs)
+# faults the generic worker loop injects for every backend (data handling, not lowering), and the catalogued
+# perturbations (every wrapper applies them through effective_hparams, lr_for, effective_model_decl, eval_inputs)
 WORKER_FAULTS = frozenset({"data_shift_one_batch", "lr_scale_1.001", "lr_schedule_off_by_one"}
                           | {n for n in FAULTS if perturbation(n) is not None})
 
@@ -374,8 +375,7 @@ def effective_hparams(hp: HParams, fault: str | None) -> HParams:
 def effective_model_decl(decl: dict, fault: str | None) -> dict:
     """The model declaration with a BatchNorm perturbation applied to every batchnorm2d layer (bn_eps,
     bn_momentum), or rewritten as a port with a declaration-level fault declares it (gelu_tanh_approx, ...:
-    algorithms.faults.rewrite_declaration): every wrapper builds its layers from it, so they all apply it
-    the same way."""
+    algorithms.faults.rewrite_declaration): every wrapper builds its layers from it, all alike."""
     if fault in DECLARATION_FAULTS:
         return rewrite_declaration(decl, fault)
     p = perturbation(fault)

@@ -22,7 +22,7 @@ from algorithms import data as D
 from algorithms.contract import (CHECKPOINT_DIR, EVAL_COLUMNS, EVAL_FILE, FINAL_PARAMS_FILE, STEP_COLUMNS, STEPS_FILE,
                                  WORKER_FILE, Job, RunOptions, checkpoint_file, probe_file_stem, replay_probe_stem,
                                  replay_state_file, replica_loss_columns, split_state, state_arrays)
-from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
+from algorithms.params import JOINT, REPLAY_ACTIVATION_ROWS, load_npz, perturb_ulp, save_npz, thin_activations
 from algorithms.spec import ModelSpec, build_model
 
 from .base import Backend, Entry, Masks, effective_model_decl, eval_inputs
@@ -282,7 +282,14 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             backend.load_params(params if seed is None else perturb_ulp(params, seed * 1_000_003 + t))
             backend.load_opt_state(opt, t)
             name = replay_probe_stem(i, seed)
-            save_npz(out_dir / f"{name}.npz", thin_activations(backend.probe(x, y, masks, start_step=t), rows))
+            # every sample kept: a kink witness, with the activations its gradients saw where another program has them
+            joint = backend.layers_and_gradients(x, y, masks[0]) if rows == 0 and seed is None else None
+            probed = backend.probe(x, y, masks, start_step=t)
+            if joint is not None:
+                probed.update({f"{JOINT}forward/{l.name}": np.asarray(joint[0][l.name]) for l in model.layers})
+                probed.update({f"{JOINT}grad/{p.name}": np.asarray(joint[2][p.name]) for p in model.trainable})
+                probed[f"{JOINT}loss"] = np.asarray(joint[1], np.float64)
+            save_npz(out_dir / f"{name}.npz", thin_activations(probed, rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
     return {"replay_at": at, "replayed": replayed, "reload_exact": backend.state_reload_exact(),

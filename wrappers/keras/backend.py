@@ -61,20 +61,6 @@ def batch_mean(loss_fn: keras.losses.Loss, y, logits):
     return total / ops.cast(ops.shape(logits)[0], total.dtype)
 
 
-class SmoothedSparseCrossentropy(keras.losses.Loss):
-    """Fault label_smoothing: integer labels, one-hot with label smoothing, logits (what torch's
-    F.cross_entropy(label_smoothing=...) computes); compiled like any Keras loss."""
-
-    def __init__(self, num_classes: int, label_smoothing: float, **kw: Any) -> None:
-        super().__init__(name="smoothed_sparse_categorical_crossentropy", reduction="sum", **kw)
-        self.num_classes, self.label_smoothing = num_classes, label_smoothing
-
-    def call(self, y_true, y_pred):
-        onehot = ops.one_hot(ops.cast(ops.reshape(y_true, (-1,)), "int32"), self.num_classes, dtype=y_pred.dtype)
-        return keras.losses.categorical_crossentropy(onehot, y_pred, from_logits=True,
-                                                     label_smoothing=self.label_smoothing)
-
-
 class LayerRecord:
     """While a forward probe runs the step: the recorder (every layer's output) and what it recorded, per thread
     (a MirroredStrategy runs each replica's step in a thread). A plain object: Keras and torch.nn track models."""
@@ -185,7 +171,7 @@ class KerasBackend(Backend):
             self.net.layer_record = LayerRecord(next(i for i, t in enumerate(self.low.outputs.values())
                                                      if t is self.low.logits))
             self.optimizer, coupled = optim.make_optimizer(self.hp, opts.fault)
-            loss = (SmoothedSparseCrossentropy(model.num_classes, self.seams.label_smoothing)
+            loss = (optim.SmoothedSparseCrossentropy(model.num_classes, self.seams.label_smoothing)
                     if self.seams.label_smoothing
                     else keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
             self.eval_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
@@ -367,6 +353,14 @@ class KerasBackend(Backend):
         masks and replicas, compiled as the step is), no state change; labels zeros (the forward reads none)."""
         return self._named(self.stepper.layer_outputs(*self._probe_batch(x, np.zeros(len(x), np.int32), masks),
                                                       self.recorder))
+
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[dict, float, dict] | None:
+        """The forward probes' recorded step program, with its loss and gradients (Backend.layers_and_gradients);
+        None where the runtime's Stepper does not record them jointly."""
+        joint = getattr(self.stepper, "layers_and_gradients", None)
+        got = None if joint is None else joint(*self._probe_batch(x, y, masks), self.recorder)
+        return None if got is None else (self._named(got[0]), float(_np(got[1])), {
+            n: self._canonical(n, _np(g)) for n, g in zip(self.trainable, self.net.fault_grads(list(got[2])))})
 
     def eval_layers(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """Inference-mode outputs as `evaluate` computes them (TF data parallel: replica 0's), stateless."""

@@ -5,7 +5,7 @@ Keras SGD keeps the velocity v (v = mu v - lr_t g; p += v). The canonical 'momen
 buffer b (b = mu b + g; p -= lr_t b): exported as b = -v / lr_t with lr_t the (float32) learning rate of the
 last update, loaded as v = -b * lr_{step-1}. Equal to torch's b for a constant lr; under a schedule the two
 recursions differ (declared difference keras_momentum_velocity). Adam/AdamW: Keras' momentums/velocities are
-exp_avg/exp_avg_sq, 'step' = optimizer.iterations.
+exp_avg/exp_avg_sq, 'step' = optimizer.iterations. And the label-smoothed objective of fault label_smoothing.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras import ops
 
 from algorithms.faults import Seams
 from algorithms.optim import HParams
@@ -63,3 +64,17 @@ def state_reload_exact(backend: Any) -> bool:
     with momentum: v = -lr * b rounds (measured: a re-training from a checkpoint bit-equal for 1-7 steps, then
     ~1e-7 off)."""
     return backend.hp.optimizer not in ("momentum", "nesterov")
+
+
+class SmoothedSparseCrossentropy(keras.losses.Loss):
+    """Fault label_smoothing: integer labels, one-hot with label smoothing, logits (what torch's
+    F.cross_entropy(label_smoothing=...) computes); compiled like any Keras loss."""
+
+    def __init__(self, num_classes: int, label_smoothing: float, **kw: Any) -> None:
+        super().__init__(name="smoothed_sparse_categorical_crossentropy", reduction="sum", **kw)
+        self.num_classes, self.label_smoothing = num_classes, label_smoothing
+
+    def call(self, y_true, y_pred):
+        onehot = ops.one_hot(ops.cast(ops.reshape(y_true, (-1,)), "int32"), self.num_classes, dtype=y_pred.dtype)
+        return keras.losses.categorical_crossentropy(onehot, y_pred, from_logits=True,
+                                                     label_smoothing=self.label_smoothing)

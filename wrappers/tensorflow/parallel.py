@@ -331,6 +331,10 @@ class DataParallel:
         self._train_forward(x, masks, rec, None, self._replica_seed(seed), params=self.v, moments=self._moments)
         return tf.distribute.get_replica_context().all_gather(rec, axis=0)
 
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> None:
+        """Not recorded jointly across the replicas (Backend.layers_and_gradients: None)."""
+        return None
+
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
         """Every layer's training-mode output over the global batch: the replicas' shards gathered in order."""
         xs, _, ms = self._distribute(x, np.zeros(len(x), np.int32), masks)

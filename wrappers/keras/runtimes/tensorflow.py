@@ -130,23 +130,31 @@ class Stepper:
         """Every layer's output of the training step's own forward (step_with_gradients compiled as the
         step, the model calling `recorder` in its place: its training flag, masks and replicas; data
         parallel: each replica's shard, concatenated in replica order); the step's writes are undone."""
+        return list(self._recorded(x, y, recorder)[0])
+
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list] | None:
+        """(every layer's output, the data loss, the gradients) of that one recorded program
+        (Backend.layers_and_gradients); None under data parallelism (not recorded jointly across replicas)."""
+        return None if self.parallel is not None else self._recorded(x, y, recorder)
+
+    def _recorded(self, x: np.ndarray, y: np.ndarray, recorder):
         net, par = self.net, self.parallel
         if self.layers_probe is None or self.layers_probe[0] is not recorder:
             def replica(data):
-                step_with_gradients(net, data)
-                return net.layer_record.take()
+                logs, grads = step_with_gradients(net, data)
+                return net.layer_record.take(), logs["loss"], grads
 
             def record(data):
                 net.layer_record.recorder = recorder     # before the replicas' threads start
                 try:
                     if par is None:
                         return replica(data)
-                    per = par.strategy.run(replica, args=(data,))
-                    return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per]
+                    per = par.strategy.run(lambda d: replica(d)[0], args=(data,))
+                    return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per], None, None
                 finally:
                     net.layer_record.recorder = None
             self.layers_probe = (recorder, self._compiled(record))
-        return list(self._undone(self.layers_probe[1], x, y))
+        return self._undone(self.layers_probe[1], x, y)
 
     def _compiled(self, fn: Callable) -> Callable:
         """As Keras' one_step_on_data: tf.function(do_not_convert(step)), no autograph rewriting of the body."""
