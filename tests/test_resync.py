@@ -141,6 +141,31 @@ def test_a_bias_in_some_keys_of_a_kind_is_found_per_key_where_the_kinds_median_h
     assert B.sequential_test(pts, layers=layers, owns=[{}] * len(pts))["per_key"]["tested"] == 0
 
 
+def test_a_key_biased_earlier_in_the_step_than_the_biased_kind_places_the_bias():
+    """keras-tensorflow resnet_tiny with one BatchNorm's eps 2e-5 for 1e-5 (bench/source_bugs.py
+    keras_last_block_bn_eps_typo, 2026-12-06): that layer's forward output -49 ULPs at every point, the forward
+    kind's median over 40 layers unmoved; the gradients of the layers before it -30..-50 ULPs, the grad kind's
+    median biased too. The bias starts in the forward pass at that layer, not in the backward pass."""
+    from harness.resync_verdict import bias_localization
+    rng = np.random.default_rng(5)
+    layers = ["conv1", "bn1", "conv2", "bn2", "fc"]
+    fwd = [f"forward/{l}" for l in layers]
+    grads = ["grad/conv1.kernel", "grad/bn1.gamma", "grad/conv2.kernel", "grad/bn2.gamma", "grad/fc.kernel"]
+    pts = [{**{k: rng.standard_normal() for k in fwd}, "forward/bn2": -49.0 + rng.standard_normal(),
+            **{k: -40.0 + 3 * rng.standard_normal() for k in grads}} for _ in range(10)]
+    owns = [{k: 1.0 for k in p} for p in pts]
+    kinds = B.sequential_test(pts, layers=layers)
+    assert kinds["bias"] == "grad" and not kinds["kinds"]["forward"]["significant"]
+    st = B.sequential_test(pts, layers=layers, owns=owns)
+    assert st["by_key"] and st["bias"] == "forward" and st["where"]["first"] == "forward/bn2"
+    assert (bias_localization(st)["stage"], bias_localization(st)["layer"]) == ("forward", "bn2")
+    # a key biased only after the biased kind does not move the place
+    later = [{**p, "forward/bn2": rng.standard_normal(), "update0/fc.kernel": 60.0 + rng.standard_normal()}
+             for p in pts]
+    st = B.sequential_test(later, layers=layers, owns=[{k: 1.0 for k in p} for p in later])
+    assert not st["by_key"] and st["bias"] == "grad"
+
+
 def test_the_per_key_null_is_widened_by_the_keys_own_rounding():
     """A key whose own float32 projection moves by 500 ULPs (a decay term through 1 - lr x wd rounded to
     float32) may differ consistently by as much between two correct implementations: held to 3 x 500; the
