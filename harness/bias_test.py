@@ -191,7 +191,7 @@ def sequential_test(per_point: list[dict[str, float]], alpha: float = SEQ_ALPHA,
     where = key_tests(per_point, bias, layers, alpha, delta, min_points) if bias and layers is not None else None
     per_key = keywise_test(per_point, owns, layers, alpha, delta, min_points) if owns is not None else None
     # a key biased earlier in the step than the earliest biased kind (or where none is) is where the bias starts:
-    # keras-tensorflow resnet_tiny, one BatchNorm eps 2e-5 for 1e-5 (2026-12-06): the grad kind's median biased
+    # a Keras port of resnet_tiny, one BatchNorm eps 2e-5 for 1e-5 (2026-12-06): the grad kind's median biased
     # (p 5.7e-4) from that layer's gradient on, forward/block3_bn2 on its own at p 2.6e-11, the forward kind's
     # median not (one layer of 40)
     first_kind = kind_of(per_key["first"])[0] if per_key is not None and per_key["first"] is not None else None
