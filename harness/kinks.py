@@ -91,20 +91,26 @@ def upstream(model: ModelSpec, name: str) -> set[str]:
     return seen
 
 
+def _kink_inputs(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.ndarray], prefix: str = ""):
+    """(kink layer, the candidate's input to it, the float64 reference's) for every kink layer whose input (a layer's
+    `forward/` probe, under `prefix` in `cand`) both sides have with the same shape."""
+    for layer in model.layers:
+        if layer.kind not in KINK_KINDS or len(layer.inputs) != 1 or layer.inputs[0] == INPUT:
+            continue
+        key = f"forward/{layer.inputs[0]}"
+        x = cand.get(prefix + key)
+        if x is not None and key in ref64 and x.shape == ref64[key].shape:
+            yield layer, np.asarray(x, np.float64), np.asarray(ref64[key], np.float64)
+
+
 def crossed(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     """Every kink layer whose branch differs somewhere between the candidate's forward probes and the float64
     reference's (both with every sample: `forward/<layer>`, the layer's output, is the next one's input):
     the layer, its kind, how many outputs crossed of how many, the float64 margin of the nearest and the
     farthest crossing, and the layers upstream of it (whose parameters' gradients the crossing moves)."""
     out = []
-    for layer in model.layers:
-        if layer.kind not in KINK_KINDS or len(layer.inputs) != 1 or layer.inputs[0] == INPUT:
-            continue
-        key = f"forward/{layer.inputs[0]}"
-        if key not in cand or key not in ref64 or cand[key].shape != ref64[key].shape:
-            continue
-        x64 = np.asarray(ref64[key], np.float64)
-        diff = decisions(layer, np.asarray(cand[key], np.float64)) != decisions(layer, x64)
+    for layer, x, x64 in _kink_inputs(model, cand, ref64):
+        diff = decisions(layer, x) != decisions(layer, x64)
         if diff.any():
             m = margins(layer, x64)[diff]
             out.append({"layer": layer.name, "kind": layer.kind, "crossed": int(diff.sum()), "of": int(diff.size),
@@ -183,15 +189,8 @@ def same_when_recorded(model: ModelSpec, cand: dict[str, np.ndarray], ref64: dic
     those keys (a backend whose probes are one program already) or without such a kink."""
     grads = {k[len(JOINT):]: v for k, v in cand.items() if k.startswith(JOINT + "grad/")}
     near = []
-    for layer in model.layers if grads else ():
-        if layer.kind not in KINK_KINDS or len(layer.inputs) != 1 or layer.inputs[0] == INPUT:
-            continue
-        key = f"forward/{layer.inputs[0]}"
-        x = cand.get(JOINT + key)
-        if x is None or key not in ref64 or x.shape != ref64[key].shape:
-            continue
-        x64 = np.asarray(ref64[key], np.float64)
-        err, m = float(np.max(np.abs(np.asarray(x, np.float64) - x64))), margins(layer, x64)
+    for layer, x, x64 in _kink_inputs(model, cand, ref64, JOINT) if grads else ():
+        err, m = float(np.max(np.abs(x - x64))), margins(layer, x64)
         if (m <= err).any():
             near.append({"layer": layer.name, "kind": layer.kind, "near": int((m <= err).sum()), "of": int(m.size),
                          "margin_min": float(m.min()), "rounding": err})

@@ -83,17 +83,16 @@ def _crossed_what(dc: dict[str, Any]) -> str:
 def _crossing_what(c: dict[str, Any]) -> str:
     """One kink the candidate crossed, one saturated layer, or its own float64 step (harness.kinks), said with its
     evidence."""
+    def keys(plain: str, other: str) -> str:   # the explained keys, each with its two errors: three, then a count
+        return (", ".join(f"{k} {r32:.2g} of its scale off {plain}, {r:.2g} {other}"
+                          for k, (r32, r) in list(c["keys"].items())[:3])
+                + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else ""))
     if c["kind"] == "float64":
         return ("the candidate's own float64 step from the same state computes what the float64 reference does ("
-                + ", ".join(f"{k} {r32:.2g} of its scale off in float32, {r64:.2g} in float64"
-                            for k, (r32, r64) in list(c["keys"].items())[:3])
-                + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else "")
-                + "): its kernels round differently, the function is the same")
+                + keys("in float32", "in float64") + "): its kernels round differently, the function is the same")
     if c["kind"] == "recorded":
         return ("the candidate's own step compiled with its activations as outputs computes the reference's "
-                "gradients (" + ", ".join(f"{k} {r32:.2g} of its scale off in its plain step, {r:.2g} recorded"
-                                          for k, (r32, r) in list(c["keys"].items())[:3])
-                + (f" and {len(c['keys']) - 3} more keys" if len(c["keys"]) > 3 else "")
+                "gradients (" + keys("in its plain step", "recorded")
                 + "), each upstream of a kink with inputs within its rounding ("
                 + "; ".join(f"{n['layer']}: {n['near']} of {n['of']}, float64 margin {n['margin_min']:.2g}, its "
                             f"rounding {n['rounding']:.2g}" for n in c["near"])
