@@ -427,6 +427,41 @@ MUTATIONS = (
              "that layer's outputs move by ~5e-6 relative, under one step's tolerance, and only the few layers after "
              "it inherit it, so the forward kind's median over resnet_tiny's 40 layers does not move",
              args=("--steps", "100")),
+    Mutation("tf_sync_bn_mean_of_replica_variances", "cnn2d_hard", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
+             "        sq = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(mean)), axis=[0, 1, 2])\n",
+             "        local = tf.reduce_mean(x, axis=[0, 1, 2])          # each replica's deviations from its own mean\n"
+             "        sq = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(local)), axis=[0, 1, 2])\n",
+             ("BUG",), ("forward",), "bn1",
+             "synchronized BatchNorm whose variance is the mean of the replicas' own variances (the spread of the "
+             "replica means left out): the global variance is under-estimated by the between-replica term, "
+             "a few parts in a thousand at batch 64 over two replicas",
+             args=("--steps", "100", "--sync-bn")),
+    Mutation("keras_gelu_ops_default_tanh", "convnext_tiny", "keras-jax", 1, "wrappers/keras/layers.py",
+             "            return keras.activations.gelu(x, approximate=tanh)\n",
+             "            return ops.gelu(x)                           # keras.ops.gelu: approximate=True by default\n",
+             ("BUG",), ("forward",), "stage1_gelu",
+             "exact GELU ported as keras.ops.gelu, whose default is the tanh approximation (keras.activations.gelu "
+             "defaults to exact): at most 4.7e-4 absolute per activation",
+             args=("--steps", "60")),
+    Mutation("jax_leaky_relu_default_slope", "scenarios/graph_ops_tiny", "jax", 1, "wrappers/jax/layers.py",
+             'x = jax.nn.leaky_relu(x, negative_slope=o["alpha"])', "x = jax.nn.leaky_relu(x)",
+             ("BUG",), ("forward",), "leaky",
+             "LeakyReLU with jax.nn's default slope 0.01 where the spec says 0.1", args=("--steps", "60")),
+    Mutation("tf_depthwise_kernel_multiplier_major", "scenarios/graph_ops_tiny", "tensorflow", 1,
+             "wrappers/tensorflow/layers.py",
+             "        dw = tf.reshape(kernel, [kh, kw, c_in, c_out // c_in])\n",
+             "        dw = tf.transpose(tf.reshape(kernel, [kh, kw, c_out // c_in, c_in]), [0, 1, 3, 2])\n",
+             ("BUG",), ("forward",), "dw",
+             "a depthwise kernel with channel multiplier 2 reshaped multiplier-major (output m*C_in + c) where the "
+             "canonical order is channel-major (c*M + m): the outputs are the right filters in another order",
+             args=("--steps", "60")),
+    Mutation("torch_layernorm_permuted_back_hw_swapped", "convnext_tiny", "torch", 1, "wrappers/torch/layers.py",
+             "x = F.layer_norm(x.permute(0, 2, 3, 1), *args).permute(0, 3, 1, 2) if x.ndim == 4",
+             "x = F.layer_norm(x.permute(0, 2, 3, 1), *args).permute(0, 3, 2, 1) if x.ndim == 4",
+             ("BUG",), ("forward",), "stem_ln",
+             "a channels-last LayerNorm permuted back to NCHW with H and W swapped (0, 3, 2, 1 for 0, 3, 1, 2): "
+             "square maps keep their shape, every later layer sees the image transposed",
+             args=("--steps", "30"), reference="numpy"),
     Mutation("tf_residual_shortcut_gradient_stopped", "resnet_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n"
