@@ -48,6 +48,7 @@ def make(model, hp, params=None, **opts) -> JaxBackend:
 class TestJaxContract(BackendContract):
     """tests/backend_contract.py's checks, on this backend."""
     backend = "jax"
+    joint_program = True                          # jit: the recorded program is another XLA program
 
     def make(self, model, hp, params=None, **opts):
         return make(model, hp, params, **opts)

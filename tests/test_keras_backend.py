@@ -628,13 +628,13 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("backend", KERAS)
-def test_the_recorded_step_program_gives_the_forward_probes_and_its_gradients_on_the_tensorflow_runtime(backend, root):
+def test_the_recorded_step_program_gives_the_forward_probes_and_its_gradients_on_the_compiling_runtimes(backend, root):
     """Backend.layers_and_gradients (the activations its gradients saw: harness.kinks.same_when_recorded): on
-    keras-tensorflow the forward probes' recorded step, whose activations are `forward_layers`' and whose
-    gradients are the gradient probe's up to the rounding of another compiled program; the other runtimes
-    record none (None: their probes need no second program for the kink evidence)."""
+    keras-tensorflow and keras-jax the forward probes' recorded forward differentiated in one program, whose
+    activations are `forward_layers`' and whose gradients are the gradient probe's up to the rounding of
+    another compiled program; keras-torch records none (None: its probes run eagerly, one program already)."""
     r = collected(backend, root)
-    if backend != "keras-tensorflow":
+    if backend == "keras-torch":
         assert r["joint"]["got"] is None
         return
     layers, loss, grads = r["joint"]["got"]

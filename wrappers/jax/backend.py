@@ -58,6 +58,7 @@ class Lowering:
         self.wrap = jax.jit if jit else (lambda f: f)
         self.fwd = self.wrap(self._forward_layers_fn)
         self.grads = self.wrap(self._grads_fn)
+        self.joint = self.wrap(self._joint_fn)
         self.eval = self.wrap(self._eval_fn)
         self.eval_fwd = self.wrap(self._eval_layers_fn)
         self.steps: dict[tuple, tuple[optax.GradientTransformationExtraArgs, Callable]] = {}
@@ -82,16 +83,16 @@ class Lowering:
         """The inference forward, one for `evaluate` and the evaluation probes."""
         return forward(self.model, params, buffers, x, train=False, masks=None, fault=self.fault, key=key, record=record)
 
-    def _loss_fn(self, params, buffers, x, y, masks, key):
+    def _loss_fn(self, params, buffers, x, y, masks, key, record=None):
         if self.mesh is not None:
-            return self._dp_loss_fn(params, buffers, x, y, masks, key)
-        logits, new_buffers = self._train_forward(params, buffers, x, masks, key)
+            return self._dp_loss_fn(params, buffers, x, y, masks, key, record)
+        logits, new_buffers = self._train_forward(params, buffers, x, masks, key, record)
         return cross_entropy(logits, y, self.label_smoothing), (logits, new_buffers)
 
-    def _dp_loss_fn(self, params, buffers, x, y, masks, key):
+    def _dp_loss_fn(self, params, buffers, x, y, masks, key, record=None):
         """Data parallel: the objective is the mean of the replicas' mean losses (the global-batch
         mean; with grad_sum_replicas their sum). aux carries the replica losses."""
-        logits, new_buffers = self._train_forward(params, buffers, x, masks, key)
+        logits, new_buffers = self._train_forward(params, buffers, x, masks, key, record)
         per = per_example_cross_entropy(logits, y, self.label_smoothing)
         reps = jnp.mean(per.reshape(self.replicas, -1), axis=1)
         objective = jnp.sum(reps) if self.fault == "grad_sum_replicas" else jnp.mean(reps)
@@ -99,10 +100,12 @@ class Lowering:
 
     def _grads_of(self, params, buffers, x, y, masks, key):
         (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, buffers, x, y, masks, key)
-        scale = self.seams.grad_scale        # the gradient seam (grad_double), one path for training and probes
-        if scale != 1.0:
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        return loss, aux, grads
+        return loss, aux, self._seam_grads(grads)
+
+    def _seam_grads(self, grads):
+        """The gradient seam (grad_double), one path for training, the probes and the recorded program."""
+        scale = self.seams.grad_scale
+        return jax.tree.map(lambda g: g * scale, grads) if scale != 1.0 else grads
 
     def _step_fn(self, tx, adam, params, buffers, opt_state, x, y, masks, base_key, step, lr, eps):
         key = jax.random.fold_in(base_key, step)          # native dropout only; harness masks otherwise
@@ -145,6 +148,18 @@ class Lowering:
         if self.mesh is not None:
             loss = jnp.mean(aux[2])
         return loss, grads
+
+    def _joint_fn(self, params, buffers, x, y, masks, key):
+        """The gradient probe with every layer's output returned by the same program (layers_and_gradients):
+        the layers are outputs of the differentiated function (aux), so they are the values its backward saw."""
+        def loss_and_layers(p):
+            rec: dict[str, jax.Array] = {}
+            loss, aux = self._loss_fn(p, buffers, x, y, masks, key, rec)
+            return loss, (aux, rec)
+        (loss, (aux, rec)), grads = jax.value_and_grad(loss_and_layers, has_aux=True)(params)
+        if self.mesh is not None:
+            loss = jnp.mean(aux[2])
+        return rec, loss, self._seam_grads(grads)
 
     def _eval_layers_fn(self, params, buffers, x, key):
         rec: dict[str, jax.Array] = {}
@@ -306,6 +321,18 @@ class JaxBackend(DataParallel, Backend):
         xb, yb, mb = self._batch(x, y, masks)
         loss, grads = self.lowering.grads(self.params, self.buffers, xb, yb, mb, self._probe_key())
         return float(host_value(loss)), {n: self._canon(n, grads[n]) for n in self.trainable}
+
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks
+                             ) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray]] | None:
+        """Every layer's output, the loss and the gradients from one compiled program
+        (Backend.layers_and_gradients): XLA compiles forward_layers and gradients as two programs, free to
+        fuse each its own way. None without jit: the probes then run the same eager operations."""
+        if not self.opts.jit:
+            return None
+        xb, yb, mb = self._batch(x, y, masks)
+        rec, loss, grads = self.lowering.joint(self.params, self.buffers, xb, yb, mb, self._probe_key())
+        return ({l.name: np.array(rec[l.name]) for l in self.model.layers}, float(host_value(loss)),
+                {n: self._canon(n, grads[n]) for n in self.trainable})
 
 
 BACKEND = JaxBackend

@@ -125,6 +125,7 @@ class Stepper:
         self.dtypes: dict[int, Any] = {}               # each written variable's dtype
         self.probe: Callable | None = None             # the step with its gradients, compiled as the step is
         self.layers_probe: tuple | None = None          # (recorder, the step's forward recording every layer)
+        self.joint_probe: tuple | None = None           # (recorder, that forward differentiated: layers_and_gradients)
 
     def step(self, x: np.ndarray, y: np.ndarray, values: list[tuple[Any, np.ndarray]]) -> dict[str, np.ndarray]:
         """One batch; `values`: (Keras variable, new value) written into the state first."""
@@ -192,6 +193,28 @@ class Stepper:
         if self.parallel is not None:
             x, y = self.parallel.distribute(x), self.parallel.distribute(y)
         return self.layers_probe[1](state, (x, y))
+
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list]:
+        """(every layer's output, the data loss, the gradients before the fault seam) from one program: the
+        forward probes' recording forward (forward_loss with `recorder`) differentiated as step_with_gradients
+        differentiates it, the layers returned beside the loss (Backend.layers_and_gradients); nothing written."""
+        net = self.net
+        if self.joint_probe is None or self.joint_probe[0] is not recorder:
+            def joint(state, data):
+                net.layer_record.recorder = recorder
+                try:
+                    def loss_fn(tv):
+                        objective, aux = forward_loss(net, tv, state[1], data[0], data[1])
+                        return objective, (aux[0], net.layer_record.take())
+                    (_, (loss, layers)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state[0])
+                    return layers, loss, grads
+                finally:
+                    net.layer_record.recorder = None
+            self.joint_probe = (recorder, joint if (net.run_eagerly or not net.jit_compile) else jax.jit(joint))
+        state = tuple([v.value for v in vs] for vs in self.groups[:2])
+        if self.parallel is not None:
+            x, y = self.parallel.distribute(x), self.parallel.distribute(y)
+        return self.joint_probe[1](state, (x, y))
 
     def sync(self) -> None:
         """The state into the Keras variables (fit's jax_state_sync); they hold it again afterwards."""
