@@ -180,41 +180,43 @@ class Stepper:
         calling `recorder` in its place: its training flag and masks; data parallel: the global batch on
         the mesh), on the state the Keras variables hold (call after sync); nothing is written."""
         net = self.net
-        if self.layers_probe is None or self.layers_probe[0] is not recorder:
-            def record(state, data):
-                net.layer_record.recorder = recorder
-                try:
-                    forward_loss(net, state[0], state[1], data[0], data[1])
-                    return net.layer_record.take()
-                finally:
-                    net.layer_record.recorder = None
-            self.layers_probe = (recorder, record if (net.run_eagerly or not net.jit_compile) else jax.jit(record))
-        state = tuple([v.value for v in vs] for vs in self.groups[:2])
-        if self.parallel is not None:
-            x, y = self.parallel.distribute(x), self.parallel.distribute(y)
-        return self.layers_probe[1](state, (x, y))
+
+        def forward(state, data):
+            forward_loss(net, state[0], state[1], data[0], data[1])
+            return net.layer_record.take()
+        return self._recording("layers_probe", recorder, forward, x, y)
 
     def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list]:
         """(every layer's output, the data loss, the gradients before the fault seam) from one program: the
         forward probes' recording forward (forward_loss with `recorder`) differentiated as step_with_gradients
         differentiates it, the layers returned beside the loss (Backend.layers_and_gradients); nothing written."""
         net = self.net
-        if self.joint_probe is None or self.joint_probe[0] is not recorder:
-            def joint(state, data):
+
+        def joint(state, data):
+            def loss_fn(tv):
+                objective, aux = forward_loss(net, tv, state[1], data[0], data[1])
+                return objective, (aux[0], net.layer_record.take())
+            (_, (loss, layers)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state[0])
+            return layers, loss, grads
+        return self._recording("joint_probe", recorder, joint, x, y)
+
+    def _recording(self, slot: str, recorder, body: Callable, x: np.ndarray, y: np.ndarray):
+        """body(state, data) with the model calling `recorder` in its place, jitted as the step is and kept in
+        `slot` per recorder, on the (trainable, non-trainable) state the Keras variables hold."""
+        net = self.net
+        if getattr(self, slot) is None or getattr(self, slot)[0] is not recorder:
+            def recording(state, data):
                 net.layer_record.recorder = recorder
                 try:
-                    def loss_fn(tv):
-                        objective, aux = forward_loss(net, tv, state[1], data[0], data[1])
-                        return objective, (aux[0], net.layer_record.take())
-                    (_, (loss, layers)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state[0])
-                    return layers, loss, grads
+                    return body(state, data)
                 finally:
                     net.layer_record.recorder = None
-            self.joint_probe = (recorder, joint if (net.run_eagerly or not net.jit_compile) else jax.jit(joint))
+            compiled = recording if (net.run_eagerly or not net.jit_compile) else jax.jit(recording)
+            setattr(self, slot, (recorder, compiled))
         state = tuple([v.value for v in vs] for vs in self.groups[:2])
         if self.parallel is not None:
             x, y = self.parallel.distribute(x), self.parallel.distribute(y)
-        return self.joint_probe[1](state, (x, y))
+        return getattr(self, slot)[1](state, (x, y))
 
     def sync(self) -> None:
         """The state into the Keras variables (fit's jax_state_sync); they hold it again afterwards."""
