@@ -462,6 +462,39 @@ MUTATIONS = (
              "a channels-last LayerNorm permuted back to NCHW with H and W swapped (0, 3, 2, 1 for 0, 3, 1, 2): "
              "square maps keep their shape, every later layer sees the image transposed",
              args=("--steps", "30"), reference="numpy"),
+    Mutation("jax_eval_weights_one_step_stale", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
+             "        xb, yb, mb = self._batch(x, y, masks)\n"
+             "        self.params, self.buffers, self.opt_state, stats = self._step(\n"
+             "            self.params, self.buffers, self.opt_state, xb, yb, mb,\n"
+             "            self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))\n"
+             "        s = np.asarray(host_value(stats))     # one blocking read (np.asarray: no device_get tree walk)\n"
+             "        reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None\n"
+             "        return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)\n"
+             "\n"
+             "    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:\n"
+             "        calls = np.int32(self.eval_calls)\n"
+             "        self.eval_calls += 1\n"
+             "        xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))\n"
+             "        loss, acc = np.asarray(host_value(self.lowering.eval(self.params, self.buffers, xe, ye, self.base_key, calls)))\n",
+             "        xb, yb, mb = self._batch(x, y, masks)\n"
+             "        self.before_step = (self.params, self.buffers)   # what the evaluation reads\n"
+             "        self.params, self.buffers, self.opt_state, stats = self._step(\n"
+             "            self.params, self.buffers, self.opt_state, xb, yb, mb,\n"
+             "            self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))\n"
+             "        s = np.asarray(host_value(stats))     # one blocking read (np.asarray: no device_get tree walk)\n"
+             "        reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None\n"
+             "        return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)\n"
+             "\n"
+             "    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:\n"
+             "        calls = np.int32(self.eval_calls)\n"
+             "        self.eval_calls += 1\n"
+             "        xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))\n"
+             "        loss, acc = np.asarray(host_value(self.lowering.eval(*getattr(self, \"before_step\", (self.params, self.buffers)), xe, ye, self.base_key, calls)))\n",
+             ("BUG",), ("eval",), "",
+             "the evaluation reads the weights as they were before the last update (an evaluation hook that runs "
+             "before the step, or a snapshot taken one step early): every evaluation one step behind, training "
+             "untouched; only the evaluation curve and the evaluation path can show it",
+             args=("--schedule", "cosine")),
     Mutation("tf_residual_shortcut_gradient_stopped", "resnet_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n"
