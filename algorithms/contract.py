@@ -195,6 +195,7 @@ class Replay:
     probe_steps: int = 1
     activation_rows: int | None = None            # None: algorithms.params.REPLAY_ACTIVATION_ROWS; 0: every sample
     perturb_state_ulps: list[int | None] = field(default_factory=lambda: [None])   # None: the state itself
+    evaluate_checkpoints: bool = False            # evaluate each checkpoint as loaded, before anything is trained
 
     def __post_init__(self) -> None:   # the worker walks the steps in order; probe file i is the i-th of them
         object.__setattr__(self, "at", sorted(int(t) for t in self.at))

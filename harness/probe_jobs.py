@@ -354,7 +354,8 @@ class ProbeJobs:
 
     def self_replay(self, run: Run) -> dict[str, Any]:
         """harness.self_replay: `run`'s backend re-trains every stretch between two of the run's checkpoints from
-        the first, in a fresh process (one job, about one run's training); its rows must be the run's.
+        the first, in a fresh process (one job, about one run's training); its rows must be the run's, and its
+        evaluation of each checkpoint as loaded, before any step, the run's evaluation at that step.
         {"checked": False, "why": ...} where no such comparison is exact: several processes standing in for
         hosts (a replay emulates them in one), framework-RNG dropout, a run not in deterministic mode, a run
         trained on another machine, fewer than two checkpoints; or a job that failed."""
@@ -371,14 +372,16 @@ class ProbeJobs:
         if why or not at:
             return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}
         try:
-            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}", "replay",
-                               Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[]),
+            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}-eval", "replay",
+                               Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[],
+                                      evaluate_checkpoints=True),
                                fresh_process=True)   # nothing but the checkpoint: no state of earlier jobs
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
         worker = json.loads((folder / WORKER_FILE).read_text())
-        return S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks),
-                       reload_exact=worker.get("reload_exact", True))   # Backend.state_reload_exact
+        return {**S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks),
+                          reload_exact=worker.get("reload_exact", True)),   # Backend.state_reload_exact
+                **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or [])}
 
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""

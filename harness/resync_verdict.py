@@ -42,6 +42,8 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
                   " (after a stretch's first step that is not bit-equal, state the checkpoint misses is not judged)"))
         return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches) reproduces "
                 f"its {sr['rows']} steps {how}"
+                + (f" and evaluates them as its run did ({sr['eval_checked']} evaluations)" if sr.get("eval_checked")
+                   else "")
                 + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))
     if sr and not sr.get("checked"):
         return f"; self-replay not made ({sr.get('why')})"
@@ -325,25 +327,33 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     superseded = superseded_by_resync(p.localization, rs)
+    def differs(d: dict[str, Any]) -> bool:      # its training, or its evaluation of its own checkpoints
+        return bool(d.get("differs") or d.get("eval_differs"))
     sr, of_reference = rs.get("self_replay") or {}, False
-    if not sr.get("differs") and (rs.get("self_replay_reference") or {}).get("differs"):
+    if not differs(sr) and differs(rs.get("self_replay_reference") or {}):
         sr, of_reference = rs["self_replay_reference"], True
-    if sr.get("differs"):
+    if differs(sr):
         from .self_replay import describe
         said = f"the reference {p.a.name}" if of_reference else "the candidate"
         line = describe(said if of_reference else p.b.name, sr)
         p.verdict = BUG
         drop_stat_advice(p)
+        in_eval = not sr.get("differs")
         if was != BUG or superseded or (p.localization or {}).get("stage") is None:
             _drop_conclusion(p)
-            p.localization = {"stage": "state", "layer": None, "parameter": None, "probe": None, "method": "self-replay",
-                              "summary": f"state: training carries state its checkpoint does not hold (step {sr['step']})",
-                              "lines": [line]}
+            p.localization = {"stage": "eval" if in_eval else "state", "layer": None, "parameter": None, "probe": None,
+                              "method": "self-replay", "lines": [line], "summary": (
+                                  f"eval: the run's evaluation at step {sr['eval_step']} is not the evaluation of its "
+                                  f"state there" if in_eval else
+                                  f"state: training carries state its checkpoint does not hold (step {sr['step']})")}
         else:
             p.notes.append(line)
-        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but {said} does not reproduce its own "
-                       f"training from its checkpoint (self-replay): state the checkpoint does not hold, which a step "
-                       f"from a loaded state cannot show" + (f"; the free-running verdict was {was}" if was != BUG else ""))
+        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but {said} " + (
+            "does not evaluate its own checkpoint as its run did (self-replay): the evaluation reads something besides "
+            "the state, which a step or an evaluation from a loaded state cannot show" if in_eval else
+            "does not reproduce its own training from its checkpoint (self-replay): state the checkpoint does not "
+            "hold, which a step from a loaded state cannot show")
+            + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     if was == BUG and superseded:
         from .implied import optimizer_only

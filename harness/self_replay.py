@@ -27,6 +27,7 @@ import numpy as np
 
 TOL = 1e-4                 # as the restart check (harness.resync_verdict.RESTART_TOL)
 SERIES = ("loss", "grad_norm", "update_norm", "param_norm")   # the replayed row's order after step, accuracy
+EVAL = ("eval_loss", "eval_accuracy")                          # an evaluated row's order after step
 
 
 def stretches(steps: int, checkpoint_steps: list[int]) -> list[int]:
@@ -74,12 +75,42 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
     return out
 
 
+def judge_evaluations(eval_step: np.ndarray, values: dict[str, np.ndarray], evaluated: list[list[float]]
+                      ) -> dict[str, Any]:
+    """The backend's evaluation of each of the run's checkpoints, loaded in a fresh process before any step
+    ([step, eval_loss, eval_accuracy]), against the run's own evaluation at that step (on `eval_step`): the same
+    state through the same evaluation must give the same numbers (a deterministic backend: to the bit). An
+    evaluation that reads anything but the state -- weights from before the last update, a copy made once,
+    statistics another evaluation left behind -- differs where training does not. {eval_checked (points),
+    eval_max_rel, eval_differs, and at the first point beyond TOL: eval_step, eval_series, eval_rel, eval_run,
+    eval_replay}."""
+    at = {int(t): i for i, t in enumerate(eval_step)}
+    out: dict[str, Any] = {"eval_checked": 0, "eval_max_rel": 0.0, "eval_differs": False}
+    for step, *got in evaluated:
+        if int(step) not in at:
+            continue
+        out["eval_checked"] += 1
+        for s, b in zip(EVAL, got):
+            a = float(values[s][at[int(step)]])
+            rel = abs(a - b) / max(abs(a), abs(b), 1e-30) if a != b else 0.0
+            out["eval_max_rel"] = max(out["eval_max_rel"], rel)
+            if rel > TOL and not out["eval_differs"]:
+                out.update({"eval_differs": True, "eval_step": int(step), "eval_series": s, "eval_rel": rel,
+                            "eval_run": a, "eval_replay": float(b)})
+    return out
+
+
 def describe(run_name: str, sr: dict[str, Any]) -> str:
-    """One line for a self-replay that differs."""
+    """One line for a self-replay that differs (its training, else its evaluation)."""
+    if not sr.get("differs"):
+        return (f"self-replay: {run_name}'s backend, evaluating the run's own checkpoint at step {sr['eval_step']} as "
+                f"loaded in a fresh process, gets {sr['eval_series']} {sr['eval_replay']:.9g} against the run's "
+                f"{sr['eval_run']:.9g} at that step (rel {sr['eval_rel']:.2g}): the run's evaluation is not the "
+                f"evaluation of the state it had there")
     return (f"self-replay: {run_name}'s backend, loading the run's own checkpoint at step {sr['from']} in a fresh "
             f"process and re-training on the run's batches, computes step {sr['step']} differently ({sr['series']} "
             f"{sr['replay']:.9g} against the run's {sr['run']:.9g}, rel {sr['rel']:.2g}, every step before it "
             f"bit-equal): its training carries state the checkpoint does not hold")
 
 
-__all__ = ["TOL", "describe", "judge", "stretches"]
+__all__ = ["TOL", "describe", "judge", "judge_evaluations", "stretches"]

@@ -9,7 +9,7 @@ import numpy as np
 from harness import resync as R
 from harness.compare import BUG, DRIFT, compare
 from harness.probe_analysis import analyse
-from harness.self_replay import TOL, judge, stretches
+from harness.self_replay import TOL, judge, judge_evaluations, stretches
 
 from .conftest import need
 from .test_resync import LAYERS, chaotic_candidate, replay_of, saturating_family
@@ -88,6 +88,36 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
     assert "the reference ref does not reproduce its own training" in r.notes[-1]
 
 
+def test_an_evaluation_of_a_checkpoint_that_is_not_the_runs_evaluation_there_differs():
+    """A jax wrapper that evaluated the weights from before the last update was DRIFT: training (and so every
+    resynced step and the re-trained rows) untouched, the evaluation curve inside a saturated envelope."""
+    grid = np.array([0, 20, 40, 60])
+    v = {"eval_loss": np.array([2.3, 0.5, 0.3, 0.2]), "eval_accuracy": np.array([0.1, 0.8, 0.9, 0.95])}
+    rows = [[int(t), v["eval_loss"][i], v["eval_accuracy"][i]] for i, t in enumerate(grid)]
+    same = judge_evaluations(grid, v, rows + [[10, 9.0, 0.0]])            # a checkpoint off the grid: not judged
+    assert same == {"eval_checked": 4, "eval_max_rel": 0.0, "eval_differs": False}
+    stale = judge_evaluations(grid, v, rows[:2] + [[40, 0.3003, 0.9], [60, 0.2, 0.95]])
+    assert stale["eval_differs"] and (stale["eval_step"], stale["eval_series"]) == (40, "eval_loss")
+    assert stale["eval_rel"] > TOL and stale["eval_replay"] == 0.3003
+    assert not judge_evaluations(grid, v, [[40, 0.3 * (1 + TOL / 2), 0.9]])["eval_differs"]
+
+
+def test_a_pair_whose_candidate_evaluates_its_own_checkpoint_otherwise_is_a_bug_in_the_evaluation(tmp_path):
+    from harness.envelope import compute
+    ref, members, s, e = saturating_family(tmp_path)
+    cand = chaotic_candidate(tmp_path, s, e)
+    env = compute(ref, members)
+    base = R.judge(replay_of([0, 25, 50, 75]), LAYERS, analyse)
+    trains = {"checked": True, "rows": 60, "stretches": 3, "exact_rows": 60, "max_rel": 0.0, "differs": False}
+    evals = dict(trains, eval_checked=4, eval_max_rel=2e-3, eval_differs=True, eval_step=40, eval_series="eval_loss",
+                 eval_rel=2e-3, eval_run=0.3003, eval_replay=0.3)
+    p = compare(ref, [cand], env, members, localize=lambda pair: {"stage": None, "disagreeing_keys": []},
+                resync=lambda pair, extra: dict(base, self_replay=evals)).pairs[0]
+    assert p.verdict == BUG and p.localization["stage"] == "eval", p.notes
+    assert "evaluating the run's own checkpoint at step 40" in p.localization["lines"][0]
+    assert "does not evaluate its own checkpoint as its run did" in p.notes[-1]
+
+
 def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
     """torch, 60 steps, checkpoints every 20: each stretch re-trained from its checkpoint in a fresh process
     reproduces the run to the bit; the same run with its rows from step 43 scaled (what state outside the
@@ -105,11 +135,15 @@ def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
     got = loc.self_replay(run)
     assert got["checked"] and not got["differs"] and got["max_rel"] == 0.0, got
     assert (got["stretches"], got["rows"], got["exact_rows"]) == (3, 57, 57)     # steps 0..18, 20..38, 40..58
+    assert (got["eval_checked"], got["eval_max_rel"], got["eval_differs"]) == (4, 0.0, False)   # steps 0, 20, 40, 60
     loss = run.values["loss"].copy()
     loss[43:] *= 1.01
     run.values["loss"] = loss
     edited = loc.self_replay(run)
     assert edited["differs"] and (edited["step"], edited["from"], edited["series"]) == (43, 40, "loss"), edited
+    run.values["eval_loss"] = run.values["eval_loss"] * np.where(run.eval_step == 40, 1.001, 1.0)
+    stale = loc.self_replay(run)
+    assert stale["eval_differs"] and (stale["eval_step"], stale["eval_series"]) == (40, "eval_loss"), stale
     # a run trained on another machine is not re-trained here: its kernels need not be this machine's
     run.manifest["host"] = dict(run.manifest["host"], hostname="elsewhere")
     moved = loc.self_replay(run)

@@ -224,7 +224,8 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     probe-<i>.npz = probe(batch t, start_step=t) from the state at t, its feature maps thinned to
     REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample).
     `replay.perturb_state_ulps` (default [null]) lists what is probed at each t: null the state itself, a seed
-    the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.contract.replay_probe_stem)."""
+    the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.contract.replay_probe_stem).
+    `replay.evaluate_checkpoints`: first, each checkpoint loaded and evaluated on the test set (`evaluated`)."""
     r = job.replay
     assert r is not None    # Job checks that a replay job has its replay
     model, hp, opts = backend.model, backend.hp, backend.opts
@@ -245,6 +246,13 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
         return x_tr[idx], y_tr[idx], len(idx)
 
     replayed = []
+    # each checkpoint evaluated as loaded in this fresh process, before any step: the run's evaluation at that
+    # step must be the evaluation of that state (harness.self_replay.judge_evaluations)
+    evaluated = []
+    for c, path in sorted((r.checkpoints or {}).items()) if r.evaluate_checkpoints else ():
+        load(load_npz(path), c)
+        loss, acc = backend.evaluate(eval_inputs(arrays["x_test"], opts.fault), arrays["y_test"])
+        evaluated.append([c, loss, acc])
     if r.states:
         states = dict(r.states)
     else:
@@ -292,7 +300,7 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             save_npz(out_dir / f"{name}.npz", thin_activations(probed, rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
-    return {"replay_at": at, "replayed": replayed, "reload_exact": backend.state_reload_exact(),
+    return {"replay_at": at, "replayed": replayed, "evaluated": evaluated, "reload_exact": backend.state_reload_exact(),
             "states": {str(t): p for t, p in states.items()}}
 
 
