@@ -495,6 +495,15 @@ MUTATIONS = (
              "before the step, or a snapshot taken one step early): every evaluation one step behind, training "
              "untouched; only the evaluation curve and the evaluation path can show it",
              args=("--schedule", "cosine")),
+    Mutation("torch_eval_model_copied_once", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
+             "        logits = self._eval_forward(xt)\n        return F.cross_entropy(logits, yt).item()",
+             "        # the evaluator's own copy of the model, made when it is first used (a deepcopy never refreshed)\n"
+             "        copy = self.__dict__.setdefault(\"eval_copy\", {n: t.detach().clone() for n, t in self.p.items()})\n"
+             "        logits = self._eval_forward(xt, p=copy)\n        return F.cross_entropy(logits, yt).item()",
+             ("BUG",), ("eval",), "",
+             "the evaluation runs on a copy of the model made at its first call (before training) and never "
+             "refreshed: every evaluation is of the initial weights, training untouched",
+             args=("--steps", "100"), reference="numpy"),
     Mutation("tf_residual_shortcut_gradient_stopped", "resnet_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n",
              "        x = layer_input(layer, outs)        # an `add` is its inputs' sum, in `inputs` order\n"

@@ -225,7 +225,8 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     REPLAY_ACTIVATION_ROWS samples (thin_activations), or `replay.activation_rows` (0: every sample).
     `replay.perturb_state_ulps` (default [null]) lists what is probed at each t: null the state itself, a seed
     the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.contract.replay_probe_stem).
-    `replay.evaluate_checkpoints`: first, each checkpoint loaded and evaluated on the test set (`evaluated`)."""
+    `replay.evaluate_checkpoints`: first, each checkpoint loaded and evaluated on the test set, the last first
+    (`evaluated`)."""
     r = job.replay
     assert r is not None    # Job checks that a replay job has its replay
     model, hp, opts = backend.model, backend.hp, backend.opts
@@ -246,10 +247,11 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
         return x_tr[idx], y_tr[idx], len(idx)
 
     replayed = []
-    # each checkpoint evaluated as loaded in this fresh process, before any step: the run's evaluation at that
-    # step must be the evaluation of that state (harness.self_replay.judge_evaluations)
+    # each checkpoint evaluated as loaded in this fresh process, before any step, the last first (not the run's
+    # order: an evaluation that keeps a copy from its first call gets the final state): the run's evaluation at
+    # that step must be the evaluation of that state (harness.self_replay.judge_evaluations)
     evaluated = []
-    for c, path in sorted((r.checkpoints or {}).items()) if r.evaluate_checkpoints else ():
+    for c, path in sorted((r.checkpoints or {}).items(), reverse=True) if r.evaluate_checkpoints else ():
         load(load_npz(path), c)
         loss, acc = backend.evaluate(eval_inputs(arrays["x_test"], opts.fault), arrays["y_test"])
         evaluated.append([c, loss, acc])
