@@ -86,7 +86,7 @@ def judge_evaluations(eval_step: np.ndarray, values: dict[str, np.ndarray], eval
     eval_replay}."""
     at = {int(t): i for i, t in enumerate(eval_step)}
     out: dict[str, Any] = {"eval_checked": 0, "eval_max_rel": 0.0, "eval_differs": False}
-    for step, *got in evaluated:
+    for step, *got in sorted(evaluated):     # the job evaluates the last first; the earliest is named
         if int(step) not in at:
             continue
         out["eval_checked"] += 1

@@ -96,7 +96,7 @@ def test_an_evaluation_of_a_checkpoint_that_is_not_the_runs_evaluation_there_dif
     rows = [[int(t), v["eval_loss"][i], v["eval_accuracy"][i]] for i, t in enumerate(grid)]
     same = judge_evaluations(grid, v, rows + [[10, 9.0, 0.0]])            # a checkpoint off the grid: not judged
     assert same == {"eval_checked": 4, "eval_max_rel": 0.0, "eval_differs": False}
-    stale = judge_evaluations(grid, v, rows[:2] + [[40, 0.3003, 0.9], [60, 0.2, 0.95]])
+    stale = judge_evaluations(grid, v, [[60, 0.2002, 0.95], [40, 0.3003, 0.9]] + rows[:2])   # the job's order
     assert stale["eval_differs"] and (stale["eval_step"], stale["eval_series"]) == (40, "eval_loss")
     assert stale["eval_rel"] > TOL and stale["eval_replay"] == 0.3003
     assert not judge_evaluations(grid, v, [[40, 0.3 * (1 + TOL / 2), 0.9]])["eval_differs"]
