@@ -68,6 +68,22 @@ class Mutation:
     why: str = ""
     args: tuple[str, ...] = ()       # extra `duipai run` options, the reference's and the candidate's alike
     reference: str = "torch"         # the reference backend (numpy for a mutation of the torch wrapper)
+    also: tuple[tuple[str, str], ...] = ()   # further (old, new) edits of the same file, one bug in several places
+
+    def edits(self) -> tuple[tuple[str, str], ...]:
+        return ((self.old, self.new),) + self.also
+
+
+def mutated(m: Mutation, text: str) -> str:
+    """`text` (the file as HEAD holds it) with every edit of `m`; ValueError naming an edit whose text does not
+    occur exactly once, or that changes nothing."""
+    for i, (old, new) in enumerate(m.edits()):
+        if text.count(old) != 1:
+            raise ValueError(f"{m.file} holds {text.count(old)} copies of the text to replace (edit {i + 1})")
+        if new == old:
+            raise ValueError(f"the replacement is the text itself (edit {i + 1})")
+        text = text.replace(old, new)
+    return text
 
 
 MUTATIONS = (
@@ -463,38 +479,17 @@ MUTATIONS = (
              "square maps keep their shape, every later layer sees the image transposed",
              args=("--steps", "30"), reference="numpy"),
     Mutation("jax_eval_weights_one_step_stale", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/backend.py",
-             "        xb, yb, mb = self._batch(x, y, masks)\n"
-             "        self.params, self.buffers, self.opt_state, stats = self._step(\n"
-             "            self.params, self.buffers, self.opt_state, xb, yb, mb,\n"
-             "            self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))\n"
-             "        s = np.asarray(host_value(stats))     # one blocking read (np.asarray: no device_get tree walk)\n"
-             "        reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None\n"
-             "        return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)\n"
-             "\n"
-             "    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:\n"
-             "        calls = np.int32(self.eval_calls)\n"
-             "        self.eval_calls += 1\n"
-             "        xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))\n"
-             "        loss, acc = np.asarray(host_value(self.lowering.eval(self.params, self.buffers, xe, ye, self.base_key, calls)))\n",
+             "        xb, yb, mb = self._batch(x, y, masks)\n        self.params, self.buffers, self.opt_state, stats",
              "        xb, yb, mb = self._batch(x, y, masks)\n"
              "        self.before_step = (self.params, self.buffers)   # what the evaluation reads\n"
-             "        self.params, self.buffers, self.opt_state, stats = self._step(\n"
-             "            self.params, self.buffers, self.opt_state, xb, yb, mb,\n"
-             "            self.base_key, np.int32(step), np.asarray(lr, self.np_dtype), np.asarray(eps, self.np_dtype))\n"
-             "        s = np.asarray(host_value(stats))     # one blocking read (np.asarray: no device_get tree walk)\n"
-             "        reps = [float(v) for v in s[len(STEP_STATS):]] if self.mesh is not None else None\n"
-             "        return StepStats(*(float(v) for v in s[:len(STEP_STATS)]), reps)\n"
-             "\n"
-             "    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:\n"
-             "        calls = np.int32(self.eval_calls)\n"
-             "        self.eval_calls += 1\n"
-             "        xe, ye = (self._x(x), self._y(y)) if not self.multi else self._place((self._x(x), self._y(y)))\n"
-             "        loss, acc = np.asarray(host_value(self.lowering.eval(*getattr(self, \"before_step\", (self.params, self.buffers)), xe, ye, self.base_key, calls)))\n",
+             "        self.params, self.buffers, self.opt_state, stats",
              ("BUG",), ("eval",), "",
              "the evaluation reads the weights as they were before the last update (an evaluation hook that runs "
              "before the step, or a snapshot taken one step early): every evaluation one step behind, training "
              "untouched; only the evaluation curve and the evaluation path can show it",
-             args=("--schedule", "cosine")),
+             args=("--schedule", "cosine"),
+             also=(("self.lowering.eval(self.params, self.buffers, xe,",
+                    "self.lowering.eval(*getattr(self, \"before_step\", (self.params, self.buffers)), xe,"),)),
     Mutation("torch_eval_model_copied_once", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
              "        logits = self._eval_forward(xt)\n        return F.cross_entropy(logits, yt).item()",
              "        # the evaluator's own copy of the model, made when it is first used (a deepcopy never refreshed)\n"
@@ -573,15 +568,14 @@ def problems(m: Mutation) -> list[str]:
         text = head_text(m.file)
     except subprocess.CalledProcessError:
         return [f"{m.file} is not in HEAD"]
-    n = text.count(m.old)
-    if n != 1:
-        out.append(f"{m.file} holds {n} copies of the text to replace")
-    elif m.new == m.old:
-        out.append("the replacement is the text itself")
+    try:
+        text = mutated(m, text)
+    except ValueError as e:
+        out.append(str(e))
     else:
         with tempfile.TemporaryDirectory(prefix="duipai-source-bug-") as d:
             src = Path(d) / Path(m.file).name
-            src.write_text(text.replace(m.old, m.new))
+            src.write_text(text)
             try:
                 py_compile.compile(str(src), cfile=str(Path(d) / "out.pyc"), doraise=True)
             except py_compile.PyCompileError as e:
@@ -620,10 +614,11 @@ def list_mutations(chosen: list[Mutation]) -> int:
         print(f"{'BROKEN' if bad else 'ok':6} {m.name}: {m.model}, {m.backend}"
               f"{' --devices ' + str(m.devices) if m.devices > 1 else ''} vs {m.reference}, "
               f"{' '.join(run_args(m))}; {m.file}; expected {exp}")
-        for line in m.old.rstrip("\n").splitlines():
-            print(f"         - {line.strip()}")
-        for line in m.new.rstrip("\n").splitlines():
-            print(f"         + {line.strip()}")
+        for old, new in m.edits():
+            for line in old.rstrip("\n").splitlines():
+                print(f"         - {line.strip()}")
+            for line in new.rstrip("\n").splitlines():
+                print(f"         + {line.strip()}")
         for b in bad:
             print(f"         PROBLEM: {b}")
     print(f"{len(chosen)} mutation(s), {broken} broken")
@@ -725,17 +720,17 @@ def main() -> int:
         shutil.rmtree(tree, ignore_errors=True)
         tree_copy(tree)
         src = tree / m.file
-        text = src.read_text()
-        if text.count(m.old) != 1:
-            raise RuntimeError(f"{m.name}: {m.file} holds {text.count(m.old)} copies of the text to replace")
-        src.write_text(text.replace(m.old, m.new))
+        try:
+            src.write_text(mutated(m, src.read_text()))
+        except ValueError as e:
+            raise RuntimeError(f"{m.name}: {e}") from None
         out = work / f"runs-{m.name}"
         shutil.rmtree(out, ignore_errors=True)
         rc = harness(tree, ["run", "-m", m.model, "-b", m.backend, "--devices", str(m.devices), *run_args(m),
                             "--out", str(out)], user_dir, work / f"{m.name}.run.log")
-        row = {**{k: v for k, v in asdict(m).items() if k not in ("old", "new")}, "steps": steps_of(m),
-               "diff": "\n".join([f"- {l.strip()}" for l in m.old.strip().splitlines()]
-                                 + [f"+ {l.strip()}" for l in m.new.strip().splitlines()])}
+        row = {**{k: v for k, v in asdict(m).items() if k not in ("old", "new", "also")}, "steps": steps_of(m),
+               "diff": "\n".join(f"{sign} {l.strip()}" for old, new in m.edits()
+                                  for sign, part in (("-", old), ("+", new)) for l in part.strip().splitlines())}
         if rc:
             row.update(verdict="CRASH", correct=False, problem=f"training failed (rc {rc}), {work / f'{m.name}.run.log'}")
         else:

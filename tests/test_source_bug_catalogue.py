@@ -19,3 +19,14 @@ def test_a_mutation_whose_text_is_gone_is_refused():
     m = MUTATIONS[0]
     gone = dataclasses.replace(m, old=m.old + "# a line no wrapper holds\n")
     assert any("0 copies" in p for p in problems(gone))
+
+
+def test_a_bug_in_several_places_is_every_edit_applied_and_each_checked():
+    """`also`: further edits of the same file (a bug whose pieces sit apart); each must match exactly once."""
+    from bench.source_bugs import mutated
+    m = dataclasses.replace(MUTATIONS[0], old="a = 1\n", new="a = 2\n", also=(("b = 1\n", "b = 3\n"),))
+    assert mutated(m, "a = 1\nb = 1\n") == "a = 2\nb = 3\n"
+    with pytest.raises(ValueError, match=r"0 copies .*\(edit 2\)"):
+        mutated(m, "a = 1\nc = 1\n")
+    with pytest.raises(ValueError, match=r"itself \(edit 2\)"):
+        mutated(dataclasses.replace(m, also=(("b = 1\n", "b = 1\n"),)), "a = 1\nb = 1\n")
