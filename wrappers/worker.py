@@ -96,11 +96,17 @@ def fixed_columns(backend: Backend, x_tr: np.ndarray, y_tr: np.ndarray, order: n
     return heads, tails
 
 
+def evaluate_test_set(backend: Backend, arrays: dict[str, np.ndarray]) -> tuple[float, float]:
+    """(eval loss, accuracy) of the job's test set: the one evaluation call of a training run and of a self-replay's
+    evaluation of its checkpoints, so the two can be compared to the bit."""
+    loss, acc = backend.evaluate(eval_inputs(arrays["x_test"], backend.opts.fault), arrays["y_test"])
+    return float(loss), float(acc)
+
+
 def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dict[str, Any]:
     model, hp, opts = backend.model, backend.hp, backend.opts
     arrays = load_npz(job.data)
     x_tr, y_tr = arrays["x_train"], arrays["y_train"]
-    x_te, y_te = arrays["x_test"], arrays["y_test"]
     order = np.load(job.order)
     if opts.fault == "data_shift_one_batch":   # the loader skips the first batch
         order = np.concatenate([order[1:], order[:1]])
@@ -111,7 +117,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
         save_npz(out_dir / checkpoint_file(step), state_arrays(backend.export_params(), backend.export_opt_state()))
 
     def evaluate(step: int, f: TextIO) -> None:
-        loss, acc = backend.evaluate(eval_inputs(x_te, opts.fault), y_te)
+        loss, acc = evaluate_test_set(backend, arrays)
         f.write(",".join(fmt(v) for v in (step, float(loss), float(acc))) + "\n")
         f.flush()
 
@@ -253,8 +259,7 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     evaluated = []
     for c, path in sorted((r.checkpoints or {}).items(), reverse=True) if r.evaluate_checkpoints else ():
         load(load_npz(path), c)
-        loss, acc = backend.evaluate(eval_inputs(arrays["x_test"], opts.fault), arrays["y_test"])
-        evaluated.append([c, loss, acc])
+        evaluated.append([c, *evaluate_test_set(backend, arrays)])
     if r.states:
         states = dict(r.states)
     else:

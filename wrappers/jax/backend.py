@@ -143,11 +143,13 @@ class Lowering:
         logits, _ = self._eval_forward(params, buffers, x, key)
         return jnp.stack([cross_entropy(logits, y), jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype))])
 
+    def _probe_loss(self, loss, aux):
+        """The loss a probe reports: under a mesh the mean of the replica losses (aux[2]), as the step's."""
+        return jnp.mean(aux[2]) if self.mesh is not None else loss
+
     def _grads_fn(self, params, buffers, x, y, masks, key):
         loss, aux, grads = self._grads_of(params, buffers, x, y, masks, key)
-        if self.mesh is not None:
-            loss = jnp.mean(aux[2])
-        return loss, grads
+        return self._probe_loss(loss, aux), grads
 
     def _joint_fn(self, params, buffers, x, y, masks, key):
         """The gradient probe with every layer's output returned by the same program (layers_and_gradients):
@@ -157,9 +159,7 @@ class Lowering:
             loss, aux = self._loss_fn(p, buffers, x, y, masks, key, rec)
             return loss, (aux, rec)
         (loss, (aux, rec)), grads = jax.value_and_grad(loss_and_layers, has_aux=True)(params)
-        if self.mesh is not None:
-            loss = jnp.mean(aux[2])
-        return rec, loss, self._seam_grads(grads)
+        return rec, self._probe_loss(loss, aux), self._seam_grads(grads)
 
     def _eval_layers_fn(self, params, buffers, x, key):
         rec: dict[str, jax.Array] = {}

@@ -186,11 +186,14 @@ class Stepper:
             return net.layer_record.take()
         return self._recording("layers_probe", recorder, forward, x, y)
 
-    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list]:
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list] | None:
         """(every layer's output, the data loss, the gradients before the fault seam) from one program: the
         forward probes' recording forward (forward_loss with `recorder`) differentiated as step_with_gradients
-        differentiates it, the layers returned beside the loss (Backend.layers_and_gradients); nothing written."""
+        differentiates it, the layers returned beside the loss (Backend.layers_and_gradients); nothing written.
+        None when the step is not compiled: the probes then run the same eager operations."""
         net = self.net
+        if net.run_eagerly or not net.jit_compile:
+            return None
 
         def joint(state, data):
             def loss_fn(tv):
