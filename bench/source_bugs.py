@@ -510,6 +510,44 @@ MUTATIONS = (
              "backward-only with kinks near rounding in a BatchNorm-ReLU net, where the recorded program's "
              "gradients (harness.kinks.same_when_recorded) must not explain it: the same code, recorded, has the bug",
              args=("--steps", "60")),
+    # ---- session 27: optimizer flags copied from elsewhere, the statistics a run reports, rewrites that are no bug
+    Mutation("keras_adam_amsgrad_copied", "cnn2d_2conv_2fc", "keras-tensorflow", 1, "wrappers/keras/optim.py",
+             "return keras.optimizers.Adam(**kw), coupled", "return keras.optimizers.Adam(amsgrad=True, **kw), coupled",
+             ("BUG",), ("optimizer",), "",
+             "AMSGrad switched on by a config copied from another project: the second moment becomes the running "
+             "maximum, which differs only once some gradient shrinks",
+             args=("--optimizer", "adam", "--lr", "0.001", "--steps", "150")),
+    Mutation("jax_adam_eps_root_added", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/optim.py",
+             "l2(optax.adam(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps))",
+             "l2(optax.adam(learning_rate, b1=hp.beta1, b2=hp.beta2, eps=eps, eps_root=1e-8))",
+             ("BUG",), ("optimizer",), "",
+             "TF1's epsilon inside the square root (optax's eps_root) added to the reference's eps outside it",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "150")),
+    Mutation("jax_update_norm_copy_pasted", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
+             "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
+             "_global_norm(new_params), _global_norm(new_params)]",
+             ("BUG",), (), "",
+             "the reported update norm is the parameter norm (a copy-paste): training untouched, the run's "
+             "update_norm column wrong from step 0",
+             args=("--steps", "100")),
+    Mutation("tf_dp_accuracy_over_replica_batch", "cnn2d_3conv_3fc", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
+             "tot[n + 1] / self.hp.batch_size, grad_norm", "tot[n + 1] / (self.hp.batch_size // n), grad_norm",
+             ("BUG",), (), "",
+             "the all-reduced count of correct predictions divided by one replica's batch: the reported training "
+             "accuracy doubled, training untouched",
+             args=("--steps", "100")),
+    Mutation("jax_update_norm_from_updates", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
+             "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
+             "_global_norm(updates), _global_norm(new_params)]",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the update norm from optax's updates instead of new minus old parameters (equal up to the "
+             "rounding of p + u)",
+             args=("--steps", "100")),
+    Mutation("tf_grad_norm_written_out", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/backend.py",
+             "grad_norm = tf.norm(flat(grads))", "grad_norm = tf.sqrt(tf.reduce_sum(tf.square(flat(grads))))",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the gradient norm written out as the square root of a sum of squares",
+             args=("--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.01", "--schedule", "warmup")),
 )
 
 
