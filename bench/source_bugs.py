@@ -526,13 +526,13 @@ MUTATIONS = (
     Mutation("jax_update_norm_copy_pasted", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
              "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
              "_global_norm(new_params), _global_norm(new_params)]",
-             ("BUG",), (), "",
+             ("BUG",), ("report",), "",
              "the reported update norm is the parameter norm (a copy-paste): training untouched, the run's "
              "update_norm column wrong from step 0",
              args=("--steps", "100")),
     Mutation("tf_dp_accuracy_over_replica_batch", "cnn2d_3conv_3fc", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
              "tot[n + 1] / self.hp.batch_size, grad_norm", "tot[n + 1] / (self.hp.batch_size // n), grad_norm",
-             ("BUG",), (), "",
+             ("BUG",), ("report",), "",
              "the all-reduced count of correct predictions divided by one replica's batch: the reported training "
              "accuracy doubled, training untouched",
              args=("--steps", "100")),

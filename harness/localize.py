@@ -42,7 +42,7 @@ from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
 from algorithms.faults import combine
 from algorithms.spec import load_model
 
-from . import kinks, probes, runner
+from . import kinks, probes, reported, runner
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
@@ -195,6 +195,9 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {},
                                            chk.get("emulated", []) if change is not None else [])
+        if res["stage"] is None and (rep := reported.localize(ref, cand, self.probe0(ref), cand0, layers[-1],
+                                                              self.root)):   # the step agrees, a report does not
+            return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items()
                          if s not in EVAL_SERIES and c.diverged_step is not None]

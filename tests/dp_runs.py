@@ -26,6 +26,31 @@ def train_in_process(b: Any, prep: Any, hp: Any) -> tuple[list[list[float]], dic
     return rows, b.export_params()
 
 
+def joint_agreement(b: Any, model: Any, hp: Any) -> dict[str, Any]:
+    """Backend.layers_and_gradients on one random batch against the backend's own forward and gradient probes
+    (another compiled program: equal up to its rounding): the largest relative difference of any layer output,
+    any gradient and the loss; {"none": True} when the backend records no joint program."""
+    from wrappers.worker import masks_for
+    n = hp.batch_size
+    rng = np.random.default_rng(0)
+    x = rng.random((n, *model.input_shape)).astype(np.float32)
+    y = rng.integers(0, model.num_classes, n).astype(np.int64)
+    masks = masks_for(model, hp.seed, 0, n, "harness")
+    got = b.layers_and_gradients(x, y, masks)
+    if got is None:
+        return {"none": True}
+    layers, loss, grads = got
+    plain_loss, plain = b.gradients(x, y, masks)
+    fwd = b.forward_layers(x, masks)
+
+    def rel(a: dict, c: dict) -> float:
+        return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - c[k])) / (np.max(np.abs(c[k])) or 1.0))
+                   for k in c)
+    return {"none": False, "layer_names": sorted(layers) == sorted(fwd), "grad_names": sorted(grads) == sorted(plain),
+            "layers": rel(layers, fwd), "grads": rel(grads, plain),
+            "loss": abs(loss - plain_loss) / abs(plain_loss)}
+
+
 def steps_column(folder: Path, name: str = "loss") -> np.ndarray:
     """One column of a run's steps.csv, in float64."""
     return pd.read_csv(folder / "steps.csv")[name].to_numpy(np.float64)

@@ -49,7 +49,7 @@ def _batch(backend: str, configs: list[dict], out_root: str) -> dict:
     from harness.runner import prepare
     from algorithms.contract import RunOptions
     from wrappers.base import UnsupportedError
-    from tests.dp_runs import train_in_process
+    from tests.dp_runs import joint_agreement, train_in_process
     out = {}
     for c in configs:
         hp = HParams(steps=c.get("steps", STEPS))
@@ -75,6 +75,7 @@ def _batch(backend: str, configs: list[dict], out_root: str) -> dict:
             out[c["key"]]["bn1_shard_means"] = [bn1[:n // 2].mean(axis=(0, 1, 2)).tolist(),
                                                 bn1[n // 2:].mean(axis=(0, 1, 2)).tolist()]
             out[c["key"]]["bn1_beta"] = b.export_params()["bn1.beta"].tolist()
+            out[c["key"]]["joint"] = joint_agreement(b, prep.model, hp)
     return out
 
 
@@ -224,6 +225,19 @@ def test_the_forward_probe_normalises_as_the_replicas_step_does(backend, root):
         per_replica = backend == "keras-tensorflow" and key == "hard_dp2"
         gap = float(np.max(np.abs(means - beta)))
         assert (gap < 1e-5) if per_replica else (gap > 1e-3), (key, gap)
+
+
+@pytest.mark.parametrize("backend", DP)
+def test_the_recorded_step_program_spans_the_replicas(backend, root):
+    """Backend.layers_and_gradients under data parallelism (harness.kinks.same_when_recorded: the activations the
+    replicas' gradients saw): every layer's output over the global batch and the combined gradients from one
+    program, equal to the forward probes and the gradient probe up to the rounding of another compiled program,
+    with per-replica and with synchronised BatchNorm."""
+    res = batch(backend, root)
+    for key in ("hard_dp2", "hard_dp2_sync"):
+        j = res[key]["joint"]
+        assert not j["none"] and j["layer_names"] and j["grad_names"], (key, j)
+        assert j["layers"] < 1e-5 and j["grads"] < 1e-4 and j["loss"] < 1e-6, (key, j)
 
 
 @pytest.mark.parametrize("backend", DP)

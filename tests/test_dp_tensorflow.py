@@ -48,7 +48,7 @@ def _batch(configs: list[dict], out_root: str) -> dict:
     from algorithms.contract import RunOptions
     from wrappers.tensorflow.backend import TensorflowBackend
     from wrappers.worker import backend_class
-    from tests.dp_runs import train_in_process
+    from tests.dp_runs import joint_agreement, train_in_process
     out = {}
     for c in configs:
         hp = HParams(steps=c.get("steps", STEPS))
@@ -62,6 +62,8 @@ def _batch(configs: list[dict], out_root: str) -> dict:
         out[c["key"]] = {"rows": rows, "declared": b.declared_differences(), "traces": b.traces["train"],
                          "parallel": b.parallel_info(), "backend_class": type(b).__name__,
                          "final_finite": bool(all(np.isfinite(v).all() for v in final.values()))}
+        if c["key"].startswith("hard_dp2"):
+            out[c["key"]]["joint"] = joint_agreement(b, prep.model, hp)
     return out
 
 
@@ -92,6 +94,17 @@ def batch(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(l for l in r.stdout.splitlines() if l.startswith("RESULT"))
     return {k: {**v, "rows": np.asarray(v["rows"], np.float64)} for k, v in json.loads(line[6:]).items()}
+
+
+def test_the_recorded_step_program_spans_the_replicas(batch):
+    """Backend.layers_and_gradients under MirroredStrategy (harness.kinks.same_when_recorded: the activations the
+    replicas' gradients saw): every layer's output over the global batch (the shards gathered in order) and the
+    all-reduced gradients from one program, equal to the forward probes and the gradient probe up to the rounding
+    of another compiled program, with per-replica and with synchronised BatchNorm."""
+    for key in ("hard_dp2", "hard_dp2_sync"):
+        j = batch[key]["joint"]
+        assert not j["none"] and j["layer_names"] and j["grad_names"], (key, j)
+        assert j["layers"] < 1e-5 and j["grads"] < 1e-4 and j["loss"] < 1e-6, (key, j)
 
 
 def loss(run) -> np.ndarray:

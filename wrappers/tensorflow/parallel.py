@@ -245,13 +245,14 @@ class DataParallel:
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         return seed + tf.cast(tf.stack([0, rid]), tf.int64) * tf.constant([0, 1 << 20], tf.int64)
 
-    def _replica_step(self, x, y, masks, seed):
-        """One replica: forward on its shard, loss scaled for the global batch, gradients (not reduced)."""
+    def _replica_step(self, x, y, masks, seed, record=None):
+        """One replica: forward on its shard, loss scaled for the global batch, gradients (not reduced);
+        `record`: every layer's output of this forward (the joint probe)."""
         n, b = self.replicas, self.hp.batch_size
         new_buffers: dict[str, tf.Tensor] = {}
         params = [self.v[k] for k in self.trainable]
         with tf.GradientTape() as tape:
-            logits = self._train_forward(x, masks, None, new_buffers, self._replica_seed(seed),
+            logits = self._train_forward(x, masks, record, new_buffers, self._replica_seed(seed),
                                    params=self.v, moments=self._moments)
             per_sample = per_example_cross_entropy(logits, y, self.seams.label_smoothing)
             mean = tf.reduce_mean(per_sample)
@@ -311,13 +312,23 @@ class DataParallel:
         self.has_state = True
         return StepStats(*(float(v) for v in out[:5]), replica_losses=[float(v) for v in out[5:]])
 
-    def _probe_impl(self, x, y, masks, seed):
+    def _probe_impl(self, x, y, masks, seed, record=False):
         """The gradient probe: every replica's _replica_step and the step's own all-reduce, compiled as the
-        step is (no state change)."""
+        step is (no state change); `record`: with every layer's output over the global batch (the replicas'
+        shards gathered in order) from the same program (the joint probe)."""
         s = self.strategy
-        grads, stats, _ = s.run(self._replica_step, args=(x, y, masks, seed))
+        grads, stats, rec = s.run(self._replica_probe, args=(x, y, masks, seed, record))
         reduced = s.extended.batch_reduce_to(SUM, list(zip(grads, [self.v[k] for k in self.trainable])))
-        return s.reduce(SUM, stats, axis=None)[self.replicas], [s.experimental_local_results(g)[0] for g in reduced]
+        out = s.reduce(SUM, stats, axis=None)[self.replicas], [s.experimental_local_results(g)[0] for g in reduced]
+        return (({k: s.experimental_local_results(v)[0] for k, v in rec.items()},) + out) if record else out
+
+    def _replica_probe(self, x, y, masks, seed, record):
+        rec: dict[str, tf.Tensor] = {}
+        grads, stats, _ = self._replica_step(x, y, masks, seed, rec if record else None)
+        return grads, stats, tf.distribute.get_replica_context().all_gather(rec, axis=0) if record else {}
+
+    def _joint_impl(self, x, y, masks, seed):
+        return self._probe_impl(x, y, masks, seed, record=True)
 
     def gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> tuple[float, dict[str, np.ndarray]]:
         """The all-reduced gradient, as train_step applies it (no state change)."""
@@ -331,9 +342,17 @@ class DataParallel:
         self._train_forward(x, masks, rec, None, self._replica_seed(seed), params=self.v, moments=self._moments)
         return tf.distribute.get_replica_context().all_gather(rec, axis=0)
 
-    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks) -> None:
-        """Not recorded jointly across the replicas (Backend.layers_and_gradients: None)."""
-        return None
+    def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, masks: Masks
+                             ) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray]] | None:
+        """The gradient probe's program (every replica, the all-reduce) with every layer's output recorded and
+        gathered over the replicas (Backend.layers_and_gradients)."""
+        if self.mode == "eager":
+            return None
+        xs, ys, ms = self._distribute(x, y, masks)
+        with self.strategy.scope():
+            rec, loss, g = self._joint(xs, ys, ms, self._seed(self.hp.seed, 0))
+        return ({k: v.numpy() for k, v in rec.items()}, float(loss.numpy()),
+                {k: self._canon(k, gi.numpy()) for k, gi in zip(self.trainable, g)})
 
     def forward_layers(self, x: np.ndarray, masks: Masks) -> dict[str, np.ndarray]:
         """Every layer's training-mode output over the global batch: the replicas' shards gathered in order."""

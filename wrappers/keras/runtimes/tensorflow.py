@@ -134,8 +134,9 @@ class Stepper:
 
     def layers_and_gradients(self, x: np.ndarray, y: np.ndarray, recorder) -> tuple[list, Any, list] | None:
         """(every layer's output, the data loss, the gradients) of that one recorded program
-        (Backend.layers_and_gradients); None under data parallelism (not recorded jointly across replicas)."""
-        return None if self.parallel is not None else self._recorded(x, y, recorder)
+        (Backend.layers_and_gradients; data parallel: the loss and gradients combined as `gradients` combines
+        them)."""
+        return self._recorded(x, y, recorder)
 
     def _recorded(self, x: np.ndarray, y: np.ndarray, recorder):
         net, par = self.net, self.parallel
@@ -149,8 +150,10 @@ class Stepper:
                 try:
                     if par is None:
                         return replica(data)
-                    per = par.strategy.run(lambda d: replica(d)[0], args=(data,))
-                    return [tf.concat(par.strategy.experimental_local_results(v), 0) for v in per], None, None
+                    layers, loss, grads = par.strategy.run(replica, args=(data,))
+                    return ([tf.concat(par.strategy.experimental_local_results(v), 0) for v in layers],
+                            par.strategy.reduce("MEAN", loss, axis=None),
+                            [par.strategy.reduce("SUM", g, axis=None) for g in grads])
                 finally:
                     net.layer_record.recorder = None
             self.layers_probe = (recorder, self._compiled(record))

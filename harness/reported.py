@@ -1,0 +1,97 @@
+"""Are the statistics a run reports what its step computed? A wrapper writes each step's loss, accuracy and
+gradient, update and parameter norms into steps.csv itself, beside the training; a slip there (a copy-pasted
+norm, a correct count divided by one replica's batch) moves a series from step 0 while every probe agrees,
+since the probes compare the computation, not the report.
+
+At step 0 both runs start from the canonical weights on the first batch, exactly as their step-0 probes do:
+from a run's own probe (the loss, the gradient per parameter, the first update per parameter, the logits)
+the statistics its step reported are recomputed in float64 and compared with its steps.csv row. Two compiled
+programs of one framework round alike to ~1e-6 relative; an accuracy may move by one sample where two logits
+nearly tie. A run whose report disagrees with its own step, when the other run's agrees with its own, is
+where the pair's difference sits: stage `report`, the series named."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from algorithms.params import load_npz
+
+from . import runner
+from .runs import Run, config_of, declared_records
+
+REPORTED = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
+REL_TOL = 1e-3          # relative, for the loss and the norms
+ACCURACY_SAMPLES = 1    # samples an accuracy may move by (near-tied logits round apart)
+
+
+def _norm(arrays: Iterable[np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in arrays)))
+
+
+def recomputed(probe: dict[str, np.ndarray], params: dict[str, np.ndarray], logits_layer: str,
+               labels: np.ndarray | None) -> dict[str, float]:
+    """The step-0 statistics as the step-0 probe computed them: its loss, the norm of its gradients, of its first
+    update, of the parameters after it (the probe's starting `params` plus that update), and the accuracy of its
+    training-mode logits on `labels` (None: not recomputed)."""
+    updates = {k.split("/", 1)[1]: v for k, v in probe.items() if k.startswith("update0/")}
+    out = {"loss": float(probe["loss"]),
+           "grad_norm": _norm(v for k, v in probe.items() if k.startswith("grad/")),
+           "update_norm": _norm(updates.values()),
+           "param_norm": _norm(np.asarray(params[n], np.float64) + u for n, u in updates.items())}
+    logits = probe.get(f"forward/{logits_layer}")
+    if labels is not None and logits is not None and len(logits) == len(labels):
+        out["accuracy"] = float(np.mean(np.argmax(np.asarray(logits).reshape(len(labels), -1), -1) == labels))
+    return out
+
+
+def mismatches(run: Run, computed: dict[str, float]) -> list[dict[str, Any]]:
+    """The series whose step-0 value in `run`'s steps.csv is not what its step computed (`recomputed`)."""
+    at = np.flatnonzero(run.step == 0)
+    if not len(at):
+        return []
+    batch = int(run.manifest.get("hparams", {}).get("batch_size") or 0)
+    out = []
+    for s, want in computed.items():
+        got = float(run.values[s][at[0]])
+        if s == "accuracy":
+            bad = batch > 0 and abs(got - want) > (ACCURACY_SAMPLES + 0.5) / batch
+        else:
+            bad = not np.isfinite(got) or abs(got - want) > REL_TOL * max(abs(want), 1e-12)
+        if bad:
+            out.append({"series": s, "reported": got, "computed": want,
+                        "rel": abs(got - want) / max(abs(want), 1e-12)})
+    return out
+
+
+def first_batch(run: Run, root) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(the weights the run started from, the labels of its first batch), as its jobs prepare them."""
+    prep = runner.prepare(config_of(run.manifest, root), root)
+    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]
+
+
+def localize(ref: Run, cand: Run, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
+             root) -> dict[str, Any] | None:
+    """A localization at stage `report` when exactly one of the two runs reports step-0 statistics that its own
+    step-0 probe does not compute (the reference's own probes `ref0`, the candidate's `cand0`); else None."""
+    if any(r["statistical"] for r in declared_records(ref, cand).values()):
+        return None       # framework-RNG dropout: the probe's masks are not the step's
+    found = {}
+    for who, run, probe in (("candidate", cand, cand0), ("reference", ref, ref0)):
+        params, labels = first_batch(run, root)
+        found[who] = mismatches(run, recomputed(probe, params, logits_layer, labels))
+    if bool(found["candidate"]) == bool(found["reference"]):
+        return None
+    who = "candidate" if found["candidate"] else "reference"
+    run, bad = (cand if who == "candidate" else ref), found[who]
+    said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
+    what = ", ".join(m["series"] for m in bad)
+    line = (f"localized by the reported statistics: the {who} {run.name} reports at step 0 what its own step "
+            f"does not compute ({said}; recomputed in float64 from its step-0 probe: its loss, gradients, first "
+            f"update and logits); the other run's report is its step's: the step agrees, its report does not")
+    return {"stage": "report", "method": "reported statistics", "step": 0, "layer": None, "parameter": None,
+            "probe": None, "series": [m["series"] for m in bad], "reported_by": who, "mismatches": bad,
+            "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
+
+
+__all__ = ["REPORTED", "recomputed", "mismatches", "localize"]

@@ -1,0 +1,75 @@
+"""harness/reported.py: the statistics a run reports at step 0 against what its own step-0 probe computed."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from harness import reported
+
+from .conftest import need
+
+
+def test_the_statistics_are_recomputed_from_the_probe_by_hand():
+    probe = {"loss": np.asarray(2.5), "grad/a.kernel": np.array([3.0, 4.0], np.float32),
+             "grad/b.bias": np.array([12.0], np.float32), "update0/a.kernel": np.array([0.5, 0.0], np.float32),
+             "update0/b.bias": np.array([-1.0], np.float32), "buffer0/n.running_mean": np.ones(3, np.float32),
+             "forward/logits": np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], np.float32)}
+    params = {"a.kernel": np.array([1.0, 2.0], np.float32), "b.bias": np.array([3.0], np.float32)}
+    got = reported.recomputed(probe, params, "logits", np.array([1, 0, 0, 0]))
+    assert got["loss"] == 2.5
+    assert got["grad_norm"] == pytest.approx(13.0)                   # sqrt(9 + 16 + 144)
+    assert got["update_norm"] == pytest.approx(np.sqrt(0.25 + 1.0))
+    assert got["param_norm"] == pytest.approx(np.sqrt(1.5 ** 2 + 2.0 ** 2 + 2.0 ** 2))   # after the update
+    assert got["accuracy"] == 0.75
+    assert "accuracy" not in reported.recomputed(probe, params, "logits", None)
+
+
+class _Run:
+    def __init__(self, **step0):
+        self.step = np.array([0, 1])
+        self.values = {k: np.array([v, 0.0]) for k, v in step0.items()}
+        self.manifest = {"hparams": {"batch_size": 64}}
+
+
+def test_a_report_off_by_more_than_rounding_or_one_sample_is_a_mismatch():
+    computed = {"loss": 2.0, "grad_norm": 10.0, "accuracy": 0.5}
+    assert reported.mismatches(_Run(loss=2.0 * (1 + 1e-6), grad_norm=10.0, accuracy=0.5 + 1 / 64), computed) == []
+    bad = reported.mismatches(_Run(loss=2.0, grad_norm=10.1, accuracy=0.5 + 2 / 64), computed)
+    assert [m["series"] for m in bad] == ["grad_norm", "accuracy"]
+    assert bad[0]["reported"] == 10.1 and bad[0]["computed"] == 10.0 and bad[0]["rel"] == pytest.approx(0.01)
+    assert [m["series"] for m in reported.mismatches(_Run(loss=np.nan, grad_norm=10.0, accuracy=0.5), computed)] \
+        == ["loss"]
+
+
+def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoever_reports_it(tmp_path):
+    """torch, 3 steps: its step-0 row is what its own step-0 probe computes (each series within rounding). The same
+    run with its reported update norm or accuracy edited (what a wrong statistic in a wrapper writes) is localized
+    at stage `report`, naming the series and the side; both sides edited alike is no difference between them."""
+    need("torch")
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.localize import Localizer
+    from harness.runs import load_run
+    folder = runner.execute(RunConfig(model="cnn2d_hard", backend="torch",
+                                      hparams=HParams(steps=3, optimizer="adamw", lr=0.001, weight_decay=0.01)),
+                            tmp_path)
+    run = load_run(folder)
+    loc = Localizer(tmp_path, log=lambda m: None)
+    probe = loc.probe0(run)
+    params, labels = reported.first_batch(run, tmp_path)
+    assert reported.mismatches(run, reported.recomputed(probe, params, "fc2", labels)) == []
+    assert reported.localize(run, run, probe, probe, "fc2", tmp_path) is None
+
+    wrong = copy.deepcopy(run)
+    wrong.values["update_norm"] = run.values["update_norm"] * 2.0
+    got = reported.localize(run, wrong, probe, probe, "fc2", tmp_path)
+    assert got["stage"] == "report" and got["series"] == ["update_norm"] and got["reported_by"] == "candidate", got
+    assert "reports at step 0 what its own step does not compute" in got["lines"][0]
+    assert reported.localize(wrong, run, probe, probe, "fc2", tmp_path)["reported_by"] == "reference"
+    assert reported.localize(wrong, wrong, probe, probe, "fc2", tmp_path) is None
+
+    wrong.values = dict(run.values, accuracy=np.minimum(run.values["accuracy"] * 2.0, 1.0) + 0.1)
+    assert reported.localize(run, wrong, probe, probe, "fc2", tmp_path)["series"] == ["accuracy"]
