@@ -12,6 +12,8 @@ In this order, the first that finds a disagreement answers:
                the inference-mode forward of the same state is compared last, layer by layer (stage eval:
                the evaluation path itself, e.g. dropout left on; running statistics are the training
                step's, seen in the buffers);
+  (b2) report  the step-0 probes agree and one run's reported step-0 statistics are not what its own probe
+               computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
   (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
                on, while every training series stays inside and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
@@ -86,7 +88,6 @@ class Localizer(ProbeJobs):
     """Where a pair's BUG comes from, from the probe and replay jobs ProbeJobs runs; and the shared-state
     comparison (`resync`) whose replay the localization of the divergent step reuses."""
 
-    # ----------------------------------------------------------------------- the shared-state comparison
     def resync(self, pair, every: int, extra: list[int] | None = None) -> dict[str, Any]:
         """One step of the candidate from the reference's state at every resync point (every `every`-th
         step, every evaluation step of the reference, the steps around each kink of its learning-rate
@@ -151,7 +152,6 @@ class Localizer(ProbeJobs):
             out["against"] = {"emulated": chk.get("emulated"), "change": change}
         return out
 
-    # ----------------------------------------------------------------------- the procedure
     def __call__(self, pair) -> dict[str, Any]:
         try:
             return self.localize(pair)
