@@ -537,6 +537,14 @@ MUTATIONS = (
              "the all-reduced count of correct predictions divided by one replica's batch: the reported training "
              "accuracy doubled, training untouched",
              args=("--steps", "100")),
+    Mutation("jax_bn_stats_moved_by_a_metrics_forward", "cnn2d_hard", "jax", 1, "wrappers/jax/backend.py",
+             "        logits, new_buffers = aux[0], aux[1]\n",
+             "        # the accuracy's logits from a second training-mode forward, fed the running statistics it just moved\n"
+             "        logits, new_buffers = self._train_forward(params, aux[1], x, masks, key)\n",
+             ("BUG",), ("forward",), "bn1",
+             "a second training-mode forward for the metrics moves BatchNorm's running statistics twice a step: "
+             "the loss, gradients and update agree, the buffers and so the evaluation do not",
+             args=("--optimizer", "nesterov", "--weight-decay", "0.0005", "--schedule", "cosine", "--steps", "150")),
     Mutation("jax_update_norm_from_updates", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
              "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
              "_global_norm(updates), _global_norm(new_params)]",

@@ -8,7 +8,8 @@ from a run's own probe (the loss, the gradient per parameter, the first update p
 the statistics its step reported are recomputed in float64 and compared with its steps.csv row. Two compiled
 programs of one framework round alike to ~1e-6 relative; an accuracy may move by one sample where two logits
 nearly tie. A run whose report disagrees with its own step, when the other run's agrees with its own, is
-where the pair's difference sits: stage `report`, the series named."""
+where the pair's difference sits, in the series it reports off that diverge: stage `report`, the series
+named."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -70,16 +71,20 @@ def first_batch(run: Run, root) -> tuple[dict[str, np.ndarray], np.ndarray]:
     return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]
 
 
-def localize(ref: Run, cand: Run, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
+def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
              root) -> dict[str, Any] | None:
-    """A localization at stage `report` when exactly one of the two runs reports step-0 statistics that its own
-    step-0 probe does not compute (the reference's own probes `ref0`, the candidate's `cand0`); else None."""
+    """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
+    reports step-0 statistics that its own step-0 probe does not compute (`ref0`, `cand0`), in series that diverge
+    in the pair (what the report explains); else None."""
+    ref, cand = pair.a, pair.b
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
+    diverging = {s for s, c in pair.checks.items() if c.diverged_step is not None}
     found = {}
     for who, run, probe in (("candidate", cand, cand0), ("reference", ref, ref0)):
         params, labels = first_batch(run, root)
-        found[who] = mismatches(run, recomputed(probe, params, logits_layer, labels))
+        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels))
+                      if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"

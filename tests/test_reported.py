@@ -43,10 +43,24 @@ def test_a_report_off_by_more_than_rounding_or_one_sample_is_a_mismatch():
         == ["loss"]
 
 
+class _Check:
+    def __init__(self, step):
+        self.diverged_step = step
+
+
+class _Pair:
+    """The pair as the localizer sees it: reference a, candidate b, and where each series diverges."""
+
+    def __init__(self, a, b, diverging=reported.REPORTED):
+        self.a, self.b = a, b
+        self.checks = {s: _Check(0 if s in diverging else None) for s in reported.REPORTED}
+
+
 def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoever_reports_it(tmp_path):
     """torch, 3 steps: its step-0 row is what its own step-0 probe computes (each series within rounding). The same
     run with its reported update norm or accuracy edited (what a wrong statistic in a wrapper writes) is localized
-    at stage `report`, naming the series and the side; both sides edited alike is no difference between them."""
+    at stage `report`, naming the series and the side; both sides edited alike is no difference between them, and
+    a series off that does not diverge in the pair explains nothing there."""
     need("torch")
     from algorithms.contract import RunConfig
     from algorithms.optim import HParams
@@ -61,15 +75,16 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
     probe = loc.probe0(run)
     params, labels = reported.first_batch(run, tmp_path)
     assert reported.mismatches(run, reported.recomputed(probe, params, "fc2", labels)) == []
-    assert reported.localize(run, run, probe, probe, "fc2", tmp_path) is None
+    assert reported.localize(_Pair(run, run), probe, probe, "fc2", tmp_path) is None
 
     wrong = copy.deepcopy(run)
     wrong.values["update_norm"] = run.values["update_norm"] * 2.0
-    got = reported.localize(run, wrong, probe, probe, "fc2", tmp_path)
+    got = reported.localize(_Pair(run, wrong), probe, probe, "fc2", tmp_path)
     assert got["stage"] == "report" and got["series"] == ["update_norm"] and got["reported_by"] == "candidate", got
     assert "reports at step 0 what its own step does not compute" in got["lines"][0]
-    assert reported.localize(wrong, run, probe, probe, "fc2", tmp_path)["reported_by"] == "reference"
-    assert reported.localize(wrong, wrong, probe, probe, "fc2", tmp_path) is None
+    assert reported.localize(_Pair(wrong, run), probe, probe, "fc2", tmp_path)["reported_by"] == "reference"
+    assert reported.localize(_Pair(wrong, wrong), probe, probe, "fc2", tmp_path) is None
+    assert reported.localize(_Pair(run, wrong, diverging=("loss",)), probe, probe, "fc2", tmp_path) is None
 
     wrong.values = dict(run.values, accuracy=np.minimum(run.values["accuracy"] * 2.0, 1.0) + 0.1)
-    assert reported.localize(run, wrong, probe, probe, "fc2", tmp_path)["series"] == ["accuracy"]
+    assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", tmp_path)["series"] == ["accuracy"]
