@@ -41,6 +41,10 @@ def test_a_report_off_by_more_than_rounding_or_one_sample_is_a_mismatch():
     assert bad[0]["reported"] == 10.1 and bad[0]["computed"] == 10.0 and bad[0]["rel"] == pytest.approx(0.01)
     assert [m["series"] for m in reported.mismatches(_Run(loss=np.nan, grad_norm=10.0, accuracy=0.5), computed)] \
         == ["loss"]
+    # a float32 norm of many squares rounds ~sqrt(n) times: 2e-3 off is rounding over 25M elements, not over 60k
+    assert reported.mismatches(_Run(loss=2.0, grad_norm=10.02, accuracy=0.5), computed, n_params=25_000_000) == []
+    assert [m["series"] for m in reported.mismatches(_Run(loss=2.0, grad_norm=10.02, accuracy=0.5), computed,
+                                                     n_params=60_000)] == ["grad_norm"]
 
 
 class _Check:
