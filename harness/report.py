@@ -163,6 +163,11 @@ def _verdict_cell(v: str) -> str:
     return f'<td style="background:{COLOURS.get(v, "#fff")}"><b>{esc(v)}</b></td>'
 
 
+def _place(loc: dict) -> str | None:
+    """Where in the stage: the layer or parameter, or the series a `report` localization names."""
+    return loc.get("layer") or loc.get("parameter") or ", ".join(loc.get("series") or []) or None
+
+
 def _series_cell(s: dict[str, Any] | None) -> str:
     if not s:
         return "<td>-</td>"
@@ -184,7 +189,7 @@ def verdict_table(comp: dict[str, Any]) -> str:
             continue
         f = p.get("first_divergence") or {}
         loc = p.get("localization") or {}
-        where = " / ".join(esc(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
+        where = " / ".join(esc(x) for x in (loc.get("stage"), _place(loc)) if x)
         series = "".join(_series_cell(p["series"].get(s)) for s in SERIES)
         extra = ""
         if p.get("declared_differences"):
@@ -310,7 +315,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
             if p.get("with_reference"):
                 f = p.get("first_divergence") or {}
                 loc = p.get("localization") or {}
-                where = " / ".join(str(x) for x in (loc.get("stage"), loc.get("layer") or loc.get("parameter")) if x)
+                where = " / ".join(str(x) for x in (loc.get("stage"), _place(loc)) if x)
                 if p["verdict"] == "DECLARED":
                     where = declared_where(p.get("declared_differences") or [], p.get("declared_evidence"))
                 md.append(f"| {_short(p['candidate'], ref)} | **{p['verdict']}** | {f.get('step', '-')} | "
