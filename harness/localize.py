@@ -196,7 +196,7 @@ class Localizer(ProbeJobs):
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {},
                                            chk.get("emulated", []) if change is not None else [])
         if res["stage"] is None and (rep := reported.localize(pair, self.probe0(ref), cand0, layers[-1],
-                                                              self.root)):   # the step agrees, a report does not
+                                                              self.first_batch)):   # the step agrees, a report does not
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items()

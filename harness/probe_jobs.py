@@ -24,7 +24,7 @@ import numpy as np
 from algorithms.contract import WORKER_FILE, Replay, checkpoints_in, probe_file_stem, replay_probe_stem, replay_state_file
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
-from . import runner
+from . import reported, runner
 from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
@@ -193,6 +193,10 @@ class ProbeJobs:
 
     def probe0(self, run: Run, **change: Any) -> dict[str, np.ndarray]:
         return load_npz(self._probe0_job(run, **change) / f"{probe_file_stem(0)}.npz")
+
+    def first_batch(self, run: Run) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+        """(the weights the run started from, its first batch's labels), as its jobs prepare them."""
+        return reported.first_batch(run, self.root)
 
     def restart0(self, run: Run) -> dict[str, Any]:
         """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded

@@ -12,7 +12,7 @@ where the pair's difference sits, in the series it reports off that diverge: sta
 named."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -80,17 +80,20 @@ def first_batch(run: Run, root) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
-             root) -> dict[str, Any] | None:
+             batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None]) -> dict[str, Any] | None:
     """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
     reports step-0 statistics that its own step-0 probe does not compute (`ref0`, `cand0`), in series that diverge
-    in the pair (what the report explains); else None."""
+    in the pair (what the report explains); else None. `batch_of(run)`: `first_batch` of the run (None: not had)."""
     ref, cand = pair.a, pair.b
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
     diverging = {s for s, c in pair.checks.items() if c.diverged_step is not None}
     found = {}
     for who, run, probe in (("candidate", cand, cand0), ("reference", ref, ref0)):
-        params, labels = first_batch(run, root)
+        got = batch_of(run)
+        if got is None:
+            return None
+        params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
         found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n)
                       if m["series"] in diverging]

@@ -58,6 +58,9 @@ class FakeLocalizer(Localizer):
     def probe64(self, ref, cand, **change):
         return None
 
+    def first_batch(self, run):
+        return None                  # synthetic runs, synthetic probes: no step-0 report to recompute
+
     def restart0(self, run):
         return {}                    # no probe job ran: no restart check recorded
 

@@ -78,17 +78,18 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
     loc = Localizer(tmp_path, log=lambda m: None)
     probe = loc.probe0(run)
     params, labels = reported.first_batch(run, tmp_path)
+    batch = loc.first_batch            # as the localizer hands it over
     assert reported.mismatches(run, reported.recomputed(probe, params, "fc2", labels)) == []
-    assert reported.localize(_Pair(run, run), probe, probe, "fc2", tmp_path) is None
+    assert reported.localize(_Pair(run, run), probe, probe, "fc2", batch) is None
 
     wrong = copy.deepcopy(run)
     wrong.values["update_norm"] = run.values["update_norm"] * 2.0
-    got = reported.localize(_Pair(run, wrong), probe, probe, "fc2", tmp_path)
+    got = reported.localize(_Pair(run, wrong), probe, probe, "fc2", batch)
     assert got["stage"] == "report" and got["series"] == ["update_norm"] and got["reported_by"] == "candidate", got
     assert "reports at step 0 what its own step does not compute" in got["lines"][0]
-    assert reported.localize(_Pair(wrong, run), probe, probe, "fc2", tmp_path)["reported_by"] == "reference"
-    assert reported.localize(_Pair(wrong, wrong), probe, probe, "fc2", tmp_path) is None
-    assert reported.localize(_Pair(run, wrong, diverging=("loss",)), probe, probe, "fc2", tmp_path) is None
+    assert reported.localize(_Pair(wrong, run), probe, probe, "fc2", batch)["reported_by"] == "reference"
+    assert reported.localize(_Pair(wrong, wrong), probe, probe, "fc2", batch) is None
+    assert reported.localize(_Pair(run, wrong, diverging=("loss",)), probe, probe, "fc2", batch) is None
 
     wrong.values = dict(run.values, accuracy=np.minimum(run.values["accuracy"] * 2.0, 1.0) + 0.1)
-    assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", tmp_path)["series"] == ["accuracy"]
+    assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", batch)["series"] == ["accuracy"]
