@@ -25,7 +25,7 @@ REPORTED = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
 NORMS = ("grad_norm", "update_norm", "param_norm")
 REL_TOL = 1e-3          # relative, for the loss and the norms
 # a float32 norm of n squares accumulates ~sqrt(n) roundings: Adam's first update, every element ~lr, 60k of
-# them, reported 2.9e-5 off its float64 norm (torch, cnn2d_3conv_3fc); for 25M parameters the allowance is 4.8e-3
+# them, reported 2.9e-5 off its float64 norm (cnn2d_3conv_3fc); for 25M parameters the allowance is 4.8e-3
 NORM_ULPS = 8.0
 F32_EPS = float(np.finfo(np.float32).eps)
 ACCURACY_SAMPLES = 1    # samples an accuracy may move by (near-tied logits round apart)
