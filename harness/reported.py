@@ -111,4 +111,4 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "recomputed", "mismatches", "localize"]
+__all__ = ["REPORTED", "recomputed", "mismatches", "first_batch", "localize"]
