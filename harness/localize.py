@@ -175,11 +175,11 @@ class Localizer(ProbeJobs):
         # (b) step-0 probes of both configurations; against the reference computing every emulated difference
         # the candidate declares, when it declares some (`declared_check`)
         emu = self.emulation(ref, cand)
-        cand0 = self.probe0(cand)
+        cand0, ref0 = self.probe0(cand), self.probe0(ref)   # each loaded once: analysed, then its report
         chk = emu["check"]
         change = emu["change"]
         nudged0 = self.nudged_at_step0(ref, cand, change)
-        res = analyse(cand0, self.probe0(ref), layers, ref64=self.probe64(ref, cand), nudged=nudged0)
+        res = analyse(cand0, ref0, layers, ref64=self.probe64(ref, cand), nudged=nudged0)
         method = "step-0 probes"
         if change is not None:
             plain = res
@@ -195,7 +195,7 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {},
                                            chk.get("emulated", []) if change is not None else [])
-        if res["stage"] is None and (rep := reported.localize(pair, self.probe0(ref), cand0, layers[-1],
+        if res["stage"] is None and (rep := reported.localize(pair, ref0, cand0, layers[-1],
                                                               self.first_batch)):   # the step agrees, a report does not
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):

@@ -12,6 +12,7 @@ where the pair's difference sits, in the series it reports off that diverge: sta
 named."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -73,7 +74,7 @@ def mismatches(run: Run, computed: dict[str, float], n_params: int = 0) -> list[
     return out
 
 
-def first_batch(run: Run, root) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def first_batch(run: Run, root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(the weights the run started from, the labels of its first batch), as its jobs prepare them."""
     prep = runner.prepare(config_of(run.manifest, root), root)
     return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]

@@ -117,8 +117,7 @@ def run_train(job: Job, backend: Backend, out_dir: Path, channel: TextIO) -> dic
         save_npz(out_dir / checkpoint_file(step), state_arrays(backend.export_params(), backend.export_opt_state()))
 
     def evaluate(step: int, f: TextIO) -> None:
-        loss, acc = evaluate_test_set(backend, arrays)
-        f.write(",".join(fmt(v) for v in (step, float(loss), float(acc))) + "\n")
+        f.write(",".join(fmt(v) for v in (step, *evaluate_test_set(backend, arrays))) + "\n")
         f.flush()
 
     replicas = opts.devices
