@@ -557,6 +557,14 @@ MUTATIONS = (
              ("IDENTICAL", "DRIFT"), (), "",
              "no bug: the gradient norm written out as the square root of a sum of squares",
              args=("--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.01", "--schedule", "warmup")),
+    Mutation("keras_loss_running_mean", "cnn2d_3conv_3fc", "keras-jax", 1, "wrappers/keras/backend.py",
+             "        return StepStats(float(logs[\"loss\"]), float(logs[\"accuracy\"]), float(logs[\"grad_norm\"]),",
+             "        self._losses_seen = getattr(self, \"_losses_seen\", []) + [float(logs[\"loss\"])]\n"
+             "        return StepStats(float(np.mean(self._losses_seen)), float(logs[\"accuracy\"]), float(logs[\"grad_norm\"]),",
+             ("BUG",), ("report",), "",
+             "Keras' own trap: the loss reported as the running mean of the losses so far (what fit's loss "
+             "metric logs), not the step's; right at step 0, training untouched, the column wrong from step 1",
+             args=("--optimizer", "nesterov", "--schedule", "cosine", "--steps", "120")),
 )
 
 
