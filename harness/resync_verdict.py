@@ -333,26 +333,20 @@ def apply_resync(p: Pair, requested: bool) -> None:
     if not differs(sr) and differs(rs.get("self_replay_reference") or {}):
         sr, of_reference = rs["self_replay_reference"], True
     if differs(sr):
-        from .self_replay import describe
+        from .self_replay import describe, placed
         said = f"the reference {p.a.name}" if of_reference else "the candidate"
         line = describe(said if of_reference else p.b.name, sr)
         p.verdict = BUG
         drop_stat_advice(p)
-        in_eval = not sr.get("differs")
+        where = placed(sr, "the reference" if of_reference else "the candidate")
         if was != BUG or superseded or (p.localization or {}).get("stage") is None:
             _drop_conclusion(p)
-            p.localization = {"stage": "eval" if in_eval else "state", "layer": None, "parameter": None, "probe": None,
-                              "method": "self-replay", "lines": [line], "summary": (
-                                  f"eval: the run's evaluation at step {sr['eval_step']} is not the evaluation of its "
-                                  f"state there" if in_eval else
-                                  f"state: training carries state its checkpoint does not hold (step {sr['step']})")}
+            p.localization = {"stage": where["stage"], "layer": None, "parameter": None, "probe": None,
+                              "method": "self-replay", "lines": [line], "series": where["series"],
+                              "summary": where["summary"]}
         else:
             p.notes.append(line)
-        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but {said} " + (
-            "does not evaluate its own checkpoint as its run did (self-replay): the evaluation reads something besides "
-            "the state, which a step or an evaluation from a loaded state cannot show" if in_eval else
-            "does not reproduce its own training from its checkpoint (self-replay): state the checkpoint does not "
-            "hold, which a step from a loaded state cannot show")
+        p.notes.append(f"every resynced step agrees ({resync_what(rs)}), but {said} {where['why']}"
             + (f"; the free-running verdict was {was}" if was != BUG else ""))
         return
     if was == BUG and superseded:

@@ -9,7 +9,7 @@ import numpy as np
 from harness import resync as R
 from harness.compare import BUG, DRIFT, compare
 from harness.probe_analysis import analyse
-from harness.self_replay import TOL, judge, judge_evaluations, stretches
+from harness.self_replay import TOL, judge, judge_evaluations, placed, stretches
 
 from .conftest import need
 from .test_resync import LAYERS, chaotic_candidate, replay_of, saturating_family
@@ -22,14 +22,18 @@ def test_each_stretch_between_two_checkpoints_is_re_trained_from_the_first():
     assert stretches(300, [300]) == []
 
 
-def _rows(steps, values, scale=lambda t: 1.0):
-    return [[t, values["loss"][t] * scale(t), 0.5, values["grad_norm"][t] * scale(t), values["update_norm"][t],
-             values["param_norm"][t]] for t in steps]
+def _rows(steps, values, scale=lambda t: 1.0, training=lambda t: 1.0, params=None):
+    """Replayed rows [step, loss, accuracy, grad_norm, update_norm, param_norm]: the loss and gradient norm scaled
+    by `scale`, the update norm by `training`, the parameter norm by `params` (default: `training`)."""
+    params = params or training
+    return [[t, values["loss"][t] * scale(t), values["accuracy"][t], values["grad_norm"][t] * scale(t),
+             values["update_norm"][t] * training(t), values["param_norm"][t] * params(t)] for t in steps]
 
 
 def _values(n=60):
     rng = np.random.default_rng(0)
-    return {s: rng.uniform(0.5, 2.0, n) for s in ("loss", "grad_norm", "update_norm", "param_norm")}
+    out = {s: rng.uniform(0.5, 2.0, n) for s in ("loss", "grad_norm", "update_norm", "param_norm")}
+    return dict(out, accuracy=rng.integers(0, 65, n) / 64)
 
 
 def test_bit_equal_rows_and_rows_that_part_from_a_rounding_reproduce():
@@ -62,6 +66,38 @@ def test_a_row_that_jumps_past_the_tolerance_differs_where_it_jumps():
     assert first_row["differs"] and first_row["step"] == 20
 
 
+def test_a_report_that_carries_state_is_told_from_training_that_does():
+    """Keras' fit logs the running mean of the losses so far: re-trained from a checkpoint in a fresh process the
+    mean starts again, so the loss differs at the stretch's first step while every update and parameter norm is
+    the run's. A step counter that scales the lr moves the update and the parameters: state in the training."""
+    v, steps = _values(), np.arange(60)
+    running = {**v, "loss": np.array([np.mean(v["loss"][:t + 1]) for t in range(60)])}
+    report = judge(steps, running, _rows(range(40, 50), v), [40])
+    assert report["differs"] and (report["step"], report["series"], report["off"]) == (40, "loss", ["loss"])
+    assert report["reported_only"]
+    # the same on a backend whose load rounds (first row only), its update norm 1e-7 off as measured
+    inexact = judge(steps, running, _rows(range(40, 50), v, training=lambda t: 1 + 1e-7), [40], reload_exact=False)
+    assert inexact["differs"] and inexact["reported_only"]
+    # a running accuracy: the accuracy is judged too
+    acc = {**v, "accuracy": np.clip(v["accuracy"] + 2 / 64, 0, 1)}
+    got = judge(steps, acc, _rows(range(40, 50), v), [40])
+    assert got["differs"] and "accuracy" in got["off"] and got["reported_only"]
+    # training that carries state: the update 2% off from step 45, the parameters after it off by less than TOL
+    lr = judge(steps, v, _rows(range(40, 50), v, training=lambda t: 1.02 if t >= 45 else 1.0,
+                               params=lambda t: 1 + 1e-6 if t >= 45 else 1.0), [40])
+    assert lr["differs"] and lr["off"] == ["update_norm"] and not lr["reported_only"]
+    inexact_lr = judge(steps, v, _rows(range(40, 50), v, training=lambda t: 1 + 3e-6), [40], reload_exact=False)
+    assert not inexact_lr["differs"]     # inside TOL: not judged a difference at all
+    # a gradient off at the first step and the parameters after it: training, even where the loss alone is off
+    both = judge(steps, running, _rows(range(40, 50), v, training=lambda t: 1 + 1e-5), [40])
+    assert both["differs"] and not both["reported_only"]
+    # the parameters part later in the stretch: the training carried state after all
+    later = judge(steps, running, _rows(range(40, 50), v, training=lambda t: 1 + 1e-5 if t >= 47 else 1.0), [40])
+    assert later["differs"] and not later["reported_only"]
+    assert placed(report, "the candidate")["stage"] == "report" and placed(lr, "the candidate")["stage"] == "state"
+    assert placed(report, "the candidate")["summary"] == "report: loss of the candidate carries state of its own (step 40)"
+
+
 def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_not_reproduce_itself(tmp_path):
     from harness.envelope import compute
     ref, members, s, e = saturating_family(tmp_path)
@@ -86,6 +122,12 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
                 resync=lambda pair, extra: dict(base, self_replay=same, self_replay_reference=differs)).pairs[0]
     assert r.verdict == BUG and r.localization["stage"] == "state", r.notes
     assert "the reference ref does not reproduce its own training" in r.notes[-1]
+    # only what the reference reports carries state: the report, the reference and the series named
+    s = compare(ref, [cand], env, members, localize=nothing, resync=lambda pair, extra: dict(
+        base, self_replay=same, self_replay_reference=dict(differs, off=["loss"], reported_only=True))).pairs[0]
+    assert s.verdict == BUG and (s.localization["stage"], s.localization["series"]) == ("report", ["loss"]), s.notes
+    assert s.localization["summary"] == "report: loss of the reference carries state of its own (step 40)"
+    assert "reproduces its own training from its checkpoint but not what its run reported" in s.notes[-1]
 
 
 def test_an_evaluation_of_a_checkpoint_that_is_not_the_runs_evaluation_there_differs():
