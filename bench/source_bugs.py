@@ -565,6 +565,16 @@ MUTATIONS = (
              "Keras' own trap: the loss reported as the running mean of the losses so far (what fit's loss "
              "metric logs), not the step's; right at step 0, training untouched, the column wrong from step 1",
              args=("--optimizer", "nesterov", "--schedule", "cosine", "--steps", "120")),
+    Mutation("tf_accuracy_running_mean", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/backend.py",
+             "        self.has_state = True\n        return StepStats(*(float(v) for v in out))",
+             "        self.has_state = True\n"
+             "        self._accuracies = getattr(self, \"_accuracies\", []) + [float(out[1])]\n"
+             "        out[1] = np.mean(self._accuracies)   # as a metric object that is never reset\n"
+             "        return StepStats(*(float(v) for v in out))",
+             ("BUG",), ("report",), "",
+             "a training-accuracy metric that is never reset: the reported accuracy is the mean over every step so "
+             "far; right at step 0, training untouched",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "warmup", "--steps", "120")),
 )
 
 
