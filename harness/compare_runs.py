@@ -159,8 +159,10 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             ref = _pick_reference(group, reference) if scanned is None or any(
                 r.backend == reference or r.name == reference for r in group) else None
             if ref is None:
+                have = sorted({r.backend for r in group})
                 notes.append(f"{len(group)} runs of model {group[0].manifest.get('model')} have no {reference} run: "
-                             f"not compared ({', '.join(r.name for r in group)})")
+                             f"not compared ({', '.join(r.name for r in group)}); `-r {have[0]}` compares them "
+                             f"against {have[0]} (backends there: {', '.join(have)})")
                 continue
             cands = [r for r in group if r is not ref]
             group_forced = list(forced)

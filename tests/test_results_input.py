@@ -78,3 +78,15 @@ def test_a_full_disk_is_one_line_not_a_traceback(capsys, monkeypatch):
     monkeypatch.setattr(cli.main, "main", denied)
     with pytest.raises(PermissionError):
         duipai_in_process(["models"], monkeypatch, capsys)
+
+
+def test_a_results_folder_without_the_reference_backend_says_how_to_compare_it(tmp_path, capsys, monkeypatch):
+    """A user whose torch run was refused (torch --sync-bn on a CPU) compared the rest: the one line names the
+    backends that are there and the option that picks one as the reference."""
+    from .synthetic import base_eval, base_series, write_run
+    for b in ("jax", "tensorflow"):
+        write_run(tmp_path, f"toy__{b}__momentum-constant__s0", base_series(20), base_eval(20), backend=b)
+    code, err = _entry(["compare", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "have no torch run: not compared" in err and "`-r jax` compares them against jax (backends there: jax, " \
+                                                        "tensorflow)" in err, err
