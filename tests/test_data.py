@@ -139,3 +139,13 @@ def test_npz_bool_arrays_and_column_labels_load(tmp_path):
     np.savez(tmp_path / "d.npz", x=rng.random((20, 8, 8)) > 0.5, y=(np.arange(20) % 2 == 0)[:, None])
     ds = D.load_data(str(tmp_path / "d.npz"))
     assert ds.image_shape == (8, 8, 1) and sorted(set(ds.y_train) | set(ds.y_test)) == [0, 1]
+
+
+def test_a_csv_whose_every_column_is_a_pixel_says_the_label_column_is_missing(tmp_path):
+    """A header of 64 pixel names and no 'label' on an 8x8 model: said as a missing label, not '63 pixel columns'."""
+    rows = "\n".join(",".join(["3"] * 64) for _ in range(6))
+    f = _write(tmp_path / "pixels.csv", ",".join(f"p{i}" for i in range(64)) + "\n" + rows + "\n")
+    with pytest.raises(D.DataError) as e:
+        D.load_csv(f, image_shape=(8, 8, 1))
+    assert str(e.value) == (f"{f}: no label column: the header names no 'label' and its 64 columns are the image's 64 "
+                            f"pixels [8, 8, 1]; put the label first (or in a column named 'label')")
