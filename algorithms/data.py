@@ -217,8 +217,7 @@ def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
                if header else "column 1")
         raise DataError(f"{path}: line {line}, {col}: label {y[bad[0]]:g} is not a non-negative integer")
     x = np.delete(data, label_col, axis=1)
-    if header and "label" not in header and shape is not None and math.prod(shape) == width:
-        # every column is a pixel of the image: the label column is missing, not one pixel short
+    if header and "label" not in header and shape is not None and math.prod(shape) == width:   # every column a pixel
         raise DataError(f"{path}: no label column: the header names no 'label' and its {width} columns are the "
                         f"image's {width} pixels {list(shape)}; put the label first (or in a column named 'label')")
     return x.reshape(len(x), *_image_shape(x.shape[1], str(path), shape)), y
@@ -226,8 +225,7 @@ def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
 
 def _is_number(c: str) -> bool:
     try:
-        float(c)
-        return True
+        return float(c) is not None
     except ValueError:
         return False
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
-                   fmt_factor, not_moved)
+                   fmt_factor, formula_computed_by, not_moved)
 from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
 from .runs import SERIES, Run, declared_records, mismatches
@@ -183,7 +183,7 @@ def resolve(p: Pair, localized: bool) -> None:
         left = not_moved(p, chk["emulated"])
         if chk.get("evidence") and not left and not chk.get("skipped"):
             p.verdict, p.declared = DECLARED, list(chk["emulated"])
-            p.evidence = f"verified ({_compared(loc)} agree with the reference computing the formula)"
+            p.evidence = f"verified ({_compared(loc)} agree with {formula_computed_by(chk)})"
             p.notes.append(f"{', '.join(chk['emulated'])} verified: the reference computing the declared formula "
                            f"({change_of(chk)}) agrees with the candidate on every probe compared ({_compared(loc)}); "
                            f"{len(chk['evidence'])} of them disagree with the plain reference")

@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
-from algorithms.faults import combine
+from algorithms.differences import DIFFERENCES
 from algorithms.spec import load_model
 
 from . import kinks, probes, reported, runner
+from .emulating import emulation
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
@@ -285,44 +285,8 @@ class Localizer(ProbeJobs):
         return (rep.get("sensitivity") or {}).get(0) if rep else None
 
     def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
-        """What the reference must run to compute every difference the candidate declares: `change` (the
-        RunConfig fields: a '+'-joined emulation fault, the candidate's replica count), or None when there is
-        nothing to emulate or it cannot be; `check` (for `declared_check`): differences, emulated ids, and
-        skipped (why some declared difference is not verified) with skipped_differences."""
-        ref_ids = {d["id"] for d in ref.declared}
-        ids = sorted({d["id"] for d in cand.declared} - ref_ids)
-        emul = [i for i in ids if i in DIFFERENCES and DIFFERENCES[i].emulated]
-        chk: dict[str, Any] = {"differences": sorted(set(ids) | ref_ids), "emulated": emul, "verified": False}
-        skipped = []
-        if ref_ids:
-            skipped.append(("declared by the reference run itself: its emulation exists for the reference side "
-                            "only", sorted(ref_ids)))
-        rest = [i for i in ids if i not in emul]
-        if rest:
-            skipped.append(("no emulation: " + ", ".join(
-                "framework-RNG masks, comparable only statistically" if DIFFERENCES.get(i) and DIFFERENCES[i].statistical
-                else "not in the catalogue" if i not in DIFFERENCES else "none defined" for i in rest), rest))
-        change: dict[str, Any] | None = None
-        if emul and ref.fault is not None:
-            skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference", emul))
-            chk["emulated"] = []
-        elif emul:
-            change = {}
-            faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
-            if "per_replica_batchnorm" in emul and REPLICA_MEAN_FOLD in str((cand.manifest.get("parallel") or {})
-                                                                           .get("batchnorm", "")):
-                faults.append("bn_replica_mean_running_stats")
-            if faults:
-                change["fault"] = combine(faults)
-            for i in emul:
-                for opt in DIFFERENCES[i].emulated_with:
-                    change[opt] = getattr(cand.options, opt)
-        if skipped:
-            chk["skipped"] = "; ".join(why for why, _ in skipped)
-            chk["skipped_differences"] = sorted({i for _, xs in skipped for i in xs})
-        if not ids and not ref_ids:
-            chk = {}
-        return {"change": change, "check": chk}
+        """harness.emulating.emulation, with the installed backends' declarations."""
+        return emulation(ref, cand, runner.backend_info())
 
     def _set_aside_declared(self, ref: Run, cand: Run, cand0: dict[str, np.ndarray], res: dict[str, Any],
                             layers: list[str], change: dict[str, Any], emulated: list[str]) -> dict[str, Any]:

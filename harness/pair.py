@@ -103,5 +103,13 @@ def change_of(chk: dict[str, Any]) -> str:
     return change_text(chk.get("change"))
 
 
+def formula_computed_by(chk: dict[str, Any] | None) -> str:
+    """Who computed a declared formula, for a DECLARED verdict's evidence: the reference, or the backend that
+    computed it from the reference's states where the reference's own backend does not (harness/emulating.py)."""
+    on = ((chk or {}).get("change") or {}).get("backend")
+    return "the reference computing the formula" + (f" (on {on}, from the reference's states)" if on else "")
+
+
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
-           "resync_doc", "diverging_series", "not_moved", "not_moved_ids", "drop_stat_advice", "change_of"]
+           "resync_doc", "diverging_series", "not_moved", "not_moved_ids", "drop_stat_advice", "change_of",
+           "formula_computed_by"]

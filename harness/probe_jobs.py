@@ -44,8 +44,9 @@ def has_float64_reference(ref: Run, cand: Run) -> bool:
     return ref.options.dtype != "float64" and not same_path(ref, cand)
 
 
-def change_tag(change: dict[str, Any]) -> str:
-    return "__".join(f"{k}-{v}" for k, v in sorted(change.items()))
+def change_tag(change: dict[str, Any]) -> str:   # a job-name part; a dict value as its pairs, file-name safe
+    return "__".join(f"{k}-" + (".".join(f"{a}={b}" for a, b in sorted(v.items())) or "none" if isinstance(v, dict)
+                                else str(v)) for k, v in sorted(change.items()))
 
 
 def checkpoints(run: Run) -> dict[int, Path]:

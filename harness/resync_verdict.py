@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .pair import (BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice, fmt_factor,
-                   not_moved_ids)
+                   formula_computed_by, not_moved_ids)
 
 RESYNC_DRIFT = "trajectories diverged by accumulated rounding; every step agrees from a shared state"
 
@@ -373,7 +373,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])
-        p.evidence = "verified (every resynced step agrees with the reference computing the formula)"
+        p.evidence = f"verified (every resynced step agrees with {formula_computed_by(against)})"
         drop_stat_advice(p)
         p.notes.append(f"{', '.join(against['emulated'])} verified on the shared-state steps: the reference computing "
                        f"the declared formula agrees with the candidate at every resynced step, the plain reference "

@@ -158,7 +158,8 @@ def main(argv: list[str]) -> int:
                                  "sources": e.sources(), "description": e.description,
                                  "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
                                  "layer_kinds": sorted(e.layer_kinds),
-                                 "faults": sorted(e.implemented_faults()), **ORIGINS[name]}
+                                 "faults": sorted(e.implemented_faults()), "emulations": sorted(e.emulations),
+                                 **ORIGINS[name]}
                           for name, e in REGISTRY.items()}))
         return 0
     job_path = os.path.abspath(argv[1])     # handed on to the other processes of a multi-process job

@@ -69,14 +69,14 @@ class Entry:
     module: ClassVar[str] = ""                    # module holding the Backend subclass
     env: ClassVar[dict[str, str]] = {}            # set before the framework is imported
     description: ClassVar[str] = ""
-    # why this configuration has no data parallelism ("" = it has): lets the harness refuse --devices N
-    # without starting a process and importing a framework only to hear the same refusal
+    # why it has no data parallelism ("" = it has): the harness refuses --devices N without starting a process
     no_data_parallel: ClassVar[str] = ""
     # what this configuration can do (names from CAPABILITIES): the harness, the self-test and the tests read
     # these declarations instead of knowing backends by name
     capabilities: ClassVar[frozenset[str]] = frozenset()
     # the catalogued faults (algorithms/faults.py) its wrapper implements; WORKER_FAULTS come on top for every backend
     faults: ClassVar[frozenset[str]] = frozenset()
+    emulations: ClassVar[frozenset[str]] = frozenset()   # of declared differences, '+'-joinable: harness/emulating.py
     # the layer kinds (algorithms.spec.LAYER_FIELDS) its wrapper lowers, plus the features `conv2d:groups` and
     # `conv2d:dilation`: the harness refuses a model needing anything else before starting a process
     # (ModelSpec.required_features). The default is the first spec's straight-line kinds.

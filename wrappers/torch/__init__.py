@@ -40,6 +40,8 @@ class TorchEntry(Entry):
     # no sync_bn: torch.nn.SyncBatchNorm refuses CPU tensors (the wrapper refuses --sync-bn on CPU, saying so)
     capabilities = frozenset({"data_parallel", "hosts", "float64", "channels_last", "threads"})
     faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
+    emulations = frozenset({"adam_eps_hat", "adam_float32_betas", "keras_momentum_schedule", "bn_running_var_biased",
+                            "avgpool_replicate_pad", "bn_replica_mean_running_stats"})
     layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
                                       "silu", "sigmoid", "relu6", "layernorm"}
 

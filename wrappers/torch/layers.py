@@ -13,6 +13,8 @@ from algorithms.layout import (CHANNELS_FIRST, Pads, converters, flat_from_canon
                                flat_to_canonical, is_asymmetric)
 from algorithms.spec import INPUT, ModelSpec, keep_output, layer_input
 
+from . import TorchEntry
+
 
 # ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
 LAYOUT = CHANNELS_FIRST
@@ -35,8 +37,7 @@ def _pad(x: torch.Tensor, pads: Pads, value: float) -> torch.Tensor:
 # the emulations of declared differences this backend computes (algorithms.faults.EMULATIONS and the two
 # catalogued faults that emulate Keras' optimizers), alone or joined by '+' (the verdict engine applies every
 # difference a candidate declares at once)
-_EMULATING = ("adam_eps_hat", "adam_float32_betas", "keras_momentum_schedule", "bn_running_var_biased", "avgpool_replicate_pad",
-              "bn_replica_mean_running_stats")
+_EMULATING = tuple(sorted(TorchEntry.emulations))
 EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(1, len(_EMULATING) + 1)
                              for c in itertools.combinations(_EMULATING, n))
 

@@ -1,0 +1,112 @@
+"""Which backend computes a candidate's declared formula from the reference's states.
+
+A declared difference is verified against the reference computing the candidate's convention (an emulation
+fault: algorithms.faults.EMULATIONS, or a catalogued fault that emulates a framework's convention). Each
+backend declares the emulations it computes (Entry.emulations, '+'-joinable; a catalogued fault in its
+`faults` alone). Where the run chosen as the reference (`-r`) does not compute one, another installed backend
+that does computes it: it loads the same canonical states and the same batches, so its step is the
+reference's step with the declared formula in it, rounded by that backend (its own float32-vs-float64 error
+calibrates the tolerance). Its configuration is the reference's, less the options that change how a step is
+run but not what it computes (compilation, threads, memory format, oneDNN, processes standing in for hosts);
+a backend that cannot run what is left (data parallelism, synchronized BatchNorm, float64) is not chosen.
+Framework-free: the backends' declarations come from `python -m wrappers info` (harness.runner.backend_info).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from algorithms.differences import DIFFERENCES, REPLICA_MEAN_FOLD
+from algorithms.faults import combine, parts
+
+from .runs import Run
+
+# RunConfig fields and `extra` switches that choose how a step runs, not what it computes: left at their
+# defaults when another backend computes the reference's step
+HOW_IT_RUNS = {"jit": True, "threads": 1}
+EXTRA_THAT_CHANGES_THE_STEP = ("sync_bn",)
+
+
+def computes(info: dict[str, Any], fault: str) -> bool:
+    """Whether a backend (its `wrappers info` entry) computes the emulation `fault` ('+'-joined parts)."""
+    return fault in info.get("faults", ()) or parts(fault) <= set(info.get("emulations", ()))
+
+
+def _can_run(info: dict[str, Any], ref: Run) -> bool:
+    o, caps = ref.options, set(info.get("capabilities", ()))
+    return (not info.get("missing") and (o.devices <= 1 or not info.get("no_data_parallel"))
+            and (o.dtype != "float64" or "float64" in caps)
+            and (not o.extra.get("sync_bn") or "sync_bn" in caps))
+
+
+def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """(the RunConfig fields to change for the backend that computes `fault` from `ref`'s states: {} for the
+    reference's own backend, None for none; why, when it is another backend or none)."""
+    if ref.backend in info and computes(info[ref.backend], fault):
+        return {}, ""
+    able = sorted(n for n, i in info.items() if computes(i, fault) and not i.get("missing"))
+    runs = [n for n in able if _can_run(info[n], ref)]
+    if not runs:
+        return None, (f"the reference's backend {ref.backend} does not compute {fault}, and "
+                      + (f"{', '.join(able)}, which do, cannot run the reference's configuration" if able
+                         else "no installed backend does")
+                      + (f" (compare against {able[0]}: -r {able[0]})" if able else ""))
+    sub = runs[0]
+    change: dict[str, Any] = {"backend": sub}
+    for k, default in HOW_IT_RUNS.items():
+        if getattr(ref.options, k) != default:
+            change[k] = default
+    extra = {k: v for k, v in ref.options.extra.items() if k in EXTRA_THAT_CHANGES_THE_STEP}
+    if extra != ref.options.extra:
+        change["extra"] = extra
+    return change, (f"the reference's backend {ref.backend} does not compute {fault}: {sub} computes it from the "
+                    f"reference's states")
+
+
+def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the reference must run to compute every difference the candidate declares: `change` (the
+    RunConfig fields: a '+'-joined emulation fault, the candidate's replica count), or None when there is
+    nothing to emulate or it cannot be; `check` (for `declared_check`): differences, emulated ids, and
+    skipped (why some declared difference is not verified) with skipped_differences, and emulated_on (why
+    another backend than the reference's computes the formula). `info`: harness.runner.backend_info()."""
+    ref_ids = {d["id"] for d in ref.declared}
+    ids = sorted({d["id"] for d in cand.declared} - ref_ids)
+    emul = [i for i in ids if i in DIFFERENCES and DIFFERENCES[i].emulated]
+    chk: dict[str, Any] = {"differences": sorted(set(ids) | ref_ids), "emulated": emul, "verified": False}
+    skipped = []
+    if ref_ids:
+        skipped.append(("declared by the reference run itself: its emulation exists for the reference side "
+                        "only", sorted(ref_ids)))
+    rest = [i for i in ids if i not in emul]
+    if rest:
+        skipped.append(("no emulation: " + ", ".join(
+            "framework-RNG masks, comparable only statistically" if DIFFERENCES.get(i) and DIFFERENCES[i].statistical
+            else "not in the catalogue" if i not in DIFFERENCES else "none defined" for i in rest), rest))
+    change: dict[str, Any] | None = None
+    if emul and ref.fault is not None:
+        skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference", emul))
+        chk["emulated"] = []
+    elif emul:
+        change = {}
+        faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
+        if "per_replica_batchnorm" in emul and REPLICA_MEAN_FOLD in str((cand.manifest.get("parallel") or {})
+                                                                       .get("batchnorm", "")):
+            faults.append("bn_replica_mean_running_stats")
+        for i in emul:
+            for opt in DIFFERENCES[i].emulated_with:
+                change[opt] = getattr(cand.options, opt)
+        on, why = emulating_backend(ref, combine(faults), info) if faults else ({}, "")
+        if on is None:                 # no backend computes it from the reference's configuration
+            skipped.append((why, emul))
+            chk["emulated"], change = [], None
+        else:
+            change.update(on, **({"fault": combine(faults)} if faults else {}))
+            chk.update({"emulated_on": why} if why else {})
+    if skipped:
+        chk["skipped"] = "; ".join(why for why, _ in skipped)
+        chk["skipped_differences"] = sorted({i for _, xs in skipped for i in xs})
+    if not ids and not ref_ids:
+        chk = {}
+    return {"change": change, "check": chk}
+
+
+__all__ = ["computes", "emulating_backend", "emulation"]

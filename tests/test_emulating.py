@@ -1,0 +1,67 @@
+"""Which backend computes a candidate's declared formula (harness/emulating.py). Why: with `-r jax` the Keras
+Adam candidates' declared formula (adam_eps_hat+adam_float32_betas) was asked of jax, whose wrapper does not
+compute it: the resync job failed and every such pair ended INCONCLUSIVE ("a resync job failed (fault ... is
+not implemented in this backend's wrapper)"). Now a backend that computes it does, from the reference's states,
+or the note says which reference would verify it."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from algorithms.contract import RunOptions
+from harness.emulating import computes, emulating_backend, emulation
+
+INFO = {
+    "torch": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "threads"],
+              "emulations": ["adam_eps_hat", "adam_float32_betas", "bn_running_var_biased"], "no_data_parallel": ""},
+    "jax": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "sync_bn"],
+            "emulations": [], "no_data_parallel": ""},
+    "numpy": {"missing": [], "faults": [], "capabilities": ["float64"], "emulations": [],
+              "no_data_parallel": "one process"},
+}
+KERAS_ADAM = [{"id": "adam_epsilon_hat"}, {"id": "keras_float32_betas"}]
+
+
+def _run(backend: str, declared=(), fault=None, **options) -> SimpleNamespace:
+    return SimpleNamespace(backend=backend, declared=list(declared), fault=fault, manifest={},
+                           options=RunOptions(**options))
+
+
+def test_a_backend_computes_its_own_faults_alone_and_its_emulations_joined():
+    assert computes(INFO["torch"], "adam_eps_hat+adam_float32_betas")
+    assert computes(INFO["jax"], "adam_eps_hat")                      # a catalogued fault, alone
+    assert not computes(INFO["jax"], "adam_eps_hat+adam_float32_betas")
+    assert not computes(INFO["numpy"], "bn_running_var_biased")
+
+
+def test_another_backend_computes_the_formula_with_the_references_step_not_its_way_of_running_it():
+    assert emulating_backend(_run("torch"), "adam_eps_hat+adam_float32_betas", INFO) == ({}, "")
+    change, why = emulating_backend(_run("jax"), "adam_eps_hat+adam_float32_betas", INFO)
+    assert change == {"backend": "torch"}
+    assert why == ("the reference's backend jax does not compute adam_eps_hat+adam_float32_betas: torch computes it "
+                   "from the reference's states")
+    # eager, two threads, two processes standing in for hosts: how the step runs, left at the defaults
+    change, _ = emulating_backend(_run("jax", jit=False, threads=2, extra={"hosts": 2}), "bn_running_var_biased", INFO)
+    assert change == {"backend": "torch", "jit": True, "threads": 1, "extra": {}}
+    # synchronized BatchNorm changes the step, and torch cannot run it here: no backend, said with the way out
+    none, why = emulating_backend(_run("jax", devices=2, extra={"sync_bn": True}), "bn_running_var_biased", INFO)
+    assert none is None and why == ("the reference's backend jax does not compute bn_running_var_biased, and torch, "
+                                    "which do, cannot run the reference's configuration (compare against torch: "
+                                    "-r torch)")
+    none, why = emulating_backend(_run("jax"), "avgpool_replicate_pad", INFO)
+    assert none is None and why.endswith("and no installed backend does")
+
+
+def test_the_emulation_of_a_declared_difference_names_the_backend_that_computes_it():
+    got = emulation(_run("jax"), _run("keras-jax", declared=KERAS_ADAM), INFO)
+    assert got["change"] == {"backend": "torch", "fault": "adam_eps_hat+adam_float32_betas"}
+    assert got["check"]["emulated"] == ["adam_epsilon_hat", "keras_float32_betas"]
+    assert "torch computes it from the reference's states" in got["check"]["emulated_on"]
+    assert "skipped" not in got["check"]
+    # the reference's own backend computes it: nothing changes but the fault
+    own = emulation(_run("torch"), _run("keras-jax", declared=KERAS_ADAM), INFO)
+    assert own["change"] == {"fault": "adam_eps_hat+adam_float32_betas"} and "emulated_on" not in own["check"]
+    # none can: not emulated, and the check says why (its pairs are never DECLARED without that evidence)
+    sync = emulation(_run("jax", devices=2, extra={"sync_bn": True}),
+                     _run("keras-jax", declared=[{"id": "running_var_biased"}], devices=2), INFO)
+    assert sync["change"] is None and sync["check"]["emulated"] == []
+    assert sync["check"]["skipped_differences"] == ["running_var_biased"] and "-r torch" in sync["check"]["skipped"]
