@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from algorithms.contract import Job, RunOptions
-from algorithms.faults import DECLARATION_FAULTS, FAULTS, perturbation, rewrite_declaration
+from algorithms.faults import DECLARATION_FAULTS, FAULTS, parts, perturbation, rewrite_declaration
 from algorithms.optim import HParams, lr_at
 from algorithms.spec import BASE_LAYER_KINDS, LAYER_FIELDS, ModelSpec
 
@@ -168,13 +168,12 @@ Masks = dict[str, np.ndarray]   # dropout layer name -> bool keep mask (B, *shap
 
 
 class Backend:
-    """One framework's lowering of the spec, its native optimizer and its training step.
-
-    Canonical layout in and out (see algorithms.spec). Subclasses implement the primitives;
-    the probe protocol is built on them here, once.
+    """One framework's lowering of the spec, its native optimizer and its training step. Canonical layout in and
+    out (see algorithms.spec). Subclasses implement the primitives; the probe protocol is built on them here, once.
     """
     framework: ClassVar[str] = ""
     faults: ClassVar[frozenset[str]] = frozenset()   # fault names this backend can inject
+    emulations: ClassVar[frozenset[str]] = frozenset()   # accepted as a fault alone or '+'-joined (Entry.emulations)
     layer_kinds: ClassVar[frozenset[str]] = BASE_LAYER_KINDS   # what it lowers (its Entry's layer_kinds)
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:
@@ -190,7 +189,8 @@ class Backend:
             raise UnsupportedError(f"{type(self).__name__} cannot lower layer kind(s) {', '.join(map(repr, cannot))} "
                                    f"(model {model.name}); it lowers: {', '.join(sorted(self.layer_kinds))}")
         implemented = implemented_faults(self.faults, self.layer_kinds)
-        if opts.fault is not None and opts.fault not in implemented and perturbation(opts.fault) is None:
+        if (opts.fault is not None and opts.fault not in implemented and perturbation(opts.fault) is None
+                and not parts(opts.fault) <= self.emulations):
             raise UnsupportedError(f"fault {opts.fault!r} is not implemented in this backend's wrapper; "
                                    f"it implements: {', '.join(sorted(implemented)) or 'none'}")
 

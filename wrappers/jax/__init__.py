@@ -27,6 +27,7 @@ class JaxEntry(Entry):
     description = "JAX jit, jax.lax in NHWC, optax"
     capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "threads"})
     faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
+    emulations = frozenset({"bn_running_var_biased"})   # Keras' running variance, as a reference
     layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
                                       "silu", "sigmoid", "relu6", "layernorm"}
 

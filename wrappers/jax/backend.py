@@ -186,6 +186,7 @@ def lowering(model: ModelSpec, opts: RunOptions, dtype: Any, mesh: Mesh | None =
 class JaxBackend(DataParallel, Backend):
     framework = "jax"
     faults = JaxEntry.faults
+    emulations = JaxEntry.emulations
     layer_kinds = JaxEntry.layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:

@@ -65,6 +65,7 @@ def _outside_op_determinism(fn):
 class TensorflowBackend(NativeOptimizer, Backend):
     framework = "tensorflow"
     faults = TensorflowEntry.faults
+    emulations = TensorflowEntry.emulations
     layer_kinds = TensorflowEntry.layer_kinds
     PARALLEL_FAULTS = DP_FAULTS
 
