@@ -62,41 +62,64 @@ def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]]) -> 
                     f"reference's states")
 
 
+PER_REPLICA = "per_replica_batchnorm"
+# a difference the reference alone declares, and the RunConfig fields that undo it on the reference
+UNDONE_ON_THE_REFERENCE = {PER_REPLICA: {"devices": 1}}
+
+
+def _folds_replica_mean(run: Run) -> bool:
+    """Whether a data-parallel run's running statistics are the MEAN of its replicas' (tf.distribute)."""
+    return REPLICA_MEAN_FOLD in str((run.manifest.get("parallel") or {}).get("batchnorm", ""))
+
+
 def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the reference must run to compute every difference the candidate declares: `change` (the
     RunConfig fields: a '+'-joined emulation fault, the candidate's replica count), or None when there is
     nothing to emulate or it cannot be; `check` (for `declared_check`): differences, emulated ids, and
-    skipped (why some declared difference is not verified) with skipped_differences, and emulated_on (why
-    another backend than the reference's computes the formula). `info`: harness.runner.backend_info()."""
-    ref_ids = {d["id"] for d in ref.declared}
-    ids = sorted({d["id"] for d in cand.declared} - ref_ids)
+    skipped (why some declared difference is not verified) with skipped_differences, same (declared by both
+    runs with one convention: no difference between them, nothing to set aside), emulated_on (why another
+    backend than the reference's computes the formula). `info`: harness.runner.backend_info()."""
+    ref_ids, cand_ids = {d["id"] for d in ref.declared}, {d["id"] for d in cand.declared}
+    ids = sorted(cand_ids - ref_ids)
     emul = [i for i in ids if i in DIFFERENCES and DIFFERENCES[i].emulated]
-    chk: dict[str, Any] = {"differences": sorted(set(ids) | ref_ids), "emulated": emul, "verified": False}
+    folds, ref_folds = _folds_replica_mean(cand), _folds_replica_mean(ref)
+    ref_own = sorted(i for i in ref_ids - cand_ids if i not in UNDONE_ON_THE_REFERENCE)
+    if PER_REPLICA in cand_ids & ref_ids:   # per-replica statistics on both sides
+        if ref_folds and not folds:        # the reference's MEAN of its replicas' running statistics: not undone
+            ref_own.append(PER_REPLICA)
+        elif cand.options.devices != ref.options.devices or folds != ref_folds:
+            emul.append(PER_REPLICA)       # over another replica count, or folded otherwise: emulated as usual
+    # the reference's own per-replica statistics against a candidate with global ones (one device's program
+    # over the sharded batch, synchronized BatchNorm): the reference on one device computes the candidate's
+    undone = sorted(i for i in ref_ids - cand_ids if i in UNDONE_ON_THE_REFERENCE)
+    undo = {k: v for i in undone for k, v in UNDONE_ON_THE_REFERENCE[i].items()}
+    chk: dict[str, Any] = {"differences": sorted(cand_ids | ref_ids), "emulated": emul + undone, "verified": False,
+                           "same": sorted(cand_ids & ref_ids - set(emul) - set(ref_own))}   # one convention: none
     skipped = []
-    if ref_ids:
+    if ref_own:
         skipped.append(("declared by the reference run itself: its emulation exists for the reference side "
-                        "only", sorted(ref_ids)))
+                        "only", ref_own))
     rest = [i for i in ids if i not in emul]
     if rest:
         skipped.append(("no emulation: " + ", ".join(
             "framework-RNG masks, comparable only statistically" if DIFFERENCES.get(i) and DIFFERENCES[i].statistical
             else "not in the catalogue" if i not in DIFFERENCES else "none defined" for i in rest), rest))
     change: dict[str, Any] | None = None
-    if emul and ref.fault is not None:
-        skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference", emul))
+    if (emul or undo) and ref.fault is not None:
+        skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference",
+                        emul + undone))
         chk["emulated"] = []
-    elif emul:
-        change = {}
+    elif emul or undo:
+        change = dict(undo)
         faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
-        if "per_replica_batchnorm" in emul and REPLICA_MEAN_FOLD in str((cand.manifest.get("parallel") or {})
-                                                                       .get("batchnorm", "")):
+        if PER_REPLICA in emul and folds and not ref_folds:
             faults.append("bn_replica_mean_running_stats")
         for i in emul:
             for opt in DIFFERENCES[i].emulated_with:
                 change[opt] = getattr(cand.options, opt)
         on, why = emulating_backend(ref, combine(faults), info) if faults else ({}, "")
         if on is None:                 # no backend computes it from the reference's configuration
-            skipped.append((why, emul))
+            skipped.append((why, emul + undone))
             chk["emulated"], change = [], None
         else:
             change.update(on, **({"fault": combine(faults)} if faults else {}))

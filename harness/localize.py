@@ -193,8 +193,8 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._reduction(ref, cand, res, layers, change or {})
         if res["stage"] is not None:
-            res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {},
-                                           chk.get("emulated", []) if change is not None else [])
+            res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
+                                           + (chk.get("emulated", []) if change is not None else []))
         if res["stage"] is None and (rep := reported.localize(pair, ref0, cand0, layers[-1],
                                                               self.first_batch)):   # the step agrees, a report does not
             return dict(rep, step0=res, declared_check=chk or None)

@@ -12,7 +12,8 @@ from harness.emulating import computes, emulating_backend, emulation
 
 INFO = {
     "torch": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "threads"],
-              "emulations": ["adam_eps_hat", "adam_float32_betas", "bn_running_var_biased"], "no_data_parallel": ""},
+              "emulations": ["adam_eps_hat", "adam_float32_betas", "bn_running_var_biased", "bn_replica_mean_running_stats"],
+              "no_data_parallel": ""},
     "jax": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "sync_bn"],
             "emulations": [], "no_data_parallel": ""},
     "numpy": {"missing": [], "faults": [], "capabilities": ["float64"], "emulations": [],
@@ -21,9 +22,9 @@ INFO = {
 KERAS_ADAM = [{"id": "adam_epsilon_hat"}, {"id": "keras_float32_betas"}]
 
 
-def _run(backend: str, declared=(), fault=None, **options) -> SimpleNamespace:
-    return SimpleNamespace(backend=backend, declared=list(declared), fault=fault, manifest={},
-                           options=RunOptions(**options))
+def _run(backend: str, declared=(), fault=None, batchnorm="", **options) -> SimpleNamespace:
+    return SimpleNamespace(backend=backend, declared=[{"id": d} if isinstance(d, str) else d for d in declared],
+                           fault=fault, manifest={"parallel": {"batchnorm": batchnorm}}, options=RunOptions(**options))
 
 
 def test_a_backend_computes_its_own_faults_alone_and_its_emulations_joined():
@@ -65,3 +66,35 @@ def test_the_emulation_of_a_declared_difference_names_the_backend_that_computes_
                      _run("keras-jax", declared=[{"id": "running_var_biased"}], devices=2), INFO)
     assert sync["change"] is None and sync["check"]["emulated"] == []
     assert sync["check"]["skipped_differences"] == ["running_var_biased"] and "-r torch" in sync["check"]["skipped"]
+
+
+PER_REPLICA = "per_replica_batchnorm"
+MEAN = "per replica; running statistics = MEAN over replicas"
+
+
+def test_a_data_parallel_reference_with_per_replica_statistics():
+    """Found as a user (session 28): resnet_tiny at --devices 2 in every backend compared with torch --devices 2.
+    keras-jax (one program over the sharded batch: global statistics, no per-replica declaration) was DECLARED
+    "not verified" on the reference's own declaration, its step-0 BatchNorm forward 30x off; keras-tensorflow
+    (per replica, as torch) was skipped as 'declared by the reference run itself' and DECLARED unverified too."""
+    ref = _run("torch", [PER_REPLICA], devices=2)
+    # global statistics against the reference's per-replica ones: the reference on one device computes them
+    glob = emulation(ref, _run("keras-jax", KERAS_ADAM, devices=2), INFO)
+    assert glob["change"] == {"devices": 1, "fault": "adam_eps_hat+adam_float32_betas"}
+    assert glob["check"]["emulated"] == ["adam_epsilon_hat", "keras_float32_betas", PER_REPLICA]
+    assert "skipped" not in glob["check"] and glob["check"]["same"] == []
+    # per replica on both sides, the same replica count, the same running statistics: no difference between them,
+    # nothing emulated and nothing a disagreement may be set aside for
+    same = emulation(ref, _run("jax", [PER_REPLICA], devices=2), INFO)
+    assert same["change"] is None and same["check"]["same"] == [PER_REPLICA] and "skipped" not in same["check"]
+    # per replica on both, the candidate's running statistics the MEAN of its replicas': emulated as usual
+    mean = emulation(ref, _run("keras-tensorflow", KERAS_ADAM + [PER_REPLICA], batchnorm=MEAN, devices=2), INFO)
+    assert mean["change"] == {"devices": 2, "fault": "adam_eps_hat+adam_float32_betas+bn_replica_mean_running_stats"}
+    assert PER_REPLICA in mean["check"]["emulated"] and mean["check"]["same"] == []
+    # another replica count: the reference at the candidate's
+    four = emulation(ref, _run("jax", [PER_REPLICA], devices=4), INFO)
+    assert four["change"] == {"devices": 4} and four["check"]["emulated"] == [PER_REPLICA]
+    # the reference folds the MEAN of its replicas', the candidate keeps replica 0's: nothing undoes that
+    folded = emulation(_run("tensorflow", [PER_REPLICA], batchnorm=MEAN, devices=2), _run("torch", [PER_REPLICA],
+                                                                                         devices=2), INFO)
+    assert folded["check"]["skipped_differences"] == [PER_REPLICA] and folded["change"] is None
