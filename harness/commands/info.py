@@ -39,7 +39,8 @@ def backends(as_json: bool) -> None:
     for n, i in info.items():
         state = "installed" if not i["missing"] else f"MISSING {', '.join(i['missing'])}"
         click.echo(f"{n:<18} {state:<28} {i['description']}")
-        click.echo(f"{'':<18} can: {', '.join(i['capabilities']) or '-'}; faults: {len(i['faults'])}")
+        click.echo(f"{'':<18} can: {', '.join(i['capabilities']) or '-'}; faults: {len(i['faults'])}"
+                   + (f"; as a reference computes: {', '.join(i['emulations'])}" if i.get("emulations") else ""))
         kinds = set(i.get("layer_kinds", ()))
         beyond = sorted(kinds - BASE_LAYER_KINDS)
         click.echo(f"{'':<18} lowers: the straight-line kinds" + (f" + {', '.join(beyond)}" if beyond else
