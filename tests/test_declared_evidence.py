@@ -366,6 +366,44 @@ def test_optimizer_bug_in_a_dp2_batchnorm_run_is_a_bug_in_the_optimizer(dp2_hard
     assert p.localization["stage"] == "optimizer" and p.localization["probe"].startswith("update0/")
 
 
+@pytest.fixture(scope="module")
+def dp2_reference(results_root):
+    """The same model with the reference on 2 DDP ranks (per-replica statistics, which it declares itself):
+    the one-device run (global statistics) and a dp 2 run with a BatchNorm eps bug as candidates."""
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+
+    from .conftest import need
+    need("torch")
+    root = results_root / "declared-dp2"
+    root.mkdir(exist_ok=True)
+    hp = HParams(steps=4, eval_every=4, checkpoint_every=4)
+    cfg = lambda **kw: RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw)
+    ref = load_run(runner.execute(cfg(devices=2), root))
+    one = load_run(runner.execute(cfg(), root))
+    eps = load_run(runner.execute(cfg(devices=2, fault="bn_eps_keras"), root))
+    c = compare(ref, [one, eps], compute(ref, [ref]), [ref], localize=Localizer(root, log=lambda m: None),
+                all_pairs=False)
+    return {p.b.name: p for p in c.pairs}, one.name, eps.name
+
+
+@pytest.mark.slow
+def test_a_data_parallel_reference_undoes_its_own_per_replica_statistics(dp2_reference):
+    """Against a reference on 2 replicas, a candidate with global statistics is DECLARED by the reference's own
+    declaration only when the reference on one device agrees with it; a BatchNorm bug in a candidate with the
+    reference's own per-replica statistics is a BUG at that BatchNorm (it was set aside as the reference's
+    declared difference, DECLARED 'not verified')."""
+    pairs, one, eps = dp2_reference
+    p = pairs[one]
+    assert p.verdict == DECLARED and p.declared == ["per_replica_batchnorm"], p.notes
+    chk = p.localization["declared_check"]
+    assert chk["change"] == {"devices": 1} and chk["agree"] and chk["evidence"], chk
+    q = pairs[eps]
+    assert q.verdict == BUG and q.localization["stage"] == "forward", q.notes
+    assert q.localization["layer"] == "bn1", q.localization
+
+
 # --------------------------------------------------------------------------- the torch emulations themselves
 def test_torch_emulations_compute_the_declared_formulas():
     """bn_running_var_biased: the running variance moves towards the biased batch variance (and the
