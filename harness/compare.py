@@ -24,12 +24,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from algorithms.differences import DIFFERENCES
+
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
 from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
                    fmt_factor, formula_computed_by, not_moved)
 from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
 from .runs import SERIES, Run, declared_records, mismatches
+
 
 def align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):
     """Indices into the envelope grid, a and b of the steps all three have."""
@@ -169,7 +172,13 @@ def resolve(p: Pair, localized: bool) -> None:
                            "cannot decide, compare seeds with --stat")
             return
         left = not_moved(p, sa["differences"])
-        if not left:
+        catalogued = sorted(i for i in sa["differences"] if i in DIFFERENCES)
+        if not left and catalogued:    # catalogued, with a formula, yet not verified: no evidence, no DECLARED
+            p.verdict = INCONCLUSIVE
+            p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(catalogued)} may "
+                           f"move, but they were not verified ({chk.get('skipped') or 'not emulated'}): not DECLARED "
+                           "without that evidence; a reference that computes their formula decides")
+        elif not left:
             p.verdict, p.declared = DECLARED, sa["differences"]
             p.evidence = "not verified (no emulation; its probes and series only)"
             p.notes.append(f"every disagreeing probe is one that declared difference(s) {', '.join(sa['differences'])} "

@@ -230,6 +230,30 @@ def test_keras_momentum_boundary_is_verified_on_the_replayed_step_and_a_bug_ther
 
 
 # --------------------------------------------------------------------------- no evidence: never DECLARED
+class NotEmulated(FakeLocalizer):
+    """No backend computes the declared formula from the reference's configuration (harness/emulating.py)."""
+
+    def emulation(self, ref, cand):
+        ids = sorted(d["id"] for d in cand.declared)
+        return {"change": None, "check": {"differences": ids, "emulated": [], "verified": False, "same": [],
+                                          "skipped": "no backend computes it", "skipped_differences": ids}}
+
+
+def test_a_catalogued_difference_that_was_not_verified_declares_nothing(fam):
+    """Every disagreeing probe one the candidate's declared Adam convention may move, every diverging series one
+    it names, but nothing computed its formula: INCONCLUSIVE, saying why (it was DECLARED 'not verified')."""
+    root, ref, _, env = fam
+    cand = _cand(root, "eps", [{"id": "adam_epsilon_hat"}], series=("update_norm",))
+    plain = probes()
+    moved = dict(plain, **{f"update0/{q}": plain[f"update0/{q}"] * 1.3 for q in PARAMS})
+    c = compare(ref, [cand], env, [], localize=NotEmulated(root, {(ref.name, frozenset()): plain,
+                                                                  (cand.name, frozenset()): moved}), all_pairs=False)
+    p = c.pairs[0]
+    assert p.verdict == INCONCLUSIVE, (p.verdict, p.notes)
+    assert any("adam_epsilon_hat may move, but they were not verified (no backend computes it): not DECLARED" in n
+               for n in p.notes), p.notes
+
+
 def test_declared_difference_with_no_probe_disagreement_is_not_declared(fam):
     root, ref, _, env = fam
     plain = probes()
