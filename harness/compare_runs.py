@@ -45,13 +45,16 @@ def parse_ints(text: str | None, what: str) -> list[int] | None:
 
 
 def _resolve(paths: tuple[Path, ...]) -> tuple[list[Path], Path | None, list[str]]:
-    """Run folders from the arguments; a single non-run folder is a results folder to scan."""
+    """Run folders from the arguments; a single non-run folder is a results folder to scan (a matrix's folder,
+    as `duipai all` prints it: the runs in its runs/, the comparison written beside them as `all` writes it)."""
     from .runs import discover, is_run_folder
     notes: list[str] = []
     if not paths:
         raise BadInput("give run folders, or one results folder")
     if len(paths) == 1 and paths[0].is_dir() and not is_run_folder(paths[0]):
         found = discover(paths[0], notes)
+        if not found and (paths[0] / "runs").is_dir():
+            found = discover(paths[0] / "runs", notes)
         if not found:
             raise BadInput(f"{paths[0]}: no complete run folders in it" + "".join(f"; {n}" for n in notes))
         return found, paths[0], notes
