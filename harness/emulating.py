@@ -31,25 +31,27 @@ def computes(info: dict[str, Any], fault: str) -> bool:
     return fault in info.get("faults", ()) or parts(fault) <= set(info.get("emulations", ()))
 
 
-def _can_run(info: dict[str, Any], ref: Run) -> bool:
+def _can_run(info: dict[str, Any], ref: Run, devices: int) -> bool:
     o, caps = ref.options, set(info.get("capabilities", ()))
-    return (not info.get("missing") and (o.devices <= 1 or not info.get("no_data_parallel"))
+    return (not info.get("missing") and (devices <= 1 or not info.get("no_data_parallel"))
             and (o.dtype != "float64" or "float64" in caps)
             and (not o.extra.get("sync_bn") or "sync_bn" in caps))
 
 
-def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
-    """(the RunConfig fields to change for the backend that computes `fault` from `ref`'s states: {} for the
-    reference's own backend, None for none; why, when it is another backend or none)."""
+def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]],
+                      devices: int | None = None) -> tuple[dict[str, Any] | None, str]:
+    """(the RunConfig fields to change for the backend that computes `fault` from `ref`'s states at `devices`
+    replicas (default: the reference's): {} for the reference's own backend, None for none; why, when it is
+    another backend or none)."""
     if ref.backend in info and computes(info[ref.backend], fault):
         return {}, ""
     able = sorted(n for n, i in info.items() if computes(i, fault) and not i.get("missing"))
-    runs = [n for n in able if _can_run(info[n], ref)]
+    runs = [n for n in able if _can_run(info[n], ref, ref.options.devices if devices is None else devices)]
     if not runs:
         return None, (f"the reference's backend {ref.backend} does not compute {fault}, and "
                       + (f"{', '.join(able)}, which do, cannot run the reference's configuration" if able
                          else "no installed backend does")
-                      + (f" (compare against {able[0]}: -r {able[0]})" if able else ""))
+                      + (f" (a {able[0]} run as the reference would verify it: -r {able[0]})" if able else ""))
     sub = runs[0]
     change: dict[str, Any] = {"backend": sub}
     for k, default in HOW_IT_RUNS.items():
@@ -117,7 +119,7 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
         for i in emul:
             for opt in DIFFERENCES[i].emulated_with:
                 change[opt] = getattr(cand.options, opt)
-        on, why = emulating_backend(ref, combine(faults), info) if faults else ({}, "")
+        on, why = emulating_backend(ref, combine(faults), info, change.get("devices")) if faults else ({}, "")
         if on is None:                 # no backend computes it from the reference's configuration
             skipped.append((why, emul + undone))
             chk["emulated"], change = [], None

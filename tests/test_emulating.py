@@ -46,8 +46,8 @@ def test_another_backend_computes_the_formula_with_the_references_step_not_its_w
     # synchronized BatchNorm changes the step, and torch cannot run it here: no backend, said with the way out
     none, why = emulating_backend(_run("jax", devices=2, extra={"sync_bn": True}), "bn_running_var_biased", INFO)
     assert none is None and why == ("the reference's backend jax does not compute bn_running_var_biased, and torch, "
-                                    "which do, cannot run the reference's configuration (compare against torch: "
-                                    "-r torch)")
+                                    "which do, cannot run the reference's configuration (a torch run as the "
+                                    "reference would verify it: -r torch)")
     none, why = emulating_backend(_run("jax"), "avgpool_replicate_pad", INFO)
     assert none is None and why.endswith("and no installed backend does")
 
