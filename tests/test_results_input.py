@@ -92,14 +92,17 @@ def test_a_results_folder_without_the_reference_backend_says_how_to_compare_it(t
                                                         "tensorflow)" in err, err
 
 
-def test_a_matrix_results_folder_is_compared_as_duipai_all_printed_it(tmp_path):
+def test_a_matrix_results_folder_is_compared_as_duipai_all_printed_it(tmp_path, capsys, monkeypatch):
     """`duipai all` prints 'results: <out>/<matrix>', whose runs sit in runs/: `duipai compare` on that folder (with
     another -r, say) scans runs/ and writes beside them, as `all` does; it said 'no complete run folders in it'."""
-    from harness.compare_runs import _out_dir, _resolve
-    from .synthetic import base_eval, base_series, write_run
-    for b in ("torch", "jax"):
-        write_run(tmp_path / "runs", f"toy__{b}__momentum-constant__s0", base_series(20), base_eval(20), backend=b)
+    import numpy as np
+
+    from .synthetic import base_eval, base_series, family, jitter, write_run
+    ref, members = family(tmp_path / "runs", 30)
+    rng = np.random.default_rng(1)
+    write_run(tmp_path / "runs", "cand", jitter(base_series(30), rng, 1e-7), base_eval(30), backend="jax")
     (tmp_path / "matrix.json").write_text("{}")
-    found, scanned, notes = _resolve((tmp_path,))
-    assert [p.name for p in found] == ["toy__jax__momentum-constant__s0", "toy__torch__momentum-constant__s0"]
-    assert scanned == tmp_path and notes == [] and _out_dir(None, scanned, []) == tmp_path
+    envelope = [a for m in members for a in ("--envelope", str(m))]
+    code, out, err = duipai_in_process(["compare", str(tmp_path), "--no-localize", *envelope], monkeypatch, capsys)
+    assert code == 0 and (tmp_path / "comparison.json").is_file(), (code, out, err)
+    assert not (tmp_path / "runs" / "comparison.json").exists()
