@@ -38,14 +38,31 @@ def _can_run(info: dict[str, Any], ref: Run, devices: int) -> bool:
             and (not o.extra.get("sync_bn") or "sync_bn" in caps))
 
 
-def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]],
-                      devices: int | None = None) -> tuple[dict[str, Any] | None, str]:
-    """(the RunConfig fields to change for the backend that computes `fault` from `ref`'s states at `devices`
-    replicas (default: the reference's): {} for the reference's own backend, None for none; why, when it is
-    another backend or none)."""
-    if ref.backend in info and computes(info[ref.backend], fault):
-        return {}, ""
-    able = sorted(n for n, i in info.items() if computes(i, fault) and not i.get("missing"))
+def _fault_on(info: dict[str, Any], faults: list[str], fold: bool | None) -> str | None:
+    """The '+'-joined emulation a backend must run for `faults` and, where `fold` is not None (per-replica
+    statistics emulated at dp > 1), running statistics folded as the candidate's (True: the MEAN over the
+    replicas): its own fold, or replica 0's plus the MEAN emulation; None where it cannot (it folds the MEAN and
+    the candidate keeps replica 0's)."""
+    mean = info.get("replica_running_stats") == "mean"
+    if fold is not None and mean and not fold:
+        return None
+    return combine(faults + (["bn_replica_mean_running_stats"] if fold and not mean else [])) or ""
+
+
+def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any]], devices: int | None = None,
+                      fold: bool | None = None, avoid: str = "") -> tuple[dict[str, Any] | None, str]:
+    """(the RunConfig fields to change for the backend that computes `faults` (with the candidate's `fold` of
+    per-replica running statistics, harness `_fault_on`) from `ref`'s states at `devices` replicas (default: the
+    reference's): {"fault": ...} for the reference's own backend, with "backend" for another -- `avoid` (the
+    candidate's: its own code would vouch for itself) last --, None for none; why, when it is another or none)."""
+    def fault_of(name: str) -> str | None:
+        f = _fault_on(info[name], faults, fold)
+        return f if f is not None and (not f or computes(info[name], f)) else None
+    if ref.backend in info and fault_of(ref.backend) is not None:
+        return {"fault": fault_of(ref.backend)}, ""
+    fault = combine(faults + (["bn_replica_mean_running_stats"] if fold else [])) or "per-replica statistics"
+    able = sorted((n for n, i in info.items() if not i.get("missing") and fault_of(n) is not None),
+                  key=lambda n: (n == avoid, n))
     runs = [n for n in able if _can_run(info[n], ref, ref.options.devices if devices is None else devices)]
     if not runs:
         return None, (f"the reference's backend {ref.backend} does not compute {fault}, and "
@@ -53,7 +70,7 @@ def emulating_backend(ref: Run, fault: str, info: dict[str, dict[str, Any]],
                          else "no installed backend does")
                       + (f" (a {able[0]} run as the reference would verify it: -r {able[0]})" if able else ""))
     sub = runs[0]
-    change: dict[str, Any] = {"backend": sub}
+    change: dict[str, Any] = {"backend": sub, "fault": fault_of(sub)}
     for k, default in HOW_IT_RUNS.items():
         if getattr(ref.options, k) != default:
             change[k] = default
@@ -114,17 +131,17 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
     elif emul or undo:
         change = dict(undo)
         faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
-        if PER_REPLICA in emul and folds and not ref_folds:
-            faults.append("bn_replica_mean_running_stats")
         for i in emul:
             for opt in DIFFERENCES[i].emulated_with:
                 change[opt] = getattr(cand.options, opt)
-        on, why = emulating_backend(ref, combine(faults), info, change.get("devices")) if faults else ({}, "")
+        # per-replica statistics at dp > 1: the emulating backend's running statistics folded as the candidate's
+        fold = folds if PER_REPLICA in emul and change.get("devices", ref.options.devices) > 1 else None
+        on, why = emulating_backend(ref, faults, info, change.get("devices"), fold, avoid=cand.backend)
         if on is None:                 # no backend computes it from the reference's configuration
             skipped.append((why, emul + undone))
             chk["emulated"], change = [], None
         else:
-            change.update(on, **({"fault": combine(faults)} if faults else {}))
+            change.update({k: v for k, v in on.items() if v})      # no "fault" key for an empty one
             chk.update({"emulated_on": why} if why else {})
     if skipped:
         chk["skipped"] = "; ".join(why for why, _ in skipped)

@@ -159,6 +159,7 @@ def main(argv: list[str]) -> int:
                                  "no_data_parallel": e.no_data_parallel, "capabilities": sorted(e.capabilities),
                                  "layer_kinds": sorted(e.layer_kinds),
                                  "faults": sorted(e.implemented_faults()), "emulations": sorted(e.emulations),
+                                 "replica_running_stats": e.replica_running_stats,
                                  **ORIGINS[name]}
                           for name, e in REGISTRY.items()}))
         return 0

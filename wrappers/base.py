@@ -71,9 +71,9 @@ class Entry:
     description: ClassVar[str] = ""
     # why it has no data parallelism ("" = it has): the harness refuses --devices N without starting a process
     no_data_parallel: ClassVar[str] = ""
-    # what this configuration can do (names from CAPABILITIES): the harness, the self-test and the tests read
-    # these declarations instead of knowing backends by name
+    # what it can do (names from CAPABILITIES): the harness and the tests read these, never a backend's name
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    replica_running_stats: ClassVar[str] = "replica 0"   # per-replica BatchNorm at dp N keeps replica 0's, or "mean"
     # the catalogued faults (algorithms/faults.py) its wrapper implements; WORKER_FAULTS come on top for every backend
     faults: ClassVar[frozenset[str]] = frozenset()
     emulations: ClassVar[frozenset[str]] = frozenset()   # of declared differences, '+'-joinable: harness/emulating.py

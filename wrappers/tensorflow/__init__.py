@@ -12,6 +12,7 @@ class TensorflowEntry(Entry):
     capabilities = frozenset({"data_parallel", "hosts", "sync_bn", "float64", "eager", "xla", "onednn", "threads"})
     faults = LOWERING_FAULTS | DP_FAULTS | GRAPH_LOWERING_FAULTS
     emulations = frozenset({"bn_running_var_biased"})   # Keras' running variance, as a reference
+    replica_running_stats = "mean"   # tf.distribute's MEAN aggregation of the replicas' moving statistics
     # the graph kinds (layers.py): grouped and dilated convolutions through exact formulations, since TF's
     # CPU Conv2D has no gradient for either
     layer_kinds = BASE_LAYER_KINDS | {"add", "concat", "conv2d:groups", "conv2d:dilation", "leaky_relu", "gelu",
