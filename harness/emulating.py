@@ -61,7 +61,10 @@ def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any
     if ref.backend in info and fault_of(ref.backend) is not None:
         return {"fault": fault_of(ref.backend)}, ""
     fault = combine(faults + (["bn_replica_mean_running_stats"] if fold else [])) or "per-replica statistics"
-    able = sorted((n for n, i in info.items() if not i.get("missing") and fault_of(n) is not None),
+    # another backend stands in only where it declares emulations: a backend that computes the reference's formulas
+    # (a Keras backend runs its own conventions, and at dp N keras-jax computes global statistics)
+    able = sorted((n for n, i in info.items()
+                   if not i.get("missing") and i.get("emulations") and fault_of(n) is not None),
                   key=lambda n: (n == avoid, n))
     runs = [n for n in able if _can_run(info[n], ref, ref.options.devices if devices is None else devices)]
     if not runs:

@@ -15,9 +15,11 @@ INFO = {
               "emulations": ["adam_eps_hat", "adam_float32_betas", "bn_running_var_biased", "bn_replica_mean_running_stats"],
               "no_data_parallel": ""},
     "jax": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "sync_bn"],
-            "emulations": [], "no_data_parallel": ""},
+            "emulations": ["bn_running_var_biased"], "no_data_parallel": ""},
     "numpy": {"missing": [], "faults": [], "capabilities": ["float64"], "emulations": [],
               "no_data_parallel": "one process"},
+    "keras-jax": {"missing": [], "faults": [], "capabilities": ["data_parallel", "float64"], "emulations": [],
+                  "no_data_parallel": ""},
     "tensorflow": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "sync_bn"],
                    "emulations": ["bn_running_var_biased"], "no_data_parallel": "", "replica_running_stats": "mean"},
 }
@@ -46,10 +48,9 @@ def test_another_backend_computes_the_formula_with_the_references_step_not_its_w
     # eager, two threads, two processes standing in for hosts: how the step runs, left at the defaults
     change, _ = emulating_backend(_run("jax", jit=False, threads=2, extra={"hosts": 2}), ["adam_float32_betas"], INFO)
     assert change == {"backend": "torch", "fault": "adam_float32_betas", "jit": True, "threads": 1, "extra": {}}
-    # synchronized BatchNorm changes the step: tensorflow runs it and computes the formula; torch cannot run it here
+    # synchronized BatchNorm changes the step: jax computes Keras' running variance itself; torch cannot run it
     sync = _run("jax", devices=2, extra={"sync_bn": True})
-    assert emulating_backend(sync, ["bn_running_var_biased"], INFO)[0] == {"backend": "tensorflow",
-                                                                            "fault": "bn_running_var_biased"}
+    assert emulating_backend(sync, ["bn_running_var_biased"], INFO) == ({"fault": "bn_running_var_biased"}, "")
     none, why = emulating_backend(sync, ["adam_float32_betas"], INFO)
     assert none is None and why == ("the reference's backend jax does not compute adam_float32_betas, and torch, "
                                     "which do, cannot run the reference's configuration (a torch run as the "
@@ -115,6 +116,8 @@ def test_per_replica_statistics_are_emulated_by_a_backend_that_folds_them_as_the
     replica0 = emulation(tf, _run("torch", [PER_REPLICA], devices=2), INFO)
     assert replica0["change"] == {"devices": 2, "backend": "jax"}, replica0    # not the candidate's own backend
     assert "jax computes it from the reference's states" in replica0["check"]["emulated_on"]
+    # for jax, torch: never a backend that declares no emulations (keras-jax sorts first, and is global at dp 2)
+    assert emulation(tf, _run("jax", [PER_REPLICA], devices=2), INFO)["change"] == {"devices": 2, "backend": "torch"}
     mean = emulation(tf, _run("tensorflow", [PER_REPLICA], batchnorm=MEAN, devices=2), INFO)
     assert mean["change"] == {"devices": 2} and "emulated_on" not in mean["check"]
     # a reference that keeps replica 0's computes the MEAN by the emulation fault
