@@ -62,7 +62,7 @@ def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any
         return {"fault": fault_of(ref.backend)}, ""
     fault = combine(faults + (["bn_replica_mean_running_stats"] if fold else [])) or "per-replica statistics"
     # another backend stands in only where it declares emulations: a backend that computes the reference's formulas
-    # (a Keras backend runs its own conventions, and at dp N keras-jax computes global statistics)
+    # (one that declares none may run conventions of its own, or global statistics at dp N)
     able = sorted((n for n, i in info.items()
                    if not i.get("missing") and i.get("emulations") and fault_of(n) is not None),
                   key=lambda n: (n == avoid, n))

@@ -349,27 +349,31 @@ def test_stat_mode_never_declares(tmp_path, declared, want):
 
 
 # --------------------------------------------------------------------------- real runs (torch only)
-@pytest.fixture(scope="module")
-def dp2_hard(results_root):
-    """cnn2d_hard, 4 steps: torch on one device (the reference), torch on 2 DDP ranks clean and with
-    lr_scale_1.001; the envelope is the reference alone (every dp=2 run leaves it at step 0 by ~700x,
-    per-replica statistics): what is tested is the probe-level verdict (about 8 backend processes)."""
+def _judged(results_root, ref: dict, cands: list[dict]) -> dict:
+    """torch cnn2d_hard runs of 4 steps (RunConfig fields per run), the candidates judged against `ref` with
+    the reference alone as the envelope: the probe-level verdict is what is tested."""
+    from algorithms.contract import RunConfig
     from algorithms.optim import HParams
     from harness import runner
-    from algorithms.contract import RunConfig
 
     from .conftest import need
     need("torch")
     root = results_root / "declared-dp2"
     root.mkdir(exist_ok=True)
     hp = HParams(steps=4, eval_every=4, checkpoint_every=4)
-    cfg = lambda **kw: RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw)
-    ref = load_run(runner.execute(cfg(), root))
-    clean = load_run(runner.execute(cfg(devices=2), root))
-    faulty = load_run(runner.execute(cfg(devices=2, fault="lr_scale_1.001"), root))
-    c = compare(ref, [clean, faulty], compute(ref, [ref]), [ref], localize=Localizer(root, log=lambda m: None),
-                all_pairs=False)
-    return {p.b.name: p for p in c.pairs}, clean.name, faulty.name
+    run = lambda kw: load_run(runner.execute(RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw), root))
+    r, cs = run(ref), [run(kw) for kw in cands]
+    c = compare(r, cs, compute(r, [r]), [r], localize=Localizer(root, log=lambda m: None), all_pairs=False)
+    return {p.b.name: p for p in c.pairs}
+
+
+@pytest.fixture(scope="module")
+def dp2_hard(results_root):
+    """torch on one device (the reference), torch on 2 DDP ranks clean and with lr_scale_1.001 (every dp=2 run
+    leaves the envelope at step 0 by ~700x, per-replica statistics; about 8 backend processes)."""
+    pairs = _judged(results_root, {}, [{"devices": 2}, {"devices": 2, "fault": "lr_scale_1.001"}])
+    clean, faulty = sorted(pairs, key=lambda n: "fault" in n)
+    return pairs, clean, faulty
 
 
 @pytest.mark.slow
@@ -392,24 +396,11 @@ def test_optimizer_bug_in_a_dp2_batchnorm_run_is_a_bug_in_the_optimizer(dp2_hard
 
 @pytest.fixture(scope="module")
 def dp2_reference(results_root):
-    """The same model with the reference on 2 DDP ranks (per-replica statistics, which it declares itself):
-    the one-device run (global statistics) and a dp 2 run with a BatchNorm eps bug as candidates."""
-    from algorithms.contract import RunConfig
-    from algorithms.optim import HParams
-    from harness import runner
-
-    from .conftest import need
-    need("torch")
-    root = results_root / "declared-dp2"
-    root.mkdir(exist_ok=True)
-    hp = HParams(steps=4, eval_every=4, checkpoint_every=4)
-    cfg = lambda **kw: RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw)
-    ref = load_run(runner.execute(cfg(devices=2), root))
-    one = load_run(runner.execute(cfg(), root))
-    eps = load_run(runner.execute(cfg(devices=2, fault="bn_eps_keras"), root))
-    c = compare(ref, [one, eps], compute(ref, [ref]), [ref], localize=Localizer(root, log=lambda m: None),
-                all_pairs=False)
-    return {p.b.name: p for p in c.pairs}, one.name, eps.name
+    """The reference on 2 DDP ranks (per-replica statistics, which it declares itself): the one-device run
+    (global statistics) and a dp 2 run with a BatchNorm eps bug as candidates."""
+    pairs = _judged(results_root, {"devices": 2}, [{}, {"devices": 2, "fault": "bn_eps_keras"}])
+    one, eps = sorted(pairs, key=lambda n: "fault" in n)
+    return pairs, one, eps
 
 
 @pytest.mark.slow
