@@ -1,7 +1,6 @@
 """The catalogue of injectable faults: real bug classes, each changing one backend's computation in one
-precise way (`duipai run --fault NAME`). A wrapper lists which it implements; the run manifest
-records the fault. `stage` and `where` are what a correct localization must report.
-"""
+precise way (`duipai run --fault NAME`). A wrapper lists which it implements; the run manifest records the
+fault. `stage` and `where` are what a correct localization must report."""
 from __future__ import annotations
 
 import re
@@ -159,9 +158,8 @@ class Perturbation:
 def perturbation(name: str | None) -> Perturbation | None:
     """The perturbation a fault name is, or None (a catalogued lowering fault, or no fault)."""
     m = _PERTURB.fullmatch(name or "")
-    if m is None or (m.group(4) and m.group(1) != "lr"):
-        return None
-    return Perturbation(m.group(1), m.group(2), float(m.group(3)), int(m.group(4) or 0))
+    bad = m is None or (m.group(4) and m.group(1) != "lr")   # _from_ for lr only
+    return None if bad else Perturbation(m.group(1), m.group(2), float(m.group(3)), int(m.group(4) or 0))
 
 
 def perturbation_name(target: str, mode: str, e: float, start: int = 0) -> str:
@@ -189,8 +187,7 @@ JOIN = "+"   # emulations applied together: "adam_eps_hat+bn_running_var_biased"
 
 def combine(names: list[str]) -> str | None:
     """One fault value for several emulations at once (sorted, joined by '+'); None for none."""
-    names = sorted(set(names))
-    return JOIN.join(names) if names else None
+    return JOIN.join(sorted(set(names))) or None
 
 
 def parts(name: str | None) -> set[str]:
@@ -314,11 +311,15 @@ def projection_norms(model) -> tuple[str, ...]:
 class Seams:
     """The catalogued lowering faults read once from a run's fault value, as the named seams where a wrapper
     applies them: the weight layout on load (`permute`, `depthwise_channel_major`), padding (`same_pads`),
-    normalisation parameters (`bn_params`), which bias a port dropped (`dropped_bias`), which BatchNorm it
-    left out (`bypassed_norms`), the concatenation axis (`concat_axis`), pooling size (`maxpool_ceil`), the
-    loss (`label_smoothing`), gradients (`grad_scale`) and evaluation mode (`eval_dropout`). A wrapper's `forward`
-    asks these and stays the clean lowering; the fault itself is one small transformation here."""
+    normalisation parameters (`bn_params`; `biased_running_var`, Keras' emulated, alone or '+'-joined), which
+    bias a port dropped (`dropped_bias`), which BatchNorm it left out (`bypassed_norms`), the concatenation axis
+    (`concat_axis`), pooling (`maxpool_ceil`), the loss (`label_smoothing`), gradients (`grad_scale`) and
+    evaluation mode (`eval_dropout`). A wrapper's `forward` asks these and stays the clean lowering."""
     fault: str | None = None
+
+    @property
+    def biased_running_var(self) -> bool:
+        return "bn_running_var_biased" in parts(self.fault)
 
     @property
     def permute(self) -> bool:
@@ -373,9 +374,8 @@ class Seams:
     def concat_axis(self, channels_first: bool) -> int:
         """The native axis a concat joins (NCHW or NHWC activations): the channels; under concat_wrong_axis
         the width (the NHWC channel index 3 used on NCHW maps, or its canonical equivalent, NHWC axis 2)."""
-        if self.fault == "concat_wrong_axis":
-            return 3 if channels_first else 2
-        return 1 if channels_first else 3
+        wrong = self.fault == "concat_wrong_axis"
+        return (3 if wrong else 1) if channels_first else (2 if wrong else 3)
 
     def bypassed_norms(self, model) -> tuple[str, ...]:
         """projection_without_bn: the projection shortcuts' batchnorm2d layers, passed through unchanged in

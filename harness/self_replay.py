@@ -61,12 +61,12 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
     out: dict[str, Any] = {"checked": True, "rows": len(replayed), "stretches": 0, "max_rel": 0.0, "differs": False,
                            "exact_rows": 0, "inexact_loads": 0}
     at = {int(t): i for i, t in enumerate(steps)}
-    start, exact, first = None, True, False
+    start, exact = None, True
     for row in replayed:
         step = int(row[0])
         c = max((s for s in starts if s <= step), default=None)
         if c != start:                     # a new stretch, from a loaded checkpoint
-            start, exact, first = c, True, True
+            start, exact = c, True
             out["stretches"] += 1
             out["inexact_loads"] += not reload_exact
         got = dict(zip(SERIES, row[1:6]))
@@ -85,11 +85,10 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
             allow = 0.0 if reload_exact else RELOAD_TOL
             out.update({"differs": True, "step": step, "from": c, "series": worst, "rel": rel,
                         "run": float(values[worst][at[step]]), "replay": float(got[worst]), "off": off,
-                        "reported_only": (reload_exact or first) and any(k not in off for k in TRAINING)
+                        "reported_only": any(k not in off for k in TRAINING)
                         and all(rels[k] <= allow for k in TRAINING if k not in off)})
         exact = exact and rel == 0.0 and reload_exact
         out["exact_rows"] += exact
-        first = False
     return out
 
 

@@ -430,9 +430,11 @@ def test_torch_emulations_compute_the_declared_formulas():
     import torch.nn.functional as F
 
     from algorithms.spec import load_model
-    from wrappers.torch.layers import EMULATION_FAULTS, fold_replica_buffers, forward
+    from algorithms.faults import parts
+    from wrappers.torch import TorchEntry
+    from wrappers.torch.layers import fold_replica_buffers, forward
     model = load_model("cnn2d_hard")
-    assert "adam_eps_hat+avgpool_replicate_pad+bn_running_var_biased" in EMULATION_FAULTS
+    assert parts("adam_eps_hat+avgpool_replicate_pad+bn_running_var_biased") <= TorchEntry.emulations
     g = torch.Generator().manual_seed(0)
     params = {q.name: torch.randn(_torch_shape(q), generator=g) * 0.1
               for q in model.params}

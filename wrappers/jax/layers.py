@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from algorithms.faults import Seams, parts
+from algorithms.faults import Seams
 from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, window_counts
 from algorithms.spec import INPUT, ModelSpec, keep_output, layer_input
 
@@ -56,7 +56,6 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
     group 0's (replica 0's, as DDP's buffer broadcast leaves them)."""
     new_buffers = dict(buffers)
     seams = Seams(fault)
-    stored_biased = "bn_running_var_biased" in parts(fault)   # Keras' running variance (an emulation)
     no_bias = seams.dropped_bias(model)
     no_norm = seams.bypassed_norms(model)
     cat_axis = seams.concat_axis(channels_first=False)
@@ -125,7 +124,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
                 var = jnp.mean(jnp.square(xs - mean), axis=(1, 2, 3), keepdims=True)
                 x = ((xs - mean) * lax.rsqrt(var + eps) * gamma + beta).reshape(x.shape)
                 mean_sg, var_sg = lax.stop_gradient(mean[0, 0, 0, 0]), lax.stop_gradient(var[0, 0, 0, 0])
-                unbiased = var_sg * (n / (n - 1)) if n > 1 and not stored_biased else var_sg
+                unbiased = var_sg * (n / (n - 1)) if n > 1 and not seams.biased_running_var else var_sg
                 new_buffers[rm_key] = (1.0 - mom) * buffers[rm_key] + mom * mean_sg
                 new_buffers[rv_key] = (1.0 - mom) * buffers[rv_key] + mom * unbiased
             elif train:
@@ -134,7 +133,7 @@ def forward(model: ModelSpec, p: Params, buffers: Params, x: jax.Array, *, train
                 var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))          # biased: normalisation
                 x = (x - mean) * lax.rsqrt(var + eps) * gamma + beta
                 mean_sg, var_sg = lax.stop_gradient(mean), lax.stop_gradient(var)
-                unbiased = var_sg * (n / (n - 1)) if n > 1 and not stored_biased else var_sg   # torch's
+                unbiased = var_sg * (n / (n - 1)) if n > 1 and not seams.biased_running_var else var_sg   # torch's
                 new_buffers[rm_key] = (1.0 - mom) * buffers[rm_key] + mom * mean_sg
                 new_buffers[rv_key] = (1.0 - mom) * buffers[rv_key] + mom * unbiased
             else:

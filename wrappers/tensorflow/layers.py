@@ -24,7 +24,7 @@ import math
 
 import tensorflow as tf
 
-from algorithms.faults import Seams, parts
+from algorithms.faults import Seams
 from algorithms.layout import CHANNELS_LAST, ceil_pool_pad, converters, is_asymmetric
 from algorithms.spec import INPUT, LayerInfo, ModelSpec, keep_output, layer_input
 
@@ -128,7 +128,6 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
     `moments` (data parallel, synchronized BatchNorm) replaces tf.nn.moments: x -> (mean, biased var, n),
     n the number of values per channel the statistics are taken over (all replicas together)."""
     seams = Seams(fault)
-    stored_biased = "bn_running_var_biased" in parts(fault)   # Keras' running variance (an emulation)
     no_bias = seams.dropped_bias(model)
     no_norm = seams.bypassed_norms(model)
     cat_axis = seams.concat_axis(channels_first=False)
@@ -191,7 +190,7 @@ def forward(model: ModelSpec, p: dict[str, tf.Tensor], x: tf.Tensor, *, train: b
                     mean, var, n = moments(x)
                 x = tf.nn.batch_normalization(x, mean, var, beta, gamma, eps)
                 if new_buffers is not None:
-                    unbiased = var if stored_biased else var * (n / (n - 1))
+                    unbiased = var if seams.biased_running_var else var * (n / (n - 1))
                     mean_s, var_s = tf.stop_gradient(mean), tf.stop_gradient(unbiased)
                     new_buffers[f"{layer.name}.running_mean"] = (1.0 - mom) * rm + mom * mean_s
                     new_buffers[f"{layer.name}.running_var"] = (1.0 - mom) * rv + mom * var_s

@@ -22,7 +22,7 @@ from algorithms.spec import ModelSpec
 
 from ..base import Backend, Masks, StepStats
 from . import TorchEntry
-from .layers import (EMULATION_FAULTS, flat_from_canonical, flat_sources, flat_to_canonical, forward, from_native, nhwc,
+from .layers import (flat_from_canonical, flat_sources, flat_to_canonical, forward, from_native, nhwc,
                      to_native)
 from .optim import export_state, load_state, make_optimizer, set_hyper
 from .parallel import DataParallel
@@ -34,7 +34,8 @@ class TorchBackend(DataParallel, Backend):
     framework = "torch"
     # the catalogued faults it declares, and the emulations of declared differences the verdict engine asks of
     # the reference (not catalogued: the self-test does not inject them)
-    faults = TorchEntry.faults | EMULATION_FAULTS
+    faults = TorchEntry.faults
+    emulations = TorchEntry.emulations   # every one, alone or '+'-joined (Backend.__init__)
     layer_kinds = TorchEntry.layer_kinds
 
     def __init__(self, model: ModelSpec, hp: HParams, opts: RunOptions) -> None:

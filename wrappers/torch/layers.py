@@ -1,7 +1,6 @@
 """The spec's layers lowered to torch.nn.functional in NCHW, and canonical <-> torch layouts."""
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -12,9 +11,6 @@ from algorithms.faults import Seams, parts as fault_parts
 from algorithms.layout import (CHANNELS_FIRST, Pads, converters, flat_from_canonical, flat_sources,  # noqa: F401
                                flat_to_canonical, is_asymmetric)
 from algorithms.spec import INPUT, ModelSpec, keep_output, layer_input
-
-from . import TorchEntry
-
 
 # ----------------------------------------------------------------------------- layouts (algorithms/layout.py)
 LAYOUT = CHANNELS_FIRST
@@ -32,14 +28,6 @@ def _pad(x: torch.Tensor, pads: Pads, value: float) -> torch.Tensor:
     if t == b == l == r == 0:
         return x
     return F.pad(x, (l, r, t, b), value=value)
-
-
-# the emulations of declared differences this backend computes (algorithms.faults.EMULATIONS and the two
-# catalogued faults that emulate Keras' optimizers), alone or joined by '+' (the verdict engine applies every
-# difference a candidate declares at once)
-_EMULATING = tuple(sorted(TorchEntry.emulations))
-EMULATION_FAULTS = frozenset("+".join(sorted(c)) for n in range(1, len(_EMULATING) + 1)
-                             for c in itertools.combinations(_EMULATING, n))
 
 
 def _biased_running_var(x: torch.Tensor, rv: torch.Tensor, mom: float) -> None:
@@ -170,5 +158,5 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
     return x
 
 
-__all__ = ["forward", "to_native", "from_native", "nhwc", "LAYOUT", "EMULATION_FAULTS", "fault_parts",
+__all__ = ["forward", "to_native", "from_native", "nhwc", "LAYOUT", "fault_parts",
            "fold_replica_buffers", "replica_mean_stats", "flat_sources", "flat_to_canonical", "flat_from_canonical"]
