@@ -257,7 +257,7 @@ MUTATIONS = (
              'x = x * (tf.cast(masks[layer.name], x.dtype) / (1.0 - o["rate"]))', ("IDENTICAL", "DRIFT"), (), "",
              "no bug: the dropout mask scaled before it multiplies (another rounding of the same product)"),
     Mutation("jax_bn_running_var_biased", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
-             "unbiased = var_sg * (n / (n - 1)) if n > 1 and not stored_biased else var_sg   # torch's",
+             "unbiased = var_sg * (n / (n - 1)) if n > 1 and not seams.biased_running_var else var_sg   # torch's",
              "unbiased = var_sg   # torch's", ("BUG",), (), "bn1",
              "buffer-only: the running variance from the biased batch variance (Keras' convention); training is "
              "unchanged, only the running statistics and so the evaluation move (by n/(n-1) - 1 = 0.4% at 4x4x64)",
