@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice
+from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice, formula_of
 from .runs import Run
 
 PLAIN = "the reference"
@@ -25,7 +25,7 @@ def computes(q: Pair, who: str = PLAIN) -> set[str] | None:
     against = rs.get("against")
     if not against:
         return {who} if q.verdict in (DRIFT, IDENTICAL) else None
-    formula = f"{who} computing {change_of(against)}"
+    formula = f"{who} computing {formula_of(against)}"
     if q.verdict == DECLARED and (q.evidence or "").startswith("verified"):
         return {formula}
     if q.verdict in (DRIFT, IDENTICAL):

@@ -27,7 +27,7 @@ import numpy as np
 from algorithms.differences import DIFFERENCES
 
 from .envelope import DEFAULT_RULE, Rule, SeriesCheck, SeriesEnvelope, check_series
-from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, change_of,
+from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES_ORDER, Pair, against_text,
                    fmt_factor, formula_computed_by, not_moved)
 from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
@@ -153,10 +153,14 @@ def resolve(p: Pair, localized: bool) -> None:
     sa = loc.get("set_aside") or {}
     if loc.get("stage") is not None and not sa.get("all"):
         note = None
-        if chk.get("verified"):
+        if loc.get("reference_side"):
+            rc = chk.get("reference_check") or {}
+            note = (f"the reference's own step is not its declared difference(s) {', '.join(rc.get('differences', []))}: "
+                    f"probe {loc.get('probe') or loc['disagreeing_keys'][0]} disagrees with that formula computed by "
+                    f"{(rc.get('change') or {}).get('backend')} from the same state")
+        elif chk.get("verified"):
             note = (f"declared difference(s) {', '.join(chk['emulated'])} do not explain probe "
-                    f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with the reference "
-                    f"computing their formula ({change_of(chk)})")
+                    f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with {against_text(chk)}")
         elif decl:
             note = (f"declared difference(s) {', '.join(decl)} do not explain probe "
                     f"{loc.get('probe') or (loc.get('disagreeing_keys') or ['?'])[0]}")
@@ -190,11 +194,12 @@ def resolve(p: Pair, localized: bool) -> None:
     # every compared probe agrees (with the emulating reference, when there is one)
     if chk.get("verified") and chk.get("agree"):
         left = not_moved(p, chk["emulated"])
-        if chk.get("evidence") and not left and not chk.get("skipped"):
+        own = chk.get("reference_check")   # the reference's own differences undone: its steps checked too
+        if chk.get("evidence") and not left and not chk.get("skipped") and (not own or own.get("agree") is True):
             p.verdict, p.declared = DECLARED, list(chk["emulated"])
             p.evidence = f"verified ({_compared(loc)} agree with {formula_computed_by(chk)})"
-            p.notes.append(f"{', '.join(chk['emulated'])} verified: the reference computing the declared formula "
-                           f"({change_of(chk)}) agrees with the candidate on every probe compared ({_compared(loc)}); "
+            p.notes.append(f"{', '.join(chk['emulated'])} verified: {against_text(chk)} agrees with the candidate on "
+                           f"every probe compared ({_compared(loc)}); "
                            f"{len(chk['evidence'])} of them disagree with the plain reference")
             return
         if not chk.get("evidence"):

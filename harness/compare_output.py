@@ -12,7 +12,7 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
-from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, fmt_factor
+from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, fmt_factor, formula_of
 from .runs import SERIES, Run
 
 NO_SIDE = ("", [], False, None)   # side_of of a run without a pair with the reference
@@ -21,10 +21,8 @@ NO_SIDE = ("", [], False, None)   # side_of of a run without a pair with the ref
 def _num(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
-    if isinstance(x, (np.floating,)):
-        return _num(float(x))
-    if isinstance(x, np.integer):
-        return int(x)
+    if isinstance(x, (np.floating, np.integer)):
+        return _num(x.item())
     return x
 
 
@@ -214,10 +212,10 @@ def inside_factor(verdict: str, parted: bool, max_ratio: float) -> float | None:
 def side_of(verdict: str, declared: list[str], evidence: str | None, resync: dict[str, Any] | None) -> tuple:
     """What a run computes, as its comparison with the reference found it: (verdict, declared differences,
     verified: it agrees with the reference or is DECLARED with evidence, the formula the reference computed for
-    its shared-state comparison or None). The terminal and the report both build declared_apart's sides here."""
+    its shared-state comparison, not who computed it, or None). The terminal and the report build these."""
     verified = verdict in AGREE or (verdict == DECLARED and (evidence or "").startswith("verified"))
     against = (resync or {}).get("against")
-    return verdict, list(declared or []), verified, change_of(against) if against else None
+    return verdict, list(declared or []), verified, formula_of(against) if against else None
 
 
 def bug_against_agreeing(sides: dict[str, tuple], a: str, b: str) -> bool:
@@ -237,9 +235,11 @@ def declared_apart(sides: dict[str, tuple], a: str, b: str, verdict: str | None 
         return None
     if set(da) != set(db):
         return "; ".join(f"{n} declares {', '.join(d)}" for n, d in ((a, da), (b, db)) if d)
+    def said(n: str, d: list[str], f: str | None) -> str:   # other_pairs_lines reads d after " declares "/" own "
+        return (f"{n} computes the formulas without the reference's own {', '.join(d)}" if f and "undone" in f
+                else f"{n} declares {', '.join(d)} (the reference with {(f or 'its own formula').replace(', ', ' + ')})")
     # the same names, verified against two formulas (e.g. where the running statistics come from)
-    return "; ".join(f"{n} declares {', '.join(d)} (the reference with {f.replace(', ', ' + ')})"
-                     for n, d, f in ((a, da, fa), (b, db, fb)) if d)
+    return "; ".join(said(n, d, f) for n, d, f in ((a, da, fa), (b, db, fb)) if d)
 
 
 def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
@@ -283,7 +283,8 @@ def other_pairs_lines(rows: list[tuple], margin: float, verbose: bool = False,
         said_why = "; ".join(f"{r[0]} ~ {r[1]} ({r[5]})" for r in declared)
     else:   # many: by what the pairs' runs declare (-v lists each)
         why = Counter(", ".join(sorted({d for part in r[5].split("; ")
-                                        for d in part.split(" declares ")[1].split(" (")[0].split(", ")}))
+                                        for d in part.split(" declares " if " declares " in part else " own ")[1]
+                                        .split(" (")[0].split(", ")}))
                       for r in declared)
         said_why = "; ".join(f"{n} by {w}" for w, n in why.most_common()) + hint
     expected = ([f"pairs without the reference: {len(declared)} differ as their verified declared differences "
@@ -315,8 +316,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
     """The terminal table. The odd one out leads when it is the reference; the notes of each BUG and
     INCONCLUSIVE pair follow the table (of every pair with verbose); then the pairs without the reference,
     as one line when they all agree (every pair with verbose)."""
-    lines = []
-    lab = labels(c.runs)
+    lines, lab = [], labels(c.runs)
     odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
     if odd and odd[0]:
         lines += [odd[1], ""]

@@ -50,21 +50,24 @@ def _fault_on(info: dict[str, Any], faults: list[str], fold: bool | None) -> str
 
 
 def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any]], devices: int | None = None,
-                      fold: bool | None = None, avoid: str = "") -> tuple[dict[str, Any] | None, str]:
+                      fold: bool | None = None, avoid: str = "", exclude: frozenset[str] = frozenset()
+                      ) -> tuple[dict[str, Any] | None, str]:
     """(the RunConfig fields to change for the backend that computes `faults` (with the candidate's `fold` of
     per-replica running statistics, harness `_fault_on`) from `ref`'s states at `devices` replicas (default: the
     reference's): {"fault": ...} for the reference's own backend, with "backend" for another -- `avoid` (the
-    candidate's: its own code would vouch for itself) last --, None for none; why, when it is another or none)."""
+    candidate's: its own code would vouch for itself) last, `exclude` never --, None for none; why, when it is
+    another or none)."""
     def fault_of(name: str) -> str | None:
         f = _fault_on(info[name], faults, fold)
         return f if f is not None and (not f or computes(info[name], f)) else None
-    if ref.backend in info and fault_of(ref.backend) is not None:
+    if ref.backend in info and ref.backend not in exclude and fault_of(ref.backend) is not None:
         return {"fault": fault_of(ref.backend)}, ""
-    fault = combine(faults + (["bn_replica_mean_running_stats"] if fold else [])) or "per-replica statistics"
+    fault = (combine(faults + (["bn_replica_mean_running_stats"] if fold else []))
+             or ("per-replica statistics" if fold is not None else "the plain formulas"))
     # another backend stands in only where it declares emulations: a backend that computes the reference's formulas
     # (one that declares none may run conventions of its own, or global statistics at dp N)
     able = sorted((n for n, i in info.items()
-                   if not i.get("missing") and i.get("emulations") and fault_of(n) is not None),
+                   if not i.get("missing") and i.get("emulations") and n not in exclude and fault_of(n) is not None),
                   key=lambda n: (n == avoid, n))
     runs = [n for n in able if _can_run(info[n], ref, ref.options.devices if devices is None else devices)]
     if not runs:
@@ -82,6 +85,22 @@ def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any
         change["extra"] = extra
     return change, (f"the reference's backend {ref.backend} does not compute {fault}: {sub} computes it from the "
                     f"reference's states")
+
+
+def _stand_in(ref: Run, cand: Run, mirrored: list[str], on: dict[str, Any], info: dict[str, dict[str, Any]],
+              chk: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The stand-in `on` (a backend other than the reference's and the candidate's, computing the candidate's
+    formulas from the reference's states) kept when another backend computes the reference's own `mirrored`
+    formulas from those states, for `chk["reference_check"]`; (None, why) otherwise."""
+    faults = [DIFFERENCES[i].emulated_by or "" for i in mirrored]
+    rc, _ = emulating_backend(ref, faults, info, avoid=cand.backend, exclude=frozenset({ref.backend}))
+    if rc is None:
+        return None, (f"declared by the reference run itself ({', '.join(mirrored)}), and no installed backend "
+                      f"other than {ref.backend} computes {combine(faults)} from its configuration")
+    chk["reference_check"] = {"differences": mirrored, "change": rc}
+    return on, (f"the reference's own declared difference(s) {', '.join(mirrored)} undone: {on['backend']} computes "
+                f"the candidate's formulas from the reference's states, and {rc['backend']} the reference's declared "
+                f"formula ({rc.get('fault')}), checked against the reference's own steps")
 
 
 PER_REPLICA = "per_replica_batchnorm"
@@ -113,9 +132,15 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
             emul.append(PER_REPLICA)       # over another replica count, or folded otherwise: emulated as usual
     # the reference's own per-replica statistics against a candidate with global ones (one device's program
     # over the sharded batch, synchronized BatchNorm): the reference on one device computes the candidate's
+    # the reference's own formula differences (a Keras reference's Adam): undone by a stand-in, a third backend
+    # computing the candidate's formulas from the reference's states, with the reference's own step checked
+    # against its declared formula computed by another backend (`reference_check`)
+    mirrored = [i for i in ref_own if i in DIFFERENCES and DIFFERENCES[i].emulated_by and not DIFFERENCES[i].emulated_with]
+    ref_own = [i for i in ref_own if i not in mirrored]
     undone = sorted(i for i in ref_ids - cand_ids if i in UNDONE_ON_THE_REFERENCE)
     undo = {k: v for i in undone for k, v in UNDONE_ON_THE_REFERENCE[i].items()}
-    chk: dict[str, Any] = {"differences": sorted(cand_ids | ref_ids), "emulated": emul + undone, "verified": False,
+    chk: dict[str, Any] = {"differences": sorted(cand_ids | ref_ids), "emulated": emul + undone + mirrored,
+                           "verified": False,
                            "same": sorted(cand_ids & ref_ids - set(emul) - set(ref_own))}   # one convention: none
     skipped = []
     if ref_own:
@@ -129,9 +154,9 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
     change: dict[str, Any] | None = None
     if (emul or undo) and ref.fault is not None:
         skipped.append((f"the reference carries fault {ref.fault}: it cannot also emulate the difference",
-                        emul + undone))
+                        emul + undone + mirrored))
         chk["emulated"] = []
-    elif emul or undo:
+    elif emul or undo or mirrored:
         change = dict(undo)
         faults = [DIFFERENCES[i].emulated_by for i in emul if DIFFERENCES[i].emulated_by]
         for i in emul:
@@ -139,12 +164,19 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
                 change[opt] = getattr(cand.options, opt)
         # per-replica statistics at dp > 1: the emulating backend's running statistics folded as the candidate's
         fold = folds if PER_REPLICA in emul and change.get("devices", ref.options.devices) > 1 else None
-        on, why = emulating_backend(ref, faults, info, change.get("devices"), fold, avoid=cand.backend)
+        exclude = frozenset({ref.backend, cand.backend}) if mirrored else frozenset()
+        on, why = emulating_backend(ref, faults, info, change.get("devices"), fold, avoid=cand.backend,
+                                    exclude=exclude)
+        if on is not None and mirrored:
+            on, why = _stand_in(ref, cand, mirrored, on, info, chk)
         if on is None:                 # no backend computes it from the reference's configuration
-            skipped.append((why, emul + undone))
+            skipped.append((why, emul + undone + mirrored))
             chk["emulated"], change = [], None
+            chk.pop("reference_check", None)
         else:
             change.update({k: v for k, v in on.items() if v})      # no "fault" key for an empty one
+            if mirrored and ref.fault is not None:   # the stand-in computes the plain formulas: not the reference's fault
+                change.setdefault("fault", None)
             chk.update({"emulated_on": why} if why else {})
     if skipped:
         chk["skipped"] = "; ".join(why for why, _ in skipped)

@@ -46,9 +46,10 @@ from algorithms.spec import load_model
 from . import kinks, probes, reported, runner
 from .emulating import emulation
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
+from .pair import against_text
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
-from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
+from .probe_jobs import SENSITIVITY_SEEDS, LazyProbeMap, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 # layer kinds whose training forward reads the other samples of the batch (its statistics)
@@ -149,7 +150,14 @@ class Localizer(ProbeJobs):
             out["self_replay"] = self.self_replay(cand)   # reproduce its own training from its own checkpoints?
             out["self_replay_reference"] = self.self_replay(ref)
         if change is not None:
-            out["against"] = {"emulated": chk.get("emulated"), "change": change}
+            out["against"] = {"emulated": chk.get("emulated"), "change": change,
+                              **({"reference_check": chk["reference_check"]} if chk.get("reference_check") else {})}
+        own = self.reference_check(ref, chk, at) if out["agree"] else None
+        if own is not None and own.get("error"):
+            return {"error": f"the reference's own steps against its declared formula: {own['error']}", "points": at}
+        if own is not None and not own["agree"]:   # the reference's own step is not its declared formula
+            rc = chk["reference_check"]
+            return dict(own, reference_side=True, against={"emulated": rc["differences"], "change": rc["change"]})
         return out
 
     def __call__(self, pair) -> dict[str, Any]:
@@ -189,8 +197,13 @@ class Localizer(ProbeJobs):
                        before={"stage": plain["stage"], "probe": plain["probe"],
                                "disagreeing_keys": plain["disagreeing_keys"]},
                        evidence=[f"step 0: {k}" for k in plain["disagreeing_keys"]])
-            method = f"step-0 probes against the reference computing the declared formula ({change_text(change)})"
-        if res["stage"] is not None:
+            method = f"step-0 probes against {against_text(chk)}"
+        if res["stage"] is None and change is not None and (own := self.reference_check(ref, chk)) is not None:
+            chk["reference_check"]["agree"] = own["agree"]
+            if not own["agree"]:
+                res, method = own, (f"the reference's own step-0 probes against its declared formula computed "
+                                    f"by {change_text(chk['reference_check']['change'])}")
+        if res["stage"] is not None and not res.get("reference_side"):
             res = self._reduction(ref, cand, res, layers, change or {})
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
@@ -226,8 +239,7 @@ class Localizer(ProbeJobs):
                                     nudged=(rep.get("sensitivity") or {}).get(t))
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state" + (
-                                f", against the reference computing the declared formula ({change_text(change)})"
-                                if change is not None else "")
+                                f", against {against_text(chk)}" if change is not None else "")
                             res["step"] = t
                             if chk.get("verified"):
                                 chk["agree"] = False
@@ -240,13 +252,13 @@ class Localizer(ProbeJobs):
         if restart.get("checked"):
             res["restart"] = restart
         summary, lines = describe(res, method)
+        summary += " (the reference's own step)" if res.get("reference_side") and summary else ""
         if res["stage"] is None:
             where = "step-0 probes" + (f" and replayed steps {res['replay'].get('at')}" if res.get("replay") else "")
             lines = [f"not localized: {where} agree within the probe tolerance (rel {probes.REL_TOL:g} for "
                      f"derivatives, {probes.CONTINUOUS_TOL:g} for activations, loss, buffers and eval, or 3x the "
                      "reference's own error against its float64 probe for another code path)"
-                     + ("" if change is None else f", against the reference computing the declared formula "
-                                                  f"({change_text(change)})")]
+                     + ("" if change is None else f", against {against_text(chk)}")]
             summary = "not localized"
             if (res.get("replay") or {}).get("error"):
                 lines.append(f"replay: {res['replay']['error']}")
@@ -256,8 +268,8 @@ class Localizer(ProbeJobs):
                          f"may move ({', '.join(sa['keys'][:3])}{' ...' if len(sa['keys']) > 3 else ''}; no emulation)"
                          + ("; no other probe disagrees" if sa.get("all") else "; localized on the probes left"))
         if chk.get("verified"):
-            lines.append(f"declared difference(s) {', '.join(chk['emulated'])} checked against the reference computing "
-                         f"their formula ({change_text(change)}): {len(chk['before']['disagreeing_keys'])} step-0 probes "
+            lines.append(f"declared difference(s) {', '.join(chk['emulated'])} checked against {against_text(chk)}: "
+                         f"{len(chk['before']['disagreeing_keys'])} step-0 probes "
                          f"disagreed with the plain reference, {len(chk['evidence'])} probes in all; "
                          + ("every compared probe agrees with the emulating reference" if chk["agree"] else
                             f"{len(res['disagreeing_keys'])} still disagree with it"))
@@ -283,6 +295,27 @@ class Localizer(ProbeJobs):
         thinned activations have other shapes and are left out). None without such a resync."""
         rep = self._cached_replay(ref, cand, [0], change)
         return (rep.get("sensitivity") or {}).get(0) if rep else None
+
+    def reference_check(self, ref: Run, chk: dict[str, Any], at: list[int] | None = None) -> dict[str, Any] | None:
+        """The reference's own steps against another backend computing the reference's declared formula from the
+        same states (`chk["reference_check"]`, harness.emulating: its own differences undone by a stand-in): the
+        step-0 probes, or with `at` the resynced steps (harness.resync.judge). None with nothing to check; else
+        {"agree": True}, or the first disagreement's analysis with reference_side."""
+        rc = chk.get("reference_check")
+        if not rc:
+            return None
+        layers, change = spec_layers(ref.manifest), rc["change"]
+        if at is None:
+            res = analyse(self.probe0(ref), self.probe0(ref, **change), layers, ref64=self.probe64(ref, ref, **change))
+            return {"agree": True} if res["stage"] is None else dict(res, agree=False, reference_side=True, step=0)
+        from . import resync as R
+        rep = self.replay(ref, ref, at, change)
+        if "error" in rep:
+            return {"agree": False, "error": rep["error"]}
+        # the sensitivity of the side computing the formula (the reference's own nudges would carry its own bug)
+        sens = LazyProbeMap(self._nudged(ref, at, rep["states"], SENSITIVITY_SEEDS, **change))
+        out = R.judge(dict(rep, sensitivity=sens), layers, analyse, emulated=True)
+        return out if not out["agree"] else {"agree": True}
 
     def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
         """harness.emulating.emulation, with the installed backends' declarations."""

@@ -103,13 +103,38 @@ def change_of(chk: dict[str, Any]) -> str:
     return change_text(chk.get("change"))
 
 
+def formula_of(against: dict[str, Any]) -> str:
+    """The formula one side of a shared-state comparison was computed with (`against`: its emulation), not who
+    computed it nor how the step ran, so that two runs checked on different backends compare alike."""
+    from .probe_analysis import change_text
+    change = {k: v for k, v in (against.get("change") or {}).items() if k not in ("backend", "jit", "threads")}
+    rc = against.get("reference_check")
+    undone = f"its own {', '.join(rc['differences'])} undone" if rc else ""
+    return ", ".join(x for x in (change_text(change) if change else "", undone) if x) or "no change"
+
+
+def against_text(chk: dict[str, Any] | None) -> str:
+    """What a candidate was compared against when not the plain reference (`chk`: a declared_check, or a resync's
+    `against`), for notes: the reference computing the declared formula, or a stand-in undoing the reference's own."""
+    rc = (chk or {}).get("reference_check")
+    if rc:
+        return (f"{(chk or {}).get('change', {}).get('backend')} computing the candidate's formulas from the reference's "
+                f"states (the reference's own {', '.join(rc['differences'])} undone)")
+    return f"the reference computing the declared formula ({change_of(chk or {})})"
+
+
 def formula_computed_by(chk: dict[str, Any] | None) -> str:
     """Who computed a declared formula, for a DECLARED verdict's evidence: the reference, or the backend that
     computed it from the reference's states where the reference's own backend does not (harness/emulating.py)."""
     on = ((chk or {}).get("change") or {}).get("backend")
+    rc = (chk or {}).get("reference_check")
+    if rc:   # the reference's own differences undone by a stand-in
+        return (f"{on} computing the candidate's formulas from the reference's states (the reference's own "
+                f"{', '.join(rc['differences'])} undone; its own steps agree with that formula computed by "
+                f"{rc['change'].get('backend')})")
     return "the reference computing the formula" + (f" (on {on}, from the reference's states)" if on else "")
 
 
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
            "resync_doc", "diverging_series", "not_moved", "not_moved_ids", "drop_stat_advice", "change_of",
-           "formula_computed_by"]
+           "formula_computed_by", "formula_of", "against_text"]

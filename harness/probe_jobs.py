@@ -212,8 +212,8 @@ class ProbeJobs:
         """The reference configuration (with `change`) probed in float64, for the tolerance of probes computed
         by two different code paths. None when the candidate runs the reference's own code path (same backend
         and options: its correct probes are bitwise equal), when the reference is float64 already, or
-        when the backend cannot run float64."""
-        if not has_float64_reference(ref, cand):
+        when the backend cannot run float64; another backend's (`change`) always differs."""
+        if not has_float64_reference(ref, cand) and "backend" not in change:
             return None
         try:
             return self.probe0(ref, dtype="float64", **change)
@@ -273,7 +273,7 @@ class ProbeJobs:
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
                             from_states, **change)
-            if has_float64_reference(ref, cand):
+            if has_float64_reference(ref, cand) or "backend" in change:
                 try:
                     e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
                                     "replay", from_states, **dict(change, dtype="float64"))
@@ -300,15 +300,15 @@ class ProbeJobs:
                                               rf / f"{probe_file_stem(i)}.npz" if emu else None))
                                          for i, t in enumerate(at)])}
 
-    def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seeds: tuple[int, ...]) -> dict[int, list[Path]]:
+    def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seeds: tuple[int, ...], **change: Any) -> dict[int, list[Path]]:
         """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP,
         once per seed, all in one job (a process start costs more than the probes). At a ReLU kink or a max-pool
         tie one step is discontinuous, and a correct candidate's rounding flips it; so does, now and then, the
-        reference's own 1-ULP nudge. Step -> the probe files (none where the job failed)."""
-        name = f"replay__{ref.name}__{_tag(ref)}__nudge{'-'.join(map(str, seeds))}__{_at_tag(at)}"
+        reference's own 1-ULP nudge (with `change`: another backend's). Step -> the probe files (none where the job failed)."""
+        name = f"replay__{ref.name}__{_tag(ref)}__{change_tag(change) + '__' if change else ''}nudge{'-'.join(map(str, seeds))}__{_at_tag(at)}"
         try:
             folder = self._job(ref, name, "replay", Replay(at, states={int(t): p for t, p in states.items()},
-                                                           perturb_state_ulps=list(seeds)))
+                                                           perturb_state_ulps=list(seeds)), **change)
         except BackendFailed as e:
             self.log(f"localize: no 1-ULP sensitivity replay ({str(e).splitlines()[0]}); calibrated on float64 only")
             return {t: [] for t in at}

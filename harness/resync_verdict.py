@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pair import (BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, change_of, drop_stat_advice, fmt_factor,
+from .pair import (BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, against_text, drop_stat_advice, fmt_factor,
                    formula_computed_by, not_moved_ids)
 
 RESYNC_DRIFT = "trajectories diverged by accumulated rounding; every step agrees from a shared state"
@@ -269,10 +269,11 @@ def apply_resync(p: Pair, requested: bool) -> None:
         worst = next(x for x in rs["per_point"] if x["step"] == t)
         against = rs.get("against")
         method = f"resync of step {t} from the reference's state" + (
-            f", against the reference computing the declared formula ({change_of({'change': against['change']})})"
+            f", against {against_text(against)}"
             if against else "")
         if was != BUG or (p.localization or {}).get("stage") is None:
             summary, lines = describe(fb, method)
+            summary += " (the reference's own step)" if rs.get("reference_side") and summary else ""
             keep = {k: (p.localization or {}).get(k) for k in ("declared_check", "replay") if (p.localization or {}).get(k)}
             p.localization = dict({k: v for k, v in fb.items() if k != "diffs"}, method=method, summary=summary,
                                   lines=lines, **keep)
@@ -301,7 +302,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        f"({fb.get('probe') or worst['worst_key']}; worst {worst['worst_key']}, "
                        f"{fmt_factor(worst['worst_factor'])} its calibrated tolerance; {rs['n']} resynced steps)"
                        + (f"; the free-running verdict was {was}" if was != BUG else "")
-                       + (f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else ""))
+                       + (f"; the reference's own step is not its declared difference(s) {', '.join(against['emulated'])}"
+                          if rs.get("reference_side") else
+                          f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else ""))
         return
     if seq.get("bias") is not None:
         kd = seq["bias"]

@@ -349,19 +349,21 @@ def test_stat_mode_never_declares(tmp_path, declared, want):
 
 
 # --------------------------------------------------------------------------- real runs (torch only)
-def _judged(results_root, ref: dict, cands: list[dict]) -> dict:
-    """torch cnn2d_hard runs of 4 steps (RunConfig fields per run), the candidates judged against `ref` with
-    the reference alone as the envelope: the probe-level verdict is what is tested."""
+def _judged(results_root, ref: dict, cands: list[dict], folder: str = "declared-dp2", **hparams) -> dict:
+    """cnn2d_hard runs of 4 steps (RunConfig fields per run; torch unless they name a backend), the candidates
+    judged against `ref` with the reference alone as the envelope: the probe-level verdict is what is tested."""
     from algorithms.contract import RunConfig
     from algorithms.optim import HParams
     from harness import runner
 
     from .conftest import need
-    need("torch")
-    root = results_root / "declared-dp2"
+    for b in {kw.get("backend", "torch") for kw in [ref, *cands]}:
+        need(b)
+    root = results_root / folder
     root.mkdir(exist_ok=True)
-    hp = HParams(steps=4, eval_every=4, checkpoint_every=4)
-    run = lambda kw: load_run(runner.execute(RunConfig(model="cnn2d_hard", backend="torch", hparams=hp, **kw), root))
+    hp = HParams(steps=4, eval_every=4, checkpoint_every=4, **hparams)
+    run = lambda kw: load_run(runner.execute(RunConfig(**{"model": "cnn2d_hard", "backend": "torch", "hparams": hp,
+                                                          **kw}), root))
     r, cs = run(ref), [run(kw) for kw in cands]
     c = compare(r, cs, compute(r, [r]), [r], localize=Localizer(root, log=lambda m: None), all_pairs=False)
     return {p.b.name: p for p in c.pairs}
@@ -417,6 +419,31 @@ def test_a_data_parallel_reference_undoes_its_own_per_replica_statistics(dp2_ref
     q = pairs[eps]
     assert q.verdict == BUG and q.localization["stage"] == "forward", q.notes
     assert q.localization["layer"] == "bn1", q.localization
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "lr_rel_1e-02"])
+def test_a_keras_references_own_adam_is_undone_and_its_own_steps_checked(results_root, fault):
+    """A Keras reference declares its Adam formula itself; a torch candidate computes the plain one. The
+    candidate is compared with jax computing the plain formulas from the reference's states, and the reference's
+    own step with torch computing Keras' formula from them: clean, DECLARED and verified (before: INCONCLUSIVE,
+    'declared by the reference run itself'); with a bug in the reference's own step, BUG there, said so."""
+    from .conftest import need
+    need("jax")   # the stand-in
+    ref = {"backend": "keras-jax", "model": "cnn2d_2conv_2fc", **({"fault": fault} if fault else {})}
+    pairs = _judged(results_root, ref, [{"model": "cnn2d_2conv_2fc"}], folder=f"declared-keras-ref-{fault}",
+                    optimizer="adam", lr=0.002)
+    (p,) = pairs.values()
+    chk = p.localization["declared_check"]
+    assert chk["change"]["backend"] == "jax", chk
+    assert chk["reference_check"]["change"] == {"backend": "torch", "fault": "adam_eps_hat+adam_float32_betas"}, chk
+    if fault is None:
+        assert p.verdict == DECLARED and p.declared == ["adam_epsilon_hat", "keras_float32_betas"], p.notes
+        assert p.evidence.startswith("verified") and "undone" in p.evidence, p.evidence
+        assert chk["reference_check"]["agree"] is True
+    else:
+        assert p.verdict == BUG and p.localization["stage"] == "optimizer", p.notes
+        assert p.localization.get("reference_side") and "the reference's own step" in p.localization["summary"]
 
 
 # --------------------------------------------------------------------------- the torch emulations themselves

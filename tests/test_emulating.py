@@ -123,3 +123,27 @@ def test_per_replica_statistics_are_emulated_by_a_backend_that_folds_them_as_the
     # a reference that keeps replica 0's computes the MEAN by the emulation fault
     torch = emulation(_run("torch"), _run("tensorflow", [PER_REPLICA], batchnorm=MEAN, devices=2), INFO)
     assert torch["change"] == {"devices": 2, "fault": "bn_replica_mean_running_stats"}
+
+
+def test_a_references_own_formula_is_undone_by_a_third_backend_and_checked_on_another():
+    """A Keras reference's own Adam formula against a plain candidate: the candidate is compared with a third
+    backend computing the plain formulas from the reference's states (never the candidate's own code, nor the
+    reference's), and the reference's own steps with a backend computing its declared formula."""
+    got = emulation(_run("keras-jax", declared=KERAS_ADAM), _run("torch"), INFO)
+    assert got["change"] == {"backend": "jax"}                       # not torch (the candidate), not keras-jax
+    chk = got["check"]
+    assert chk["emulated"] == ["adam_epsilon_hat", "keras_float32_betas"] and "skipped" not in chk
+    assert chk["reference_check"] == {"differences": ["adam_epsilon_hat", "keras_float32_betas"],
+                                      "change": {"backend": "torch", "fault": "adam_eps_hat+adam_float32_betas"}}
+    assert "undone" in chk["emulated_on"]
+    # a jax candidate: the stand-in is another plain backend again
+    assert emulation(_run("keras-jax", declared=KERAS_ADAM), _run("jax"), INFO)["change"] == {"backend": "tensorflow"}
+    # nobody else computes the reference's formula: not verified, and said why
+    alone = {k: v for k, v in INFO.items() if k != "torch"}
+    none = emulation(_run("keras-jax", declared=KERAS_ADAM), _run("jax"), alone)
+    assert none["change"] is None and "reference_check" not in none["check"]
+    assert none["check"]["skipped_differences"] == ["adam_epsilon_hat", "keras_float32_betas"]
+    assert "no installed backend other than keras-jax computes" in none["check"]["skipped"]
+    # the same formula on both sides: no difference, nothing undone
+    same = emulation(_run("keras-jax", declared=KERAS_ADAM), _run("keras-tensorflow", declared=KERAS_ADAM), INFO)
+    assert same["change"] is None and same["check"]["same"] == ["adam_epsilon_hat", "keras_float32_betas"]
