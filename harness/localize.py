@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from algorithms.differences import DIFFERENCES
+from algorithms.faults import combine
 from algorithms.spec import load_model
 
 from . import kinks, probes, reported, runner
@@ -72,12 +73,14 @@ def divergent_steps(pair) -> list[int]:
 
 def implied_step(ref: Run, rep: dict[str, Any], change: dict[str, Any] | None):
     """The check of an update against the formula on the candidate's own gradient (harness.implied), for a
-    resync from `ref`'s states computing `change`'s declared formulas; None where the reference computes an
-    optimizer formula the check does not know, carries a fault, or its run names no hyper-parameters."""
+    resync from `ref`'s states computing `change`'s declared formulas and, on its own backend, its own (Keras'
+    Adam); None where the reference computes a formula the check does not know, carries a fault, or has no hp."""
     from algorithms.optim import HParams
     from . import resync as R
     from .implied import ImpliedStep, formulas_of
-    formulas = formulas_of((change or {}).get("fault"))
+    own = [] if (change or {}).get("backend") else [
+        DIFFERENCES[d["id"]].emulated_by or "" for d in ref.declared if d["id"] in DIFFERENCES]
+    formulas = formulas_of(combine([f for f in [(change or {}).get("fault"), *own] if f]))
     hp = ref.manifest.get("hparams")
     if formulas is None or ref.fault is not None or not hp or not rep.get("states"):   # a reference with a
         # fault computes something else than the formula: its own error would set the tolerance

@@ -256,3 +256,22 @@ def test_a_flip_and_an_ill_conditioned_update_at_one_step_are_each_explained_by_
     assert list(point["implied"]["keys"]) == ["update0/w"]
     said = resync_what(got)
     assert "agree by discontinuity" in said and "beside the discontinuity" in said and "update0/w" in said
+
+
+def test_a_keras_reference_steps_with_its_own_adam_formula_unless_a_stand_in_computes_the_plain_one():
+    """A Keras reference compared with another Keras run (one convention: nothing emulated) steps with Keras'
+    Adam: an ill-conditioned update is checked against that formula, not the plain one (found as a user: `-r
+    keras-jax` on mobilenet_tiny AdamW, keras-tensorflow BUG at a resynced step by a BatchNorm beta's update
+    5e-8 of its scale from Keras' formula). A stand-in backend computes the plain formulas."""
+    from types import SimpleNamespace
+
+    from harness.localize import implied_step
+    keras = SimpleNamespace(declared=[{"id": "adam_epsilon_hat"}, {"id": "keras_float32_betas"},
+                                      {"id": "running_var_biased"}], fault=None,
+                            manifest={"hparams": HParams(optimizer="adam").to_dict()})
+    rep = {"states": {"0": "state-0.npz"}}
+    assert implied_step(keras, rep, None).formulas == {"adam_eps_hat", "adam_float32_betas"}
+    assert implied_step(keras, rep, {"backend": "jax"}).formulas == frozenset()
+    assert implied_step(keras, rep, {"backend": "torch", "fault": "adam_eps_hat"}).formulas == {"adam_eps_hat"}
+    plain = SimpleNamespace(declared=[], fault=None, manifest=keras.manifest)
+    assert implied_step(plain, rep, None).formulas == frozenset()
