@@ -50,19 +50,20 @@ def _fault_on(info: dict[str, Any], faults: list[str], fold: bool | None) -> str
 
 
 def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any]], devices: int | None = None,
-                      fold: bool | None = None, avoid: str = "", exclude: frozenset[str] = frozenset()
-                      ) -> tuple[dict[str, Any] | None, str]:
+                      fold: bool | None = None, avoid: str = "", exclude: frozenset[str] = frozenset(),
+                      shared: tuple[str, ...] = ()) -> tuple[dict[str, Any] | None, str]:
     """(the RunConfig fields to change for the backend that computes `faults` (with the candidate's `fold` of
     per-replica running statistics, harness `_fault_on`) from `ref`'s states at `devices` replicas (default: the
     reference's): {"fault": ...} for the reference's own backend, with "backend" for another -- `avoid` (the
-    candidate's: its own code would vouch for itself) last, `exclude` never --, None for none; why, when it is
-    another or none)."""
+    candidate's: its own code would vouch for itself) last, `exclude` never --, which computes the `shared`
+    emulations too (the reference's own conventions the candidate has as well: a Keras reference's Adam for a
+    Keras candidate); None for none; why, when it is another or none)."""
     def fault_of(name: str) -> str | None:
-        f = _fault_on(info[name], faults, fold)
+        f = _fault_on(info[name], faults + ([] if name == ref.backend else list(shared)), fold)
         return f if f is not None and (not f or computes(info[name], f)) else None
     if ref.backend in info and ref.backend not in exclude and fault_of(ref.backend) is not None:
         return {"fault": fault_of(ref.backend)}, ""
-    fault = (combine(faults + (["bn_replica_mean_running_stats"] if fold else []))
+    fault = (combine(faults + list(shared) + (["bn_replica_mean_running_stats"] if fold else []))
              or ("per-replica statistics" if fold is not None else "the plain formulas"))
     # another backend stands in only where it declares emulations: a backend that computes the reference's formulas
     # (one that declares none may run conventions of its own, or global statistics at dp N)
@@ -87,13 +88,19 @@ def emulating_backend(ref: Run, faults: list[str], info: dict[str, dict[str, Any
                     f"reference's states")
 
 
+def _formulas(ids: list[str]) -> tuple[str, ...]:
+    """The emulation faults of declared differences (those with one)."""
+    return tuple(DIFFERENCES[i].emulated_by or "" for i in ids if i in DIFFERENCES and DIFFERENCES[i].emulated_by)
+
+
 def _stand_in(ref: Run, cand: Run, mirrored: list[str], on: dict[str, Any], info: dict[str, dict[str, Any]],
               chk: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The stand-in `on` (a backend other than the reference's and the candidate's, computing the candidate's
     formulas from the reference's states) kept when another backend computes the reference's own `mirrored`
     formulas from those states, for `chk["reference_check"]`; (None, why) otherwise."""
     faults = [DIFFERENCES[i].emulated_by or "" for i in mirrored]
-    rc, _ = emulating_backend(ref, faults, info, avoid=cand.backend, exclude=frozenset({ref.backend}))
+    rc, _ = emulating_backend(ref, faults, info, avoid=cand.backend, exclude=frozenset({ref.backend}),
+                              shared=_formulas(chk["same"]))
     if rc is None:
         return None, (f"declared by the reference run itself ({', '.join(mirrored)}), and no installed backend "
                       f"other than {ref.backend} computes {combine(faults)} from its configuration")
@@ -166,7 +173,7 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
         fold = folds if PER_REPLICA in emul and change.get("devices", ref.options.devices) > 1 else None
         exclude = frozenset({ref.backend, cand.backend}) if mirrored else frozenset()
         on, why = emulating_backend(ref, faults, info, change.get("devices"), fold, avoid=cand.backend,
-                                    exclude=exclude)
+                                    exclude=exclude, shared=_formulas(chk["same"]))
         if on is not None and mirrored:
             on, why = _stand_in(ref, cand, mirrored, on, info, chk)
         if on is None:                 # no backend computes it from the reference's configuration

@@ -147,3 +147,18 @@ def test_a_references_own_formula_is_undone_by_a_third_backend_and_checked_on_an
     # the same formula on both sides: no difference, nothing undone
     same = emulation(_run("keras-jax", declared=KERAS_ADAM), _run("keras-tensorflow", declared=KERAS_ADAM), INFO)
     assert same["change"] is None and same["check"]["same"] == ["adam_epsilon_hat", "keras_float32_betas"]
+
+
+def test_a_backend_standing_in_for_a_keras_reference_computes_the_conventions_both_runs_share():
+    """A keras-jax reference and a keras-torch candidate share Keras' Adam and running variance; the candidate
+    alone pools with replicate padding. keras-jax does not compute that padding, so torch computes it from the
+    reference's states, and it must compute the shared Keras formulas too (with the padding alone it stepped with
+    the plain Adam both runs lack: a false disagreement)."""
+    shared = KERAS_ADAM + [{"id": "running_var_biased"}]
+    info = dict(INFO, torch=dict(INFO["torch"], emulations=INFO["torch"]["emulations"] + ["avgpool_replicate_pad"]))
+    got = emulation(_run("keras-jax", declared=shared), _run("keras-torch", declared=shared + ["keras_torch_avgpool_same"]),
+                    info)
+    assert got["change"] == {"backend": "torch",
+                             "fault": "adam_eps_hat+adam_float32_betas+avgpool_replicate_pad+bn_running_var_biased"}
+    assert got["check"]["emulated"] == ["keras_torch_avgpool_same"]
+    assert got["check"]["same"] == ["adam_epsilon_hat", "keras_float32_betas", "running_var_biased"]
