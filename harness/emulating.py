@@ -99,8 +99,9 @@ def _stand_in(ref: Run, cand: Run, mirrored: list[str], on: dict[str, Any], info
     formulas from the reference's states) kept when another backend computes the reference's own `mirrored`
     formulas from those states, for `chk["reference_check"]`; (None, why) otherwise."""
     faults = [DIFFERENCES[i].emulated_by or "" for i in mirrored]
+    per_replica = ref.options.devices > 1 and any(d["id"] == PER_REPLICA for d in ref.declared)
     rc, _ = emulating_backend(ref, faults, info, avoid=cand.backend, exclude=frozenset({ref.backend}),
-                              shared=_formulas(chk["same"]))
+                              shared=_formulas(chk["same"]), fold=_folds_replica_mean(ref) if per_replica else None)
     if rc is None:
         return None, (f"declared by the reference run itself ({', '.join(mirrored)}), and no installed backend "
                       f"other than {ref.backend} computes {combine(faults)} from its configuration")
@@ -169,8 +170,9 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
         for i in emul:
             for opt in DIFFERENCES[i].emulated_with:
                 change[opt] = getattr(cand.options, opt)
-        # per-replica statistics at dp > 1: the emulating backend's running statistics folded as the candidate's
-        fold = folds if PER_REPLICA in emul and change.get("devices", ref.options.devices) > 1 else None
+        # per-replica statistics at dp > 1 (emulated, or shared and computed by another backend): the emulating
+        # backend's running statistics folded as the candidate's
+        fold = folds if (PER_REPLICA in emul + chk["same"]) and change.get("devices", ref.options.devices) > 1 else None
         exclude = frozenset({ref.backend, cand.backend}) if mirrored else frozenset()
         on, why = emulating_backend(ref, faults, info, change.get("devices"), fold, avoid=cand.backend,
                                     exclude=exclude, shared=_formulas(chk["same"]))

@@ -162,3 +162,15 @@ def test_a_backend_standing_in_for_a_keras_reference_computes_the_conventions_bo
                              "fault": "adam_eps_hat+adam_float32_betas+avgpool_replicate_pad+bn_running_var_biased"}
     assert got["check"]["emulated"] == ["keras_torch_avgpool_same"]
     assert got["check"]["same"] == ["adam_epsilon_hat", "keras_float32_betas", "running_var_biased"]
+
+
+def test_a_stand_in_for_a_data_parallel_keras_reference_folds_running_statistics_as_each_side_does():
+    """keras-tensorflow at dp 2 (per replica, replica 0's running statistics) as the reference; tensorflow at dp 2
+    (the MEAN over its replicas) as the candidate: the stand-in computes the plain formulas per replica with the
+    candidate's MEAN, the reference's own steps are checked per replica with the reference's replica 0."""
+    keras = KERAS_ADAM + [{"id": "running_var_biased"}, {"id": PER_REPLICA}]
+    got = emulation(_run("keras-tensorflow", declared=keras, devices=2, batchnorm="per replica; replica 0's"),
+                    _run("tensorflow", declared=[PER_REPLICA], devices=2, batchnorm=MEAN), INFO)
+    assert got["change"] == {"devices": 2, "backend": "torch", "fault": "bn_replica_mean_running_stats"}
+    assert got["check"]["reference_check"]["change"] == {
+        "backend": "torch", "fault": "adam_eps_hat+adam_float32_betas+bn_running_var_biased"}
