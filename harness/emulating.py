@@ -138,13 +138,13 @@ def emulation(ref: Run, cand: Run, info: dict[str, dict[str, Any]]) -> dict[str,
             ref_own.append(PER_REPLICA)
         elif cand.options.devices != ref.options.devices or folds != ref_folds:
             emul.append(PER_REPLICA)       # over another replica count, or folded otherwise: emulated as usual
-    # the reference's own per-replica statistics against a candidate with global ones (one device's program
-    # over the sharded batch, synchronized BatchNorm): the reference on one device computes the candidate's
     # the reference's own formula differences (a Keras reference's Adam): undone by a stand-in, a third backend
     # computing the candidate's formulas from the reference's states, with the reference's own step checked
     # against its declared formula computed by another backend (`reference_check`)
     mirrored = [i for i in ref_own if i in DIFFERENCES and DIFFERENCES[i].emulated_by and not DIFFERENCES[i].emulated_with]
     ref_own = [i for i in ref_own if i not in mirrored]
+    # the reference's own per-replica statistics against a candidate with global ones (one device's program
+    # over the sharded batch, synchronized BatchNorm): the reference on one device computes the candidate's
     undone = sorted(i for i in ref_ids - cand_ids if i in UNDONE_ON_THE_REFERENCE)
     undo = {k: v for i in undone for k, v in UNDONE_ON_THE_REFERENCE[i].items()}
     chk: dict[str, Any] = {"differences": sorted(cand_ids | ref_ids), "emulated": emul + undone + mirrored,
