@@ -22,7 +22,7 @@ def _num(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
     if isinstance(x, (np.floating, np.integer)):
-        return _num(x.item())
+        return _num(float(x) if isinstance(x, np.floating) else int(x))
     return x
 
 

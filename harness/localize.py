@@ -155,13 +155,13 @@ class Localizer(ProbeJobs):
         if change is not None:
             out["against"] = {"emulated": chk.get("emulated"), "change": change,
                               **({"reference_check": chk["reference_check"]} if chk.get("reference_check") else {})}
-        own = self.reference_check(ref, chk, at) if out["agree"] else None
-        if own is not None and own.get("error"):
-            return {"error": f"the reference's own steps against its declared formula: {own['error']}", "points": at}
-        if own is not None and not own["agree"]:   # the reference's own step is not its declared formula
-            rc = chk["reference_check"]
-            return dict(own, reference_side=True, against={"emulated": rc["differences"], "change": rc["change"]})
-        return out
+        try:
+            own = self.reference_check(ref, chk, at) if out["agree"] else None
+        except (BackendFailed, BadInput) as e:
+            own = {"agree": False, "error": str(e).splitlines()[0]}
+        if own is not None and own.get("error"):   # reference_check: a DECLARED made without it is withdrawn
+            return {"error": f"the reference's own steps: {own['error']}", "points": at, "reference_check": True}
+        return own if own is not None and own.get("reference_side") else out   # the reference's own step differs
 
     def __call__(self, pair) -> dict[str, Any]:
         try:
@@ -300,12 +300,10 @@ class Localizer(ProbeJobs):
         return (rep.get("sensitivity") or {}).get(0) if rep else None
 
     def reference_check(self, ref: Run, chk: dict[str, Any], at: list[int] | None = None) -> dict[str, Any] | None:
-        """The reference's own steps against another backend computing the reference's declared formula from the
-        same states (`chk["reference_check"]`, harness.emulating: its own differences undone by a stand-in): the
-        step-0 probes, or with `at` the resynced steps (harness.resync.judge). None with nothing to check; else
-        {"agree": True}, or the first disagreement's analysis with reference_side."""
-        rc = chk.get("reference_check")
-        if not rc:
+        """The reference's own steps (step 0, or with `at` the resynced ones, their bias too) against another backend
+        computing its declared formula from the same states (`chk["reference_check"]`, harness.emulating). None with
+        nothing to check; else {"agree": True}, or the analysis that disagrees."""
+        if not (rc := chk.get("reference_check")):
             return None
         layers, change = spec_layers(ref.manifest), rc["change"]
         if at is None:
@@ -318,7 +316,9 @@ class Localizer(ProbeJobs):
         # the sensitivity of the side computing the formula (the reference's own nudges would carry its own bug)
         sens = LazyProbeMap(self._nudged(ref, at, rep["states"], SENSITIVITY_SEEDS, **change))
         out = R.judge(dict(rep, sensitivity=sens), layers, analyse, emulated=True)
-        return out if not out["agree"] else {"agree": True}
+        against = {"emulated": rc["differences"], "change": change}
+        return (dict(out, reference_side=True, against=against)
+                if not out["agree"] or out["sequential"].get("bias") is not None else {"agree": True})
 
     def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
         """harness.emulating.emulation, with the installed backends' declarations."""

@@ -257,6 +257,8 @@ def apply_resync(p: Pair, requested: bool) -> None:
         return
     if "skipped" in rs or "error" in rs:
         why = rs.get("skipped") or f"a resync job failed ({rs['error']})"
+        if rs.get("reference_check") and p.verdict == DECLARED:   # its evidence is the reference's steps too
+            p.verdict, p.evidence = INCONCLUSIVE, None
         p.notes.append(f"shared-state step comparison not made: {why}"
                        + ("; the free-running verdict stands" if p.verdict in (DRIFT, INCONCLUSIVE, DECLARED) else ""))
         return
