@@ -268,7 +268,9 @@ class ProbeJobs:
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
             cf, r64 = f_cand.result(), f_64.result()
-        sens = LazyProbeMap(_nudged_files(rf, at, SENSITIVITY_SEEDS))
+        other = dict(change) if "backend" in (change or {}) else {}   # the sensitivity of the side compared
+        sens = LazyProbeMap(self._nudged(ref, at, states, SENSITIVITY_SEEDS, **other) if other
+                            else _nudged_files(rf, at, SENSITIVITY_SEEDS))
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
             emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
@@ -291,6 +293,7 @@ class ProbeJobs:
             repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
                      "max_abs_diff": float(np.max(np.abs(got - want)))}
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf), "states": states,
+                "nudged_with": other,
                 "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
@@ -301,10 +304,9 @@ class ProbeJobs:
                                          for i, t in enumerate(at)])}
 
     def _nudged(self, ref: Run, at: list[int], states: dict[str, str], seeds: tuple[int, ...], **change: Any) -> dict[int, list[Path]]:
-        """The reference's own sensitivity at each state: one step from it with the parameters moved by one ULP,
-        once per seed, all in one job (a process start costs more than the probes). At a ReLU kink or a max-pool
-        tie one step is discontinuous, and a correct candidate's rounding flips it; so does, now and then, the
-        reference's own 1-ULP nudge (with `change`: another backend's). Step -> the probe files (none where the job failed)."""
+        """The reference's own (with `change`: another backend's) sensitivity at each state: one step with the
+        parameters moved by one ULP, per seed, in one job. A correct candidate's rounding flips a ReLU kink or a
+        max-pool tie; so does, now and then, a 1-ULP nudge. Step -> the probe files (none where the job failed)."""
         name = f"replay__{ref.name}__{_tag(ref)}__{change_tag(change) + '__' if change else ''}nudge{'-'.join(map(str, seeds))}__{_at_tag(at)}"
         try:
             folder = self._job(ref, name, "replay", Replay(at, states={int(t): p for t, p in states.items()},
@@ -315,15 +317,13 @@ class ProbeJobs:
         return _nudged_files(folder, at, seeds)
 
     def more_sensitivity(self, ref: Run, rep: dict[str, Any]) -> dict[str, Any]:
-        """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point: asked when a
-        resynced step disagrees in the backward pass only (harness.resync.wants_more_sensitivity).
-        Every point gets the same search, so the count of the reference's own jumps stays a fair yardstick
-        for the count of the candidate's flips. The seeds are split over `parallel` jobs."""
+        """`rep` (a replay) with MORE_SENSITIVITY_SEEDS more nudged reference steps at EVERY point (a fair yardstick
+        for the count of the candidate's flips), asked when a resynced step disagrees in the backward pass only."""
         at = list(rep["at"])
         n = max(1, min(self.parallel, len(MORE_SENSITIVITY_SEEDS)))
         groups = [MORE_SENSITIVITY_SEEDS[g::n] for g in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            found = list(pool.map(lambda seeds: self._nudged(ref, at, rep["states"], seeds), groups))
+            found = list(pool.map(lambda sd: self._nudged(ref, at, rep["states"], sd, **rep.get("nudged_with", {})), groups))
         more = {t: [f for got in found for f in got[t]] for t in at}
         return dict(rep, sensitivity=rep["sensitivity"].extended(more),
                     sensitivity_seeds=len(SENSITIVITY_SEEDS) + sum(len(g) for g, got in zip(groups, found) if got[at[0]]))
