@@ -50,7 +50,7 @@ from .probe_analysis import agrees, analyse, change_text, describe, first_disagr
 from .pair import against_text
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
-from .probe_jobs import SENSITIVITY_SEEDS, LazyProbeMap, ProbeJobs, change_tag, checkpoints, same_path
+from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 # layer kinds whose training forward reads the other samples of the batch (its statistics)
@@ -313,9 +313,8 @@ class Localizer(ProbeJobs):
         rep = self.replay(ref, ref, at, change)
         if "error" in rep:
             return {"agree": False, "error": rep["error"]}
-        # the sensitivity of the side computing the formula (the reference's own nudges would carry its own bug)
-        sens = LazyProbeMap(self._nudged(ref, at, rep["states"], SENSITIVITY_SEEDS, **change))
-        out = R.judge(dict(rep, sensitivity=sens), layers, analyse, emulated=True)
+        # (the replay's sensitivity is the backend computing the formula's own: the reference's nudges carry its bug)
+        out = R.judge(rep, layers, analyse, emulated=True)
         against = {"emulated": rc["differences"], "change": change}
         return (dict(out, reference_side=True, against=against)
                 if not out["agree"] or out["sequential"].get("bias") is not None else {"agree": True})

@@ -133,7 +133,7 @@ def forward(model: ModelSpec, p: dict[str, torch.Tensor], x: torch.Tensor, *, tr
                                         eps, mom, sync_bn[0], sync_bn[1])
             else:
                 rv = p[f"{layer.name}.running_var"]
-                biased = train and "bn_running_var_biased" in emulate
+                biased = train and seams.biased_running_var
                 xin = x   # (biased: batch_norm updates a copy, which autograd keeps; the buffer gets Keras' value)
                 x = F.batch_norm(x, p[f"{layer.name}.running_mean"], rv.clone() if biased else rv,
                                  p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], training=train,
