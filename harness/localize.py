@@ -96,8 +96,7 @@ class Localizer(ProbeJobs):
         """One step of the candidate from the reference's state at every resync point (every `every`-th
         step, every evaluation step of the reference, the steps around each kink of its learning-rate
         schedule (resync.schedule_points), and the first divergent step of the training series and the one
-        before it),
-        against the reference there (computing the candidate's declared formulas when it declares emulated
+        before it), against the reference there (computing the candidate's declared formulas when it declares emulated
         differences); `extra` replaces the divergent steps (compare passes every pair's, so that one reference
         job serves all candidates): harness.resync.judge's section, or {"skipped": why} / {"error": why}. The replay is
         kept, so that localizing the divergent step reuses it (one reference, one float64, one candidate
@@ -189,8 +188,8 @@ class Localizer(ProbeJobs):
         cand0, ref0 = self.probe0(cand), self.probe0(ref)   # each loaded once: analysed, then its report
         chk = emu["check"]
         change = emu["change"]
-        nudged0 = self.nudged_at_step0(ref, cand, change)
-        res = analyse(cand0, ref0, layers, ref64=self.probe64(ref, cand), nudged=nudged0)
+        nudged0, plain0 = (self.nudged_at_step0(ref, cand, change, s) for s in ("sensitivity", "plain_sensitivity"))
+        res = analyse(cand0, ref0, layers, ref64=self.probe64(ref, cand), nudged=plain0)
         method = "step-0 probes"
         if change is not None:
             plain = res
@@ -237,7 +236,8 @@ class Localizer(ProbeJobs):
                     for t, pa, pb, p64, plain_b in rep["probes"]:
                         if plain_b is not None:   # what the plain reference's step disagrees in: the evidence
                             chk["evidence"] += [f"step {t}: {k}" for k in
-                                                analyse(pa, plain_b, layers, ref64=p64)["disagreeing_keys"]]
+                                                analyse(pa, plain_b, layers, ref64=p64, nudged=(
+                                                    rep.get("plain_sensitivity") or {}).get(t))["disagreeing_keys"]]
                         r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t),
                                     nudged=(rep.get("sensitivity") or {}).get(t))
                         if r["stage"] is not None:
@@ -291,13 +291,14 @@ class Localizer(ProbeJobs):
         res.update(method=method if res["stage"] else None, summary=summary, lines=lines)
         return res
 
-    def nudged_at_step0(self, ref: Run, cand: Run, change: dict[str, Any] | None) -> list[dict[str, np.ndarray]] | None:
+    def nudged_at_step0(self, ref: Run, cand: Run, change: dict | None, side: str = "sensitivity") -> list | None:
         """The reference's own 1-ULP-nudged steps from its initial state, from the pair's resync when it resynced
         step 0 (its replay probed them there): the step-0 probes are then held as the resync holds its step 0,
         a kink the reference's own rounding flips there allowed for (harness.probes.compare's `nudged`; their
-        thinned activations have other shapes and are left out). None without such a resync."""
+        thinned activations have other shapes and are left out; `side` "plain_sensitivity": the plain
+        reference's, not the emulating one's). None without such a resync."""
         rep = self._cached_replay(ref, cand, [0], change)
-        return (rep.get("sensitivity") or {}).get(0) if rep else None
+        return (rep.get(side) or {}).get(0) if rep else None
 
     def reference_check(self, ref: Run, chk: dict[str, Any], at: list[int] | None = None) -> dict[str, Any] | None:
         """The reference's own steps (step 0, or with `at` the resynced ones, their bias too) against another backend

@@ -226,7 +226,8 @@ class ProbeJobs:
         emulation of the candidate's declared differences) the reference also probes those states computing
         the declared formula: each entry of `probes` is (step, candidate, reference compared against, its
         float64 probe, the plain reference's probe or None without `change`); `emulated64` the float64 probes
-        of the emulating reference per step."""
+        of the emulating reference per step; `sensitivity` the 1-ULP-nudged probes of the side compared against
+        (`plain_sensitivity` the plain reference's)."""
         cks = checkpoints(ref)
         usable = [s for s in cks if s <= at[0]]
         if not usable:
@@ -268,13 +269,13 @@ class ProbeJobs:
         with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
             f_cand, f_64 = pool.submit(candidate_job), pool.submit(float64_job)
             cf, r64 = f_cand.result(), f_64.result()
-        other = dict(change) if "backend" in (change or {}) else {}   # the sensitivity of the side compared
-        sens = LazyProbeMap(self._nudged(ref, at, states, SENSITIVITY_SEEDS, **other) if other
-                            else _nudged_files(rf, at, SENSITIVITY_SEEDS))
         emu, emu64 = None, LazyProbeMap({})
         if change is not None:
-            emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__{tag}", "replay",
-                            from_states, **change)
+            # the side compared is the emulating one: its own 1-ULP nudges, probed in its process, are the
+            # sensitivity (the plain reference's nudges differ from it by the declared formula itself)
+            emu = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__nudged__{tag}", "replay",
+                            Replay(at, states=from_states.states, perturb_state_ulps=[None, *SENSITIVITY_SEEDS]),
+                            **change)
             if has_float64_reference(ref, cand) or "backend" in change:
                 try:
                     e64 = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{change_tag(change)}__float64__{tag}",
@@ -288,16 +289,15 @@ class ProbeJobs:
         if len(rows):
             idx = rows[:, 0].astype(int)
             cols = ["loss", "accuracy", "grad_norm", "update_norm", "param_norm"]
-            got = rows[:, 1:]
-            want = np.stack([ref.values[c][idx] for c in cols], axis=1)
+            got, want = rows[:, 1:], np.stack([ref.values[c][idx] for c in cols], axis=1)
             repro = {"from_step": int(s0), "to_step": int(idx[-1]), "bitwise": bool(np.array_equal(got, want)),
                      "max_abs_diff": float(np.max(np.abs(got - want)))}
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf), "states": states,
-                "nudged_with": other,
-                "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
+                "nudged_with": dict(change or {}), "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
                 "float64_job": str(r64) if r64 else None,
-                "emulated64": emu64, "sensitivity": sens,
+                "emulated64": emu64, "sensitivity": LazyProbeMap(_nudged_files(emu or rf, at, SENSITIVITY_SEEDS)),
+                "plain_sensitivity": LazyProbeMap(_nudged_files(rf, at, SENSITIVITY_SEEDS)),
                 "probes": ReplayProbes([(t, (cf / f"{probe_file_stem(i)}.npz", (emu or rf) / f"{probe_file_stem(i)}.npz",
                                               r64 / f"{probe_file_stem(i)}.npz" if r64 else None,
                                               rf / f"{probe_file_stem(i)}.npz" if emu else None))

@@ -188,7 +188,8 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
                 by_formula[int(t)] = got
         if plain is not None:
             evidence += [f"step {t}: {k}" for k in
-                         analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin)["disagreeing_keys"]]
+                         analyse(pa, plain, layers, rel_tol=floor, ref64=p64, margin=margin,
+                                 nudged=(rep.get("plain_sensitivity") or {}).get(t))["disagreeing_keys"]]
         params = parameters_at(rep, int(t))   # updates are projected on their parameter too (bias_test)
         devs.append(signed_deviations(pa, pb, params))
         # the reference's own float32 deviation per key, where its float64 step is there: the per-key null
