@@ -674,6 +674,32 @@ def test_one_job_probes_every_nudge_seed_as_separate_jobs_would(tmp_path):
             assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
+def test_an_emulating_replay_is_held_to_its_own_nudged_steps(tmp_path):
+    """With a declared formula to emulate, the side compared is the reference computing it: its sensitivity is
+    that configuration's own 1-ULP-nudged steps, probed by the emulating job itself (the plain reference's
+    nudged steps differ from the emulated probes by the declared formula: a tolerance grown by the very
+    difference undone), and the plain reference's nudged steps stay the yardstick of the plain comparison."""
+    import harness.probe_jobs as PJ
+    from algorithms.optim import HParams
+    from harness import runner
+    hp = HParams(optimizer="momentum", lr=0.05, steps=6, batch_size=16, eval_every=2, checkpoint_every=2)
+    ref = load_run(runner.execute(runner.RunConfig(model="cnn2d_2conv_2fc", backend="numpy", hparams=hp), tmp_path))
+    jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
+    change = {"fault": "lr_scale_1.001"}
+    rep = jobs.replay(ref, ref, [2, 4], change)
+    made = {p.name for p in (tmp_path / ".localize").iterdir()}
+    own = jobs._nudged(ref, [2, 4], rep["states"], PJ.SENSITIVITY_SEEDS, **change)
+    plain = jobs._nudged(ref, [2, 4], rep["states"], PJ.SENSITIVITY_SEEDS)
+    key = "update0/fc1.kernel"
+    for t in (2, 4):
+        got, mine, theirs = (list(m) for m in (rep["sensitivity"].get(t), map(load_npz, own[t]), map(load_npz, plain[t])))
+        assert all(np.array_equal(g[key], m[key]) for g, m in zip(got, mine))
+        assert not any(np.array_equal(g[key], p[key]) for g, p in zip(got, theirs))
+        assert all(np.array_equal(g[key], p[key]) for g, p in zip(rep["plain_sensitivity"].get(t), theirs))
+    # the emulating job probed its own nudges, the plain reference's job its: no job of nudged steps alone
+    assert not [m for m in made if f"nudge{PJ.SENSITIVITY_SEEDS[0]}" in m], made
+
+
 def _saved(path, **arrays):
     np.savez(path, **arrays)
     return path
