@@ -50,7 +50,7 @@ from .probe_analysis import agrees, analyse, change_text, describe, first_disagr
 from .pair import against_text
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
-from .probe_jobs import SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
+from .probe_jobs import PROBE_KEYS, SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 # layer kinds whose training forward reads the other samples of the batch (its statistics)
@@ -247,7 +247,7 @@ class Localizer(ProbeJobs):
                             if chk.get("verified"):
                                 chk["agree"] = False
                             break
-                    res["replay"] = {k: v for k, v in rep.items() if k not in ("probes", "emulated64", "sensitivity")}
+                    res["replay"] = {k: v for k, v in rep.items() if k not in PROBE_KEYS}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
         if chk:
             res["declared_check"] = chk

@@ -28,6 +28,7 @@ from . import reported, runner
 from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
+from .probe_files import LazyProbeMap, ReplayProbes
 from .runs import Run, check_reproduces, config_of
 
 
@@ -70,50 +71,8 @@ def _tag(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.manifest, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-class ReplayProbes:
-    """The probes of a replay's points, read from their files one point at a time while iterated: a
-    32x32x3 graph model's probe is ~100 MB, and a resync of 12 points with its float64, nudged and
-    emulating replays is tens of them (held at once, one compare needed 15 GB). Iterating yields
-    (step, candidate, reference compared against, its float64 probe or None, plain reference or None);
-    an entry given as probes already in memory is yielded as it is."""
-
-    def __init__(self, points: list[tuple[int, tuple[Path | dict[str, np.ndarray] | None, ...]]]):
-        self._points = points
-
-    def __iter__(self):
-        for t, files in self._points:
-            yield (t, *(load_npz(f) if isinstance(f, Path) else f for f in files))
-
-    def __len__(self) -> int:
-        return len(self._points)
-
-    def restricted(self, at: list[int]) -> "ReplayProbes":
-        return ReplayProbes([pt for pt in self._points if pt[0] in at])
-
-
-class LazyProbeMap:
-    """step -> probes (or a list of probes), each read from its file(s) when asked for, never kept."""
-
-    def __init__(self, files: dict[int, Path | list[Path]]):
-        self._files = files
-
-    def get(self, t: int, default: Any = None) -> Any:
-        f = self._files.get(t)
-        if f is None:
-            return default
-        return [load_npz(x) for x in f] if isinstance(f, list) else load_npz(f)
-
-    def __bool__(self) -> bool:
-        return bool(self._files)
-
-    def extended(self, more: dict[int, list[Path]]) -> "LazyProbeMap":
-        """This map with more files per step (lists joined)."""
-        out = {t: list(f) if isinstance(f, list) else [f] for t, f in self._files.items()}
-        for t, fs in more.items():
-            out.setdefault(t, []).extend(fs)
-        return LazyProbeMap(out)
-
-
+# a replay's entries that read probes from files when asked (not results to write)
+PROBE_KEYS = ("probes", "emulated64", "sensitivity", "plain_sensitivity")
 # seeds of the 1-ULP-nudged reference replays that measure each resync point's own sensitivity; when a resynced
 # step disagrees in the backward pass only, MORE_SENSITIVITY_SEEDS more at every point (ProbeJobs.more_sensitivity)
 SENSITIVITY_SEEDS = (1, 2)
@@ -396,5 +355,5 @@ class ProbeJobs:
         return dict(rep, at=at, probes=rep["probes"].restricted(at))
 
 
-__all__ = ["LazyProbeMap", "MORE_SENSITIVITY_SEEDS", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints",
+__all__ = ["LazyProbeMap", "MORE_SENSITIVITY_SEEDS", "PROBE_KEYS", "ProbeJobs", "ReplayProbes", "SENSITIVITY_SEEDS", "change_tag", "checkpoints",
            "has_float64_reference", "same_path"]
