@@ -679,9 +679,12 @@ def test_an_emulating_replay_is_held_to_its_own_nudged_steps(tmp_path):
     that configuration's own 1-ULP-nudged steps, probed by the emulating job itself (the plain reference's
     nudged steps differ from the emulated probes by the declared formula: a tolerance grown by the very
     difference undone), and the plain reference's nudged steps stay the yardstick of the plain comparison."""
+    import json
+
     import harness.probe_jobs as PJ
     from algorithms.optim import HParams
     from harness import runner
+    from harness.compare_output import jsonable
     hp = HParams(optimizer="momentum", lr=0.05, steps=6, batch_size=16, eval_every=2, checkpoint_every=2)
     ref = load_run(runner.execute(runner.RunConfig(model="cnn2d_2conv_2fc", backend="numpy", hparams=hp), tmp_path))
     jobs = PJ.ProbeJobs(tmp_path, log=lambda m: None)
@@ -698,6 +701,9 @@ def test_an_emulating_replay_is_held_to_its_own_nudged_steps(tmp_path):
         assert all(np.array_equal(g[key], p[key]) for g, p in zip(rep["plain_sensitivity"].get(t), theirs))
     # the emulating job probed its own nudges, the plain reference's job its: no job of nudged steps alone
     assert not [m for m in made if f"nudge{PJ.SENSITIVITY_SEEDS[0]}" in m], made
+    # what a localization keeps of a replay (all but its probe maps) is written as JSON with the comparison
+    kept = {k: v for k, v in rep.items() if k not in PJ.PROBE_KEYS}
+    assert json.loads(json.dumps(jsonable(kept)))["nudged_with"] == change
 
 
 def _saved(path, **arrays):
