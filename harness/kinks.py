@@ -78,6 +78,17 @@ def margins(layer: LayerInfo, x: np.ndarray) -> np.ndarray:
     return top[..., 1] - top[..., 0]
 
 
+# layer kinds whose training forward reads the other samples of the batch (its statistics)
+BATCH_STATISTICS = ("batchnorm2d",)
+
+
+def reads_fed_statistics(model: ModelSpec, name: str) -> bool:
+    """Is layer `name` one whose training forward reads the batch's statistics (BATCH_STATISTICS) and that has a
+    layer upstream, whose agreement over the whole global batch (Muffin's rule: its input agrees) vouches that
+    every replica was fed its samples? Then a disagreement there only across replicas is in the statistics."""
+    return model.layer(name).kind in BATCH_STATISTICS and bool(upstream(model, name))
+
+
 def upstream(model: ModelSpec, name: str) -> set[str]:
     """The layers whose outputs reach layer `name` (its ancestors in the graph, itself excluded)."""
     by_name = {l.name: l for l in model.layers}
@@ -236,5 +247,5 @@ def explaining(found: list[dict[str, Any]], diffs: list[dict[str, Any]], *, marg
     return said if ok else None
 
 
-__all__ = ["CARRIED", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "explaining", "margins",
+__all__ = ["CARRIED", "KINK_KINDS", "SATURATING", "crossed", "decisions", "derivative_error", "explaining", "margins", "reads_fed_statistics",
            "same_in_float64", "same_when_recorded", "saturated", "upstream"]

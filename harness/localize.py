@@ -14,6 +14,7 @@ In this order, the first that finds a disagreement answers:
                step's, seen in the buffers);
   (b2) report  the step-0 probes agree and one run's reported step-0 statistics are not what its own probe
                computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
+               after (d) finds nothing, the same at the divergent step, from each run's own state there;
   (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
                on, while every training series stays inside and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
@@ -52,9 +53,6 @@ from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import PROBE_KEYS, SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
 from .runs import EVAL_SERIES, Run, model_ref, movable_keys
-
-# layer kinds whose training forward reads the other samples of the batch (its statistics)
-BATCH_STATISTICS = ("batchnorm2d",)
 
 
 def divergent_steps(pair) -> list[int]:
@@ -249,6 +247,8 @@ class Localizer(ProbeJobs):
                             break
                     res["replay"] = {k: v for k, v in rep.items() if k not in PROBE_KEYS}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
+                if res["stage"] is None and (late := self.report_at(pair, at[-1], layers[-1])):   # (b2), later
+                    return dict(late, step0=step0, replay=res.get("replay"), declared_check=chk or None)
         if chk:
             res["declared_check"] = chk
         restart = self.restart0(cand)
@@ -354,15 +354,6 @@ class Localizer(ProbeJobs):
         r["set_aside"] = {"differences": used, "keys": aside, "all": False, "statistical": statistical}
         return r
 
-    def _statistics_of_fed_samples(self, ref: Run, layer: str | None) -> bool:
-        """Is `layer` one whose training forward reads the batch's statistics (BATCH_STATISTICS) and that has a
-        layer upstream, whose agreement over the whole global batch (Muffin's rule: its input agrees) vouches that
-        every replica was fed its samples? Then a disagreement there only across replicas is in the statistics."""
-        if layer is None:
-            return False
-        model = load_model(model_ref(ref.manifest, self.root))
-        return model.layer(layer).kind in BATCH_STATISTICS and bool(kinks.upstream(model, layer))
-
     def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str],
                    change: dict[str, Any]) -> dict[str, Any]:
         """A candidate on several replicas that agrees with the reference once run on one (the reference with
@@ -388,7 +379,8 @@ class Localizer(ProbeJobs):
             if res["stage"] != "forward":
                 res = dict(res, stage="reduction",
                            note=f"agrees with --devices 1: the replicas combine gradients differently {first}")
-            elif self._statistics_of_fed_samples(ref, res["layer"]):
+            elif res["layer"] is not None and kinks.reads_fed_statistics(load_model(model_ref(ref.manifest, self.root)),
+                                                                         res["layer"]):
                 res = dict(res, across_replicas=f"agrees with --devices 1: the replicas' batch statistics at "
                                                 f"{res['layer']} are not the single-device ones")
             else:

@@ -158,6 +158,32 @@ class ProbeJobs:
         """(the weights the run started from, its first batch's labels), as its jobs prepare them."""
         return reported.first_batch(run, self.root)
 
+    def own_step(self, run: Run, t: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray] | None:
+        """`run`'s own step `t` probed from its own state there (re-trained from its latest checkpoint before it,
+        on its batches; every sample's logits), the parameters that step started from and its batch's labels:
+        what its report of step t is recomputed from (harness.reported). None: no checkpoint, or the job failed."""
+        cks = checkpoints(run)
+        if not any(s <= t for s in cks) or t not in set(run.step.tolist()):
+            return None
+        try:
+            f = self._job(run, f"replay__{run.name}__{_tag(run)}__own-at{t}-every-sample", "replay",
+                          Replay([t], checkpoints={s: str(p) for s, p in cks.items()}, activation_rows=0))
+        except BackendFailed as e:
+            self.log(f"localize: no replay of {run.name}'s own step {t} ({str(e).splitlines()[0]})")
+            return None
+        p = (json.loads((f / WORKER_FILE).read_text()).get("states") or {}).get(str(t), replay_state_file(t))
+        state = load_npz(cks[t] if t in cks else f / p)
+        params = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("param/")}
+        return load_npz(f / f"{probe_file_stem(0)}.npz"), params, reported.first_batch(run, self.root, t)[1]
+
+    def report_at(self, pair, t: int, logits_layer: str) -> dict[str, Any] | None:
+        """harness.reported.localize at step `t` > 0, from each run's own step there (`own_step`)."""
+        own = {id(r): self.own_step(r, t) for r in (pair.a, pair.b)}
+        if any(o is None for o in own.values()):
+            return None
+        return reported.localize(pair, own[id(pair.a)][0], own[id(pair.b)][0], logits_layer,
+                                 lambda r: own[id(r)][1:], step=t)
+
     def restart0(self, run: Run) -> dict[str, Any]:
         """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded
         (or the job failed: the localization says so on its own)."""

@@ -9,7 +9,13 @@ the statistics its step reported are recomputed in float64 and compared with its
 programs of one framework round alike to ~1e-6 relative; an accuracy may move by one sample where two logits
 nearly tie. A run whose report disagrees with its own step, when the other run's agrees with its own, is
 where the pair's difference sits, in the series it reports off that diverge: stage `report`, the series
-named."""
+named.
+
+A slip that starts later (a branch taken after a schedule boundary, once a count passes a batch) leaves
+step 0's rows right and every shared-state step agreeing, since the probes compute the step, not its
+report. Where nothing else localizes the pair, each run's own step at the first divergent step is probed
+from its own state there (re-trained from its latest checkpoint before it, on its own batches: the run's
+trajectory, not the reference's) and its row at that step checked the same way."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +44,8 @@ def _norm(arrays: Iterable[np.ndarray]) -> float:
 
 def recomputed(probe: dict[str, np.ndarray], params: dict[str, np.ndarray], logits_layer: str,
                labels: np.ndarray | None) -> dict[str, float]:
-    """The step-0 statistics as the step-0 probe computed them: its loss, the norm of its gradients, of its first
-    update, of the parameters after it (the probe's starting `params` plus that update), and the accuracy of its
+    """A step's statistics as its probe computed them: its loss, the norm of its gradients, of its first update,
+    of the parameters after it (the probe's starting `params` plus that update), and the accuracy of its
     training-mode logits on `labels` (None: not recomputed)."""
     updates = {k.split("/", 1)[1]: v for k, v in probe.items() if k.startswith("update0/")}
     out = {"loss": float(probe["loss"]),
@@ -52,10 +58,10 @@ def recomputed(probe: dict[str, np.ndarray], params: dict[str, np.ndarray], logi
     return out
 
 
-def mismatches(run: Run, computed: dict[str, float], n_params: int = 0) -> list[dict[str, Any]]:
-    """The series whose step-0 value in `run`'s steps.csv is not what its step computed (`recomputed`); the norms
-    are over `n_params` elements."""
-    at = np.flatnonzero(run.step == 0)
+def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: int = 0) -> list[dict[str, Any]]:
+    """The series whose value at `step` in `run`'s steps.csv is not what that step computed (`recomputed`); the
+    norms are over `n_params` elements."""
+    at = np.flatnonzero(run.step == step)
     if not len(at):
         return []
     batch = int(run.manifest.get("hparams", {}).get("batch_size") or 0)
@@ -74,17 +80,20 @@ def mismatches(run: Run, computed: dict[str, float], n_params: int = 0) -> list[
     return out
 
 
-def first_batch(run: Run, root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(the weights the run started from, the labels of its first batch), as its jobs prepare them."""
+def first_batch(run: Run, root: Path, step: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(the weights the run started from, the labels of its batch of `step`), as its jobs prepare them."""
     prep = runner.prepare(config_of(run.manifest, root), root)
-    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]
+    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[step]]
 
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
-             batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None]) -> dict[str, Any] | None:
+             batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None],
+             step: int = 0) -> dict[str, Any] | None:
     """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
-    reports step-0 statistics that its own step-0 probe does not compute (`ref0`, `cand0`), in series that diverge
-    in the pair (what the report explains); else None. `batch_of(run)`: `first_batch` of the run (None: not had)."""
+    reports statistics of `step` that its own probe of that step does not compute (`ref0`, `cand0`: each run's
+    own step from its own state), in series that diverge in the pair (what the report explains); else None.
+    `batch_of(run)`: (the parameters the step started from, its batch's labels), as `first_batch` gives them
+    for step 0 (None: not had)."""
     ref, cand = pair.a, pair.b
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
@@ -96,7 +105,7 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             return None
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
-        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n)
+        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n, step)
                       if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
@@ -104,10 +113,11 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
     run, bad = (cand if who == "candidate" else ref), found[who]
     said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
     what = ", ".join(m["series"] for m in bad)
-    line = (f"localized by the reported statistics: the {who} {run.name} reports at step 0 what its own step "
-            f"does not compute ({said}; recomputed in float64 from its step-0 probe: its loss, gradients, first "
+    whence = "its step-0 probe" if step == 0 else f"its own step {step}, probed from its own state there"
+    line = (f"localized by the reported statistics: the {who} {run.name} reports at step {step} what its own step "
+            f"does not compute ({said}; recomputed in float64 from {whence}: its loss, gradients, first "
             f"update and logits); the other run's report is its step's: the step agrees, its report does not")
-    return {"stage": "report", "method": "reported statistics", "step": 0, "layer": None, "parameter": None,
+    return {"stage": "report", "method": "reported statistics", "step": step, "layer": None, "parameter": None,
             "probe": None, "series": [m["series"] for m in bad], "reported_by": who, "mismatches": bad,
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
