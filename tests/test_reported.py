@@ -93,3 +93,31 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
 
     wrong.values = dict(run.values, accuracy=np.minimum(run.values["accuracy"] * 2.0, 1.0) + 0.1)
     assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", batch)["series"] == ["accuracy"]
+
+
+def test_a_report_that_goes_wrong_later_is_found_from_the_runs_own_state_there(tmp_path):
+    """A slip that starts after step 0 (a statistic scaled once the schedule decays) leaves the step-0 row right.
+    Each run's own step t is probed from its own state (re-trained from its checkpoint before t, or loaded where
+    t has one) and its row at t recomputed from it: a clean run's rows agree at both kinds of step; a row edited
+    from step 5 on is localized there, to the side that reports it, and step 0 says nothing."""
+    need("torch")
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.localize import Localizer
+    from harness.runs import load_run
+    hp = HParams(steps=8, optimizer="momentum", lr=0.05, checkpoint_every=4, eval_every=4)
+    run = load_run(runner.execute(RunConfig(model="cnn2d_2conv_2fc", backend="torch", hparams=hp), tmp_path))
+    loc = Localizer(tmp_path, log=lambda m: None)
+    for t in (4, 5):                                  # a checkpoint's step, and one re-trained from it
+        probe, params, labels = loc.own_step(run, t)
+        assert reported.mismatches(run, reported.recomputed(probe, params, "fc2", labels), step=t) == [], t
+    late = copy.deepcopy(run)
+    late.values["grad_norm"] = np.where(run.step >= 5, run.values["grad_norm"] * 0.5, run.values["grad_norm"])
+    probe0 = loc.probe0(run)
+    assert reported.localize(_Pair(run, late), probe0, probe0, "fc2", loc.first_batch) is None
+    got = loc.report_at(_Pair(run, late), 5, "fc2")
+    assert got["stage"] == "report" and got["step"] == 5 and got["series"] == ["grad_norm"], got
+    assert got["reported_by"] == "candidate" and "reports at step 5" in got["lines"][0]
+    assert loc.report_at(_Pair(late, run), 5, "fc2")["reported_by"] == "reference"
+    assert loc.report_at(_Pair(run, run), 5, "fc2") is None
