@@ -533,12 +533,12 @@ MUTATIONS = (
              args=("--steps", "100")),
     Mutation("jax_grad_norm_over_lr_ratio", "cnn2d_2conv_2fc", "jax", 1, "wrappers/jax/backend.py",
              "jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)), _global_norm(grads),",
-             "jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)), _global_norm(grads) * lr / self.hp.lr,",
+             "jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(self.dtype)), _global_norm(grads) * lr / 0.05,",
              ("BUG",), ("report",), "",
-             "the gradient norm written out scaled by the learning rate over the base rate (a norm of the "
-             "lr-scaled step, divided back by the wrong rate): right until the step schedule's first decay at "
-             "step 100, then half: a report slip that carries no state and starts late",
-             args=("--steps", "160", "--schedule", "step")),
+             "the gradient norm written out as the norm of the lr-scaled gradient over the base rate, written as "
+             "a constant: right until the step schedule's first decay at step 100, then half: a report slip that "
+             "carries no state and starts late",
+             args=("--steps", "160", "--schedule", "step", "--lr", "0.05")),
     Mutation("tf_dp_accuracy_over_replica_batch", "cnn2d_3conv_3fc", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
              "tot[n + 1] / self.hp.batch_size, grad_norm", "tot[n + 1] / (self.hp.batch_size // n), grad_norm",
              ("BUG",), ("report",), "",
