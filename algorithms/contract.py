@@ -196,6 +196,9 @@ class Replay:
     activation_rows: int | None = None            # None: algorithms.params.REPLAY_ACTIVATION_ROWS; 0: every sample
     perturb_state_ulps: list[int | None] = field(default_factory=lambda: [None])   # None: the state itself
     evaluate_checkpoints: bool = False            # evaluate each checkpoint as loaded, before anything is trained
+    # after the probes, one training step from each state of `at`: the statistics its training reports from the
+    # state it was probed from (a slip in what a wrapper reports is then seen at any step, not only at step 0)
+    report_steps: bool = False
 
     def __post_init__(self) -> None:   # the worker walks the steps in order; probe file i is the i-th of them
         object.__setattr__(self, "at", sorted(int(t) for t in self.at))

@@ -14,7 +14,8 @@ In this order, the first that finds a disagreement answers:
                step's, seen in the buffers);
   (b2) report  the step-0 probes agree and one run's reported step-0 statistics are not what its own probe
                computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
-               after (d) finds nothing, the same at the divergent step, from each run's own state there;
+               after (d) finds nothing, the same at its replayed steps: each backend's training step from the
+               reference's state there against its probe of that state;
   (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
                on, while every training series stays inside and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
@@ -247,8 +248,8 @@ class Localizer(ProbeJobs):
                             break
                     res["replay"] = {k: v for k, v in rep.items() if k not in PROBE_KEYS}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
-                if res["stage"] is None and (late := self.report_at(pair, at[-1], layers[-1])):   # (b2), later
-                    return dict(late, step0=step0, replay=res.get("replay"), declared_check=chk or None)
+                if res["stage"] is None and "error" not in rep and (late := self.report_at(pair, rep, layers[-1])):
+                    return dict(late, step0=step0, replay=res.get("replay"), declared_check=chk or None)   # (b2)
         if chk:
             res["declared_check"] = chk
         restart = self.restart0(cand)

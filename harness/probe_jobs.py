@@ -158,31 +158,24 @@ class ProbeJobs:
         """(the weights the run started from, its first batch's labels), as its jobs prepare them."""
         return reported.first_batch(run, self.root)
 
-    def own_step(self, run: Run, t: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray] | None:
-        """`run`'s own step `t` probed from its own state there (re-trained from its latest checkpoint before it,
-        on its batches; every sample's logits), the parameters that step started from and its batch's labels:
-        what its report of step t is recomputed from (harness.reported). None: no checkpoint, or the job failed."""
-        cks = checkpoints(run)
-        if not any(s <= t for s in cks) or t not in set(run.step.tolist()):
-            return None
-        try:
-            f = self._job(run, f"replay__{run.name}__{_tag(run)}__own-at{t}-every-sample", "replay",
-                          Replay([t], checkpoints={s: str(p) for s, p in cks.items()}, activation_rows=0))
-        except BackendFailed as e:
-            self.log(f"localize: no replay of {run.name}'s own step {t} ({str(e).splitlines()[0]})")
-            return None
-        p = (json.loads((f / WORKER_FILE).read_text()).get("states") or {}).get(str(t), replay_state_file(t))
-        state = load_npz(cks[t] if t in cks else f / p)
-        params = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("param/")}
-        return load_npz(f / f"{probe_file_stem(0)}.npz"), params, reported.first_batch(run, self.root, t)[1]
-
-    def report_at(self, pair, t: int, logits_layer: str) -> dict[str, Any] | None:
-        """harness.reported.localize at step `t` > 0, from each run's own step there (`own_step`)."""
-        own = {id(r): self.own_step(r, t) for r in (pair.a, pair.b)}
-        if any(o is None for o in own.values()):
-            return None
-        return reported.localize(pair, own[id(pair.a)][0], own[id(pair.b)][0], logits_layer,
-                                 lambda r: own[id(r)][1:], step=t)
+    def report_at(self, pair, rep: dict[str, Any], logits_layer: str) -> dict[str, Any] | None:
+        """harness.reported.localize at the points of `rep` (a replay of `pair`), first to last: each backend's
+        training step from the reference's state there must report what its probe from that state computes
+        (the jobs' `reported` rows; thinned activations recompute no accuracy). None: every report agrees."""
+        done = {who: {int(r[0]): dict(zip(reported.REPORTED, r[1:])) for r in rows}
+                for who, rows in (rep.get("reported") or {}).items()}
+        for t, cand_probe, compared, _p64, plain in rep["probes"]:
+            rows = {who: done.get(who, {}).get(int(t)) for who in ("reference", "candidate")}
+            if None in rows.values():
+                continue
+            state = load_npz(rep["states"][str(t)])
+            params = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("param/")}
+            labels = reported.first_batch(pair.a, self.root, int(t))[1]
+            got = reported.localize(pair, compared if plain is None else plain, cand_probe, logits_layer,
+                                    lambda run: (params, labels), step=int(t), rows=rows)
+            if got is not None:
+                return got
+        return None
 
     def restart0(self, run: Run) -> dict[str, Any]:
         """The step-0 probe job's restart check (wrappers.base.Backend.restart_check): {} when not recorded
@@ -225,7 +218,7 @@ class ProbeJobs:
         # same states (a process start costs more than the probes)
         rf = self._job(ref, f"replay__{ref.name}__{_tag(ref)}__{tag}", "replay",
                        Replay(at, checkpoints={t: str(f) for t, f in cks.items()},
-                              perturb_state_ulps=[None, *SENSITIVITY_SEEDS]))
+                              perturb_state_ulps=[None, *SENSITIVITY_SEEDS], report_steps=True))
         done = json.loads((rf / WORKER_FILE).read_text()).get("states") or {}
 
         def state_of(t: int) -> str:
@@ -239,7 +232,7 @@ class ProbeJobs:
         # every job below needs only the reference's states: they run `self.parallel` at a time
         def candidate_job() -> Path:
             return self._job(cand, f"replay__{cand.name}__{_tag(cand)}__from-{_tag(ref)}__{tag}", "replay",
-                             from_states)
+                             Replay(at, states=from_states.states, report_steps=True))
 
         def float64_job() -> Path | None:
             if not has_float64_reference(ref, cand):
@@ -269,6 +262,8 @@ class ProbeJobs:
                 except BackendFailed as e:
                     self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / WORKER_FILE).read_text())
+        reported_rows = {"reference": worker.get("reported") or [],
+                         "candidate": json.loads((cf / WORKER_FILE).read_text()).get("reported") or []}
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
         repro = None
         if len(rows):
@@ -280,7 +275,7 @@ class ProbeJobs:
         return {"checkpoint_step": s0, "at": at, "reference_job": str(rf), "candidate_job": str(cf), "states": states,
                 "nudged_with": dict(change or {}), "jobs": 2 + (r64 is not None) + (emu is not None) + bool(emu64),
                 "reproduced": repro,
-                "float64_job": str(r64) if r64 else None,
+                "float64_job": str(r64) if r64 else None, "reported": reported_rows,
                 "emulated64": emu64, "sensitivity": LazyProbeMap(_nudged_files(emu or rf, at, SENSITIVITY_SEEDS)),
                 "plain_sensitivity": LazyProbeMap(_nudged_files(rf, at, SENSITIVITY_SEEDS)),
                 "probes": ReplayProbes([(t, (cf / f"{probe_file_stem(i)}.npz", (emu or rf) / f"{probe_file_stem(i)}.npz",

@@ -11,11 +11,12 @@ nearly tie. A run whose report disagrees with its own step, when the other run's
 where the pair's difference sits, in the series it reports off that diverge: stage `report`, the series
 named.
 
-A slip that starts later (a branch taken after a schedule boundary, once a count passes a batch) leaves
-step 0's rows right and every shared-state step agreeing, since the probes compute the step, not its
-report. Where nothing else localizes the pair, each run's own step at the first divergent step is probed
-from its own state there (re-trained from its latest checkpoint before it, on its own batches: the run's
-trajectory, not the reference's) and its row at that step checked the same way."""
+A slip that starts later (a statistic scaled by the schedule's rate, a branch taken once a count passes a
+batch) leaves step 0's rows right and every shared-state step agreeing, since the probes compute the step,
+not its report. So each replay job of a shared-state comparison also runs one training step of its backend
+from each state it probed, and records what that step reports (algorithms.contract.Replay.report_steps):
+where nothing else localizes the pair, those rows are checked against the probes of the same states, the
+same way. Both come from one state, so no trajectory's rounding (a run's own, re-trained) enters."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,17 +59,18 @@ def recomputed(probe: dict[str, np.ndarray], params: dict[str, np.ndarray], logi
     return out
 
 
-def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: int = 0) -> list[dict[str, Any]]:
-    """The series whose value at `step` in `run`'s steps.csv is not what that step computed (`recomputed`); the
-    norms are over `n_params` elements."""
+def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: int = 0,
+               row: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """The series whose value at `step` in `run`'s steps.csv (or in `row`: what a replayed step of the run's
+    backend reported) is not what that step computed (`recomputed`); the norms are over `n_params` elements."""
     at = np.flatnonzero(run.step == step)
-    if not len(at):
+    if row is None and not len(at):
         return []
     batch = int(run.manifest.get("hparams", {}).get("batch_size") or 0)
     norm_tol = max(REL_TOL, NORM_ULPS * F32_EPS * float(np.sqrt(n_params)))
     out = []
     for s, want in computed.items():
-        got = float(run.values[s][at[0]])
+        got = float(run.values[s][at[0]] if row is None else row[s])
         if s == "accuracy":
             bad = batch > 0 and abs(got - want) > (ACCURACY_SAMPLES + 0.5) / batch
         else:
@@ -88,12 +90,13 @@ def first_batch(run: Run, root: Path, step: int = 0) -> tuple[dict[str, np.ndarr
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
              batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None],
-             step: int = 0) -> dict[str, Any] | None:
+             step: int = 0, rows: dict[str, dict[str, float]] | None = None) -> dict[str, Any] | None:
     """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
-    reports statistics of `step` that its own probe of that step does not compute (`ref0`, `cand0`: each run's
-    own step from its own state), in series that diverge in the pair (what the report explains); else None.
-    `batch_of(run)`: (the parameters the step started from, its batch's labels), as `first_batch` gives them
-    for step 0 (None: not had)."""
+    reports statistics of `step` that its own probe of that step does not compute (`ref0`, `cand0`), in series
+    that diverge in the pair (what the report explains); else None. `batch_of(run)`: (the parameters the step
+    started from, its batch's labels), as `first_batch` gives them for step 0 (None: not had). `rows` ({"reference":
+    ..., "candidate": ...}): what each backend's training step reported from the state both probes started from
+    (a replay's), in place of the runs' own rows at `step`."""
     ref, cand = pair.a, pair.b
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
@@ -105,15 +108,16 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             return None
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
-        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n, step)
-                      if m["series"] in diverging]
+        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n, step,
+                                            rows[who] if rows else None) if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
     run, bad = (cand if who == "candidate" else ref), found[who]
     said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
     what = ", ".join(m["series"] for m in bad)
-    whence = "its step-0 probe" if step == 0 else f"its own step {step}, probed from its own state there"
+    whence = ("its step-0 probe" if not rows else f"its probe of the same state (its backend's training step "
+              f"from the reference's state at step {step}, replayed, reports this)")
     line = (f"localized by the reported statistics: the {who} {run.name} reports at step {step} what its own step "
             f"does not compute ({said}; recomputed in float64 from {whence}: its loss, gradients, first "
             f"update and logits); the other run's report is its step's: the step agrees, its report does not")

@@ -95,11 +95,12 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
     assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", batch)["series"] == ["accuracy"]
 
 
-def test_a_report_that_goes_wrong_later_is_found_from_the_runs_own_state_there(tmp_path):
-    """A slip that starts after step 0 (a statistic scaled once the schedule decays) leaves the step-0 row right.
-    Each run's own step t is probed from its own state (re-trained from its checkpoint before t, or loaded where
-    t has one) and its row at t recomputed from it: a clean run's rows agree at both kinds of step; a row edited
-    from step 5 on is localized there, to the side that reports it, and step 0 says nothing."""
+def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_it(tmp_path):
+    """A slip that starts after step 0 (a statistic scaled once the schedule decays) leaves the step-0 row right
+    and every probe agreeing. Each replay job also runs one training step of its backend from every state it
+    probed and records what that step reports: a clean backend's rows are what its probes of the same states
+    compute, at a checkpoint's step and at a re-trained one; a backend whose report goes wrong from step 5 on
+    is localized there, to its side; step 0 says nothing."""
     need("torch")
     from algorithms.contract import RunConfig
     from algorithms.optim import HParams
@@ -109,15 +110,25 @@ def test_a_report_that_goes_wrong_later_is_found_from_the_runs_own_state_there(t
     hp = HParams(steps=8, optimizer="momentum", lr=0.05, checkpoint_every=4, eval_every=4)
     run = load_run(runner.execute(RunConfig(model="cnn2d_2conv_2fc", backend="torch", hparams=hp), tmp_path))
     loc = Localizer(tmp_path, log=lambda m: None)
-    for t in (4, 5):                                  # a checkpoint's step, and one re-trained from it
-        probe, params, labels = loc.own_step(run, t)
-        assert reported.mismatches(run, reported.recomputed(probe, params, "fc2", labels), step=t) == [], t
-    late = copy.deepcopy(run)
-    late.values["grad_norm"] = np.where(run.step >= 5, run.values["grad_norm"] * 0.5, run.values["grad_norm"])
+    rep = loc.replay(run, run, [4, 5])                # a checkpoint's step, and one re-trained from it
+    assert [r[0] for r in rep["reported"]["candidate"]] == [4, 5] == [r[0] for r in rep["reported"]["reference"]]
+    assert loc.report_at(_Pair(run, run), rep, "fc2") is None
+    # the replayed step from a checkpoint reports what the run reported there (one state, one step)
+    row4 = rep["reported"]["reference"][0]
+    assert row4[1:] == [run.values[s][4] for s in reported.REPORTED]
+
+    def slipped(rows):             # the same backend, its grad_norm written out halved from step 5 on
+        return [[r[0], *r[1:3], r[3] * (0.5 if r[0] >= 5 else 1.0), *r[4:]] for r in rows]
+    late = dict(rep, reported={"reference": rep["reported"]["reference"],
+                               "candidate": slipped(rep["reported"]["candidate"])})
     probe0 = loc.probe0(run)
-    assert reported.localize(_Pair(run, late), probe0, probe0, "fc2", loc.first_batch) is None
-    got = loc.report_at(_Pair(run, late), 5, "fc2")
+    assert reported.localize(_Pair(run, run), probe0, probe0, "fc2", loc.first_batch) is None
+    got = loc.report_at(_Pair(run, run), late, "fc2")
     assert got["stage"] == "report" and got["step"] == 5 and got["series"] == ["grad_norm"], got
     assert got["reported_by"] == "candidate" and "reports at step 5" in got["lines"][0]
-    assert loc.report_at(_Pair(late, run), 5, "fc2")["reported_by"] == "reference"
-    assert loc.report_at(_Pair(run, run), 5, "fc2") is None
+    swapped = dict(rep, reported={"reference": slipped(rep["reported"]["reference"]),
+                                  "candidate": rep["reported"]["candidate"]})
+    assert loc.report_at(_Pair(run, run), swapped, "fc2")["reported_by"] == "reference"
+    both = dict(rep, reported={w: slipped(r) for w, r in rep["reported"].items()})
+    assert loc.report_at(_Pair(run, run), both, "fc2") is None
+    assert loc.report_at(_Pair(run, run, diverging=("loss",)), late, "fc2") is None

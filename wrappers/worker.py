@@ -231,7 +231,7 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
     `replay.perturb_state_ulps` (default [null]) lists what is probed at each t: null the state itself, a seed
     the state with its parameters moved 1 ULP (probe-<i>-ulp<seed>.npz; algorithms.contract.replay_probe_stem).
     `replay.evaluate_checkpoints`: first, each checkpoint loaded and evaluated on the test set, the last first
-    (`evaluated`)."""
+    (`evaluated`). `replay.report_steps`: last, one training step from each state, its statistics (`reported`)."""
     r = job.replay
     assert r is not None    # Job checks that a replay job has its replay
     model, hp, opts = backend.model, backend.hp, backend.opts
@@ -306,8 +306,16 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             save_npz(out_dir / f"{name}.npz", thin_activations(probed, rows))
             (out_dir / f"{name}.json").write_text(json.dumps(
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
+    # last, after every probe (a step leaves state behind: a schedule's previous rate), one step of the training
+    # from each state, and what it reports: [step, loss, accuracy, grad, update and parameter norms]
+    reported = []
+    for t in at if r.report_steps else ():
+        load(load_npz(out_dir / states[t]), t)
+        x, y, b = batch(t)
+        s = backend.train_step(t, x, y, masks_for(model, hp.seed, t, b, opts.dropout))
+        reported.append([t, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
     return {"replay_at": at, "replayed": replayed, "evaluated": evaluated, "reload_exact": backend.state_reload_exact(),
-            "states": {str(t): p for t, p in states.items()}}
+            "states": {str(t): p for t, p in states.items()}, "reported": reported}
 
 
 def main(job_path: str) -> int:
