@@ -262,8 +262,11 @@ class ProbeJobs:
                 except BackendFailed as e:
                     self.log(f"localize: no float64 emulating replay ({str(e).splitlines()[0]}); fixed tolerance")
         worker = json.loads((rf / WORKER_FILE).read_text())
-        reported_rows = {"reference": worker.get("reported") or [],
-                         "candidate": json.loads((cf / WORKER_FILE).read_text()).get("reported") or []}
+        reported_rows = {}
+        for who, w in (("reference", worker), ("candidate", json.loads((cf / WORKER_FILE).read_text()))):
+            reported_rows[who] = w.get("reported") or []
+            if w.get("report_error"):
+                self.log(f"localize: the {who}'s replayed training steps reported nothing ({w['report_error']})")
         rows = np.asarray(worker.get("replayed") or [], np.float64).reshape(-1, 6)
         repro = None
         if len(rows):

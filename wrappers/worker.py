@@ -308,14 +308,17 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
                 {"declared_differences": backend.declared_differences(), "step": t, "state": states[t]}))
     # last, after every probe (a step leaves state behind: a schedule's previous rate), one step of the training
     # from each state, and what it reports: [step, loss, accuracy, grad, update and parameter norms]
-    reported = []
-    for t in at if r.report_steps else ():
-        load(load_npz(out_dir / states[t]), t)
-        x, y, b = batch(t)
-        s = backend.train_step(t, x, y, masks_for(model, hp.seed, t, b, opts.dropout))
-        reported.append([t, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
+    reported, report_error = [], None
+    try:
+        for t in at if r.report_steps else ():
+            load(load_npz(out_dir / states[t]), t)
+            x, y, b = batch(t)
+            s = backend.train_step(t, x, y, masks_for(model, hp.seed, t, b, opts.dropout))
+            reported.append([t, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
+    except Exception as e:   # the probes stand without the reports: the failure is returned, not raised
+        report_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return {"replay_at": at, "replayed": replayed, "evaluated": evaluated, "reload_exact": backend.state_reload_exact(),
-            "states": {str(t): p for t, p in states.items()}, "reported": reported}
+            "states": {str(t): p for t, p in states.items()}, "reported": reported, "report_error": report_error}
 
 
 def main(job_path: str) -> int:
