@@ -810,7 +810,14 @@ def main() -> int:
             rc = harness(tree, ["compare", "-r", m.reference, str(refs[key]), str(run_folder(out)), "-j", str(a.jobs),
                                 "--out", str(out / "cmp")], user_dir, work / f"{m.name}.cmp.log")
             cand = run_folder(out).name
-            pair = next(p for p in json.loads((out / "cmp" / "comparison.json").read_text())["pairs"]
+            written = out / "cmp" / "comparison.json"
+            if not written.is_file():    # the comparison itself failed: a wrong answer, recorded, not a stop
+                row.update(verdict="CRASH", correct=False, problem=f"compare wrote no comparison.json (rc {rc}), "
+                                                                   f"{work / f'{m.name}.cmp.log'}")
+                rows.append(dict(row, seconds=round(time.time() - t1, 1)))
+                print(f"{m.name}: CRASH -> WRONG: {row['problem']}", flush=True)
+                continue
+            pair = next(p for p in json.loads(written.read_text())["pairs"]
                         if p.get("with_reference") and p["candidate"] == cand)
             ok, problem = judge(m, pair)
             loc = pair.get("localization") or {}
