@@ -31,7 +31,8 @@ keras-jax's data-parallel L2 share; in the graph models' LayerNorm; and bugs tha
 one step early, a momentum buffer rescaled at the schedule's first decay, gradients accumulated from step 1,
 SGD dampening that bites from step 1; a --sync-bn flag that never reaches the layers; conventions of other
 libraries (AdamW's decay without lr, no weight decay on biases, AMSGrad, optax's eps_root); the statistics a
-wrapper reports beside its training (a copy-pasted norm, an accuracy over one replica's batch).
+wrapper reports beside its training (a copy-pasted norm, an accuracy over one replica's batch, a norm
+scaled by the schedule's rate, wrong from its first decay).
 """
 from __future__ import annotations
 
