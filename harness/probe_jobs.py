@@ -161,7 +161,7 @@ class ProbeJobs:
     def report_at(self, pair, rep: dict[str, Any], logits_layer: str) -> dict[str, Any] | None:
         """harness.reported.localize at the points of `rep` (a replay of `pair`), first to last: each backend's
         training step from the reference's state there must report what its probe from that state computes
-        (the jobs' `reported` rows; thinned activations recompute no accuracy). None: every report agrees."""
+        (the jobs' `reported` rows; a replay keeps the logits whole). None: every report agrees."""
         done = {who: {int(r[0]): dict(zip(reported.REPORTED, r[1:])) for r in rows}
                 for who, rows in (rep.get("reported") or {}).items()}
         for t, cand_probe, compared, _p64, plain in rep["probes"]:

@@ -132,3 +132,8 @@ def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_i
     both = dict(rep, reported={w: slipped(r) for w, r in rep["reported"].items()})
     assert loc.report_at(_Pair(run, run), both, "fc2") is None
     assert loc.report_at(_Pair(run, run, diverging=("loss",)), late, "fc2") is None
+    # a replay keeps the logits whole: an accuracy reported off by more than one sample is found too
+    acc = dict(rep, reported={"reference": rep["reported"]["reference"],
+                              "candidate": [[*r[:2], min(r[2] + 0.25, 1.0) if r[0] >= 5 else r[2], *r[3:]]
+                                            for r in rep["reported"]["candidate"]]})
+    assert loc.report_at(_Pair(run, run), acc, "fc2")["series"] == ["accuracy"]
