@@ -77,7 +77,7 @@ def distances(loc: Localizer, rep: dict, who: str, layers: list[str], ref) -> li
         labels = reported.first_batch(ref, loc.root, int(t))[1]
         computed = reported.recomputed(probe, params, layers[-1], labels)
         n = sum(int(v.size) for k, v in probe.items() if k.startswith("update0/"))
-        off = reported.mismatches(ref, computed, n, int(t), rows[int(t)])
+        off = reported.mismatches(ref, computed, n, int(t), rows[int(t)], reported.loss_floor(probe, layers[-1]))
         out.append({"step": int(t), "off": [m["series"] for m in off],
                     "rel": {s: abs(rows[int(t)][s] - c) / max(abs(c), 1e-12) for s, c in computed.items()}})
     return out

@@ -32,6 +32,9 @@ from .runs import Run, config_of, declared_records
 REPORTED = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
 NORMS = ("grad_norm", "update_norm", "param_norm")
 REL_TOL = 1e-3          # relative, for the loss and the norms
+# a loss near zero (late in training) rounds in its logits, not relative to itself: a cross-entropy of float32
+# logits of size z is off by a few eps x z whatever its value; this many of them are allowed besides REL_TOL
+LOSS_LOGIT_ULPS = 16.0
 # a float32 norm of n squares accumulates ~sqrt(n) roundings: Adam's first update, every element ~lr, 60k of
 # them, reported 2.9e-5 off its float64 norm (cnn2d_3conv_3fc); for 25M parameters the allowance is 4.8e-3
 NORM_ULPS = 8.0
@@ -59,8 +62,16 @@ def recomputed(probe: dict[str, np.ndarray], params: dict[str, np.ndarray], logi
     return out
 
 
+def loss_floor(probe: dict[str, np.ndarray], logits_layer: str) -> float:
+    """The absolute rounding a reported loss may carry beside REL_TOL: LOSS_LOGIT_ULPS float32 epsilons of the
+    step's largest logit (at least 1)."""
+    logits = probe.get(f"forward/{logits_layer}")
+    z = float(np.max(np.abs(logits))) if logits is not None and np.size(logits) else 1.0
+    return LOSS_LOGIT_ULPS * F32_EPS * max(1.0, z)
+
+
 def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: int = 0,
-               row: dict[str, float] | None = None) -> list[dict[str, Any]]:
+               row: dict[str, float] | None = None, loss_abs: float = 0.0) -> list[dict[str, Any]]:
     """The series whose value at `step` in `run`'s steps.csv (or in `row`: what a replayed step of the run's
     backend reported) is not what that step computed (`recomputed`); the norms are over `n_params` elements."""
     at = np.flatnonzero(run.step == step)
@@ -75,7 +86,8 @@ def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: in
             bad = batch > 0 and abs(got - want) > (ACCURACY_SAMPLES + 0.5) / batch
         else:
             tol = norm_tol if s in NORMS else REL_TOL
-            bad = not np.isfinite(got) or abs(got - want) > tol * max(abs(want), 1e-12)
+            bad = not np.isfinite(got) or abs(got - want) > max(tol * max(abs(want), 1e-12),
+                                                                   loss_abs if s == "loss" else 0.0)
         if bad:
             out.append({"series": s, "reported": got, "computed": want,
                         "rel": abs(got - want) / max(abs(want), 1e-12)})
@@ -109,7 +121,8 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
         found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n, step,
-                                            rows[who] if rows else None) if m["series"] in diverging]
+                                            rows[who] if rows else None, loss_floor(probe, logits_layer))
+                      if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
@@ -126,4 +139,4 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "recomputed", "mismatches", "first_batch", "localize"]
+__all__ = ["REPORTED", "recomputed", "mismatches", "loss_floor", "first_batch", "localize"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -137,3 +138,39 @@ def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_i
                               "candidate": [[*r[:2], min(r[2] + 0.25, 1.0) if r[0] >= 5 else r[2], *r[3:]]
                                             for r in rep["reported"]["candidate"]]})
     assert loc.report_at(_Pair(run, run), acc, "fc2")["series"] == ["accuracy"]
+
+
+def test_a_loss_near_zero_is_held_to_its_logits_rounding_not_to_itself():
+    """Late in training a loss of 1e-4 is a difference of two float32 numbers of the logits' size: a report a
+    few epsilons of the largest logit away is rounding, one further is not."""
+    probe = {"forward/fc2": np.array([[30.0, -5.0], [-4.0, 28.0]], np.float32)}
+    floor = reported.loss_floor(probe, "fc2")
+    assert floor == pytest.approx(reported.LOSS_LOGIT_ULPS * np.finfo(np.float32).eps * 30.0)
+    computed = {"loss": 1e-4}
+    assert reported.mismatches(_Run(loss=1e-4 + 0.5 * floor), computed, loss_abs=floor) == []
+    assert [m["series"] for m in reported.mismatches(_Run(loss=1e-4 + 2 * floor), computed, loss_abs=floor)] == ["loss"]
+    assert [m["series"] for m in reported.mismatches(_Run(loss=1e-4 + 0.5 * floor), computed)] == ["loss"]
+
+
+def test_clean_replayed_reports_of_two_backends_agree_and_each_side_is_held_to_its_own_probe(tmp_path):
+    """numpy against torch, momentum with a step decay inside the replayed points: each backend's replayed
+    training steps report what its own probes of the same states compute, with no report step failing. With a
+    declared formula emulated (the reference computing a 1 % larger rate), the reference's rows are still held
+    to its plain probe: against the emulated one they would be 1 % off."""
+    need("torch")
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.localize import Localizer
+    from harness.runs import load_run
+    hp = HParams(steps=8, optimizer="momentum", lr=0.05, schedule="step", step_size=5, checkpoint_every=4,
+                 eval_every=4)
+    ref, cand = (load_run(runner.execute(RunConfig(model="cnn2d_hard", backend=b, hparams=hp), tmp_path))
+                 for b in ("torch", "numpy"))
+    loc = Localizer(tmp_path, log=lambda m: None)
+    for change in (None, {"fault": "lr_rel_1e-02"}):
+        rep = loc.replay(ref, cand, [4, 5, 6], change)
+        assert all(len(rep["reported"][w]) == 3 for w in ("reference", "candidate")), rep["reported"]
+        assert loc.report_at(_Pair(ref, cand), rep, "fc2") is None, change
+    jobs = [p for p in (tmp_path / ".localize").iterdir() if (p / "worker.json").is_file()]
+    assert jobs and all(json.loads((p / "worker.json").read_text()).get("report_error") is None for p in jobs)

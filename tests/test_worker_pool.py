@@ -200,3 +200,26 @@ def test_a_source_edited_between_two_jobs_gets_a_new_process(tmp_path):
         assert process_of(c)["pid"] != process_of(a)["pid"]
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_job_that_survived_a_failure_ends_its_process_after_it(tmp_path, monkeypatch, capsys):
+    """A replay whose report step failed returns its probes (exit 0) but its framework may be left in any state:
+    serve answers that job and runs no further one in that process."""
+    import io
+
+    import wrappers.__main__ as entry
+    import wrappers.worker as worker
+    ran = []
+
+    def fake_main(argv):
+        ran.append(argv[1])
+        worker.LEFT_IN_DOUBT.append("RuntimeError: a report step failed")
+        return 0
+    monkeypatch.setattr(entry, "main", fake_main)
+    monkeypatch.setattr(worker, "LEFT_IN_DOUBT", [])
+    lines = "".join(json.dumps({"job": str(tmp_path / f"{n}.json"), "log": str(tmp_path / f"{n}.log")}) + "\n"
+                    for n in ("a", "b"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert entry.serve() == 0
+    assert ran == [str(tmp_path / "a.json")]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"exit": 0}

@@ -114,7 +114,7 @@ def serve() -> int:
     the framework is imported once for all of them. Every job must have the first one's backend and options:
     what a framework fixes at its first use (environment, device count, precision) is the same for all.
     A job's stderr goes to its own log; a job that fails ends the process (its framework may be left in any
-    state), and so does the end of stdin."""
+    state), and so does one that survived a failure (wrappers.worker.LEFT_IN_DOUBT), and the end of stdin."""
     base_stderr = os.dup(2)
     first: tuple[str, str] | None = None
     for line in sys.stdin:
@@ -144,6 +144,8 @@ def serve() -> int:
         print(json.dumps({"exit": rc}), flush=True)
         if rc != 0:
             return rc
+        if sys.modules.get("wrappers.worker") is not None and sys.modules["wrappers.worker"].LEFT_IN_DOUBT:
+            return 0     # a failure the job survived (a replay's report step): no further job in this process
     return 0
 
 

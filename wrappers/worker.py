@@ -28,6 +28,10 @@ from algorithms.spec import ModelSpec, build_model
 from .base import Backend, Entry, Masks, effective_model_decl, eval_inputs
 
 
+# failures this process survived but whose framework state it cannot vouch for (wrappers.__main__.serve ends
+# the process after the job instead of keeping it warm)
+LEFT_IN_DOUBT: list[str] = []
+
 def fmt(v: Any) -> str:
     """Floats as their shortest round-trip repr: the CSV holds the exact value."""
     if isinstance(v, (float, np.floating)):
@@ -317,6 +321,7 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
             reported.append([t, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
     except Exception as e:   # the probes stand without the reports: the failure is returned, not raised
         report_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        LEFT_IN_DOUBT.append(report_error)   # the framework may be left in any state: this process serves no more
     return {"replay_at": at, "replayed": replayed, "evaluated": evaluated, "reload_exact": backend.state_reload_exact(),
             "states": {str(t): p for t, p in states.items()}, "reported": reported, "report_error": report_error}
 
