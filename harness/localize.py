@@ -227,8 +227,8 @@ class Localizer(ProbeJobs):
             last = int(ref.step[-1])
             at = sorted({max(dt - 1, 0), min(dt, last)})
             if at != [0] and res["stage"] is None:
-                rep = self._cached_replay(ref, cand, at, change) or self.replay(ref, cand, at, change)
-                step0 = res
+                cached = self._cached_replay(ref, cand, at, change)   # a resync's: its reference check ran there
+                rep, step0 = cached or self.replay(ref, cand, at, change), res
                 if "error" in rep:
                     res = dict(step0, replay=rep)
                 else:
@@ -248,6 +248,13 @@ class Localizer(ProbeJobs):
                             break
                     res["replay"] = {k: v for k, v in rep.items() if k not in PROBE_KEYS}
                     res["step0"] = {k: step0[k] for k in ("stage", "disagreeing_keys")}
+                if res["stage"] is None and cached is None and "error" not in rep and chk.get("reference_check"):
+                    own = self.reference_check(ref, chk, at)     # no resync: the reference's own replayed steps
+                    if own and own.get("first_disagreement"):
+                        res, method = dict(own["first_disagreement"], reference_side=True), (
+                            f"the reference's own replayed step {own['first_disagreement']['step']} against its "
+                            f"declared formula computed by {change_text(chk['reference_check']['change'])}")
+                        chk["reference_check"]["agree"] = False
                 if res["stage"] is None and "error" not in rep and (late := self.report_at(pair, rep, layers[-1])):
                     return dict(late, step0=step0, replay=res.get("replay"), declared_check=chk or None)   # (b2)
         if chk:

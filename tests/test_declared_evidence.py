@@ -361,7 +361,7 @@ def _judged(results_root, ref: dict, cands: list[dict], folder: str = "declared-
         need(b)
     root = results_root / folder
     root.mkdir(exist_ok=True)
-    hp = HParams(steps=4, eval_every=4, checkpoint_every=4, **hparams)
+    hp = HParams(**{"steps": 4, "eval_every": 4, "checkpoint_every": 4, **hparams})
     run = lambda kw: load_run(runner.execute(RunConfig(**{"model": "cnn2d_hard", "backend": "torch", "hparams": hp,
                                                           **kw}), root))
     r, cs = run(ref), [run(kw) for kw in cands]
@@ -444,6 +444,26 @@ def test_a_keras_references_own_adam_is_undone_and_its_own_steps_checked(results
     else:
         assert p.verdict == BUG and p.localization["stage"] == "optimizer", p.notes
         assert p.localization.get("reference_side") and "the reference's own step" in p.localization["summary"]
+
+
+@pytest.mark.slow
+def test_a_keras_references_own_late_bug_is_found_without_a_resync(results_root):
+    """Without the shared-state comparison (no resync: the localization replays only the divergent step and the
+    one before it), the reference's own replayed steps are checked against its declared formula too. A Keras
+    reference declares lr-in-velocity momentum (under a step schedule: it first shows at the decay, step 4);
+    with its learning rate 1 % off from step 3 (past what the step-0 probes step through) it is BUG at its own
+    step 3, not DECLARED."""
+    from .conftest import need
+    need("jax")   # the stand-in
+    ref = {"backend": "keras-jax", "model": "cnn2d_2conv_2fc", "fault": "lr_rel_1e-02_from_3"}
+    pairs = _judged(results_root, ref, [{"model": "cnn2d_2conv_2fc"}], folder="declared-keras-ref-late",
+                    optimizer="momentum", lr=0.05, schedule="step", step_size=4, steps=6, checkpoint_every=2,
+                    eval_every=6)
+    (p,) = pairs.values()
+    assert p.verdict == BUG and p.localization.get("reference_side"), (p.notes, p.localization.get("method"))
+    assert p.localization["step"] == 3 and p.localization["stage"] == "optimizer", p.localization
+    assert "the reference's own step" in p.localization["summary"]
+    assert p.localization["declared_check"]["reference_check"]["agree"] is False
 
 
 # --------------------------------------------------------------------------- the torch emulations themselves
