@@ -153,17 +153,20 @@ def resolve(p: Pair, localized: bool) -> None:
     sa = loc.get("set_aside") or {}
     if loc.get("stage") is not None and not sa.get("all"):
         note = None
+        # a probe that disagrees, or (stage report: every probe agrees) what the localization found instead
+        probe = loc.get("probe") or (loc.get("disagreeing_keys") or [None])[0]
+        what = f"probe {probe}" if probe else (loc.get("summary") or f"stage {loc.get('stage')}")
         if loc.get("reference_side"):
             rc = chk.get("reference_check") or {}
             note = (f"the reference's own step is not its declared difference(s) {', '.join(rc.get('differences', []))}: "
-                    f"probe {loc.get('probe') or loc['disagreeing_keys'][0]} disagrees with that formula computed by "
-                    f"{(rc.get('change') or {}).get('backend')} from the same state")
+                    f"{what} disagrees with that formula computed by {(rc.get('change') or {}).get('backend')} "
+                    "from the same state")
         elif chk.get("verified"):
-            note = (f"declared difference(s) {', '.join(chk['emulated'])} do not explain probe "
-                    f"{loc.get('probe') or loc['disagreeing_keys'][0]}: it disagrees with {against_text(chk)}")
+            note = (f"declared difference(s) {', '.join(chk['emulated'])} do not explain {what}: "
+                    + (f"it disagrees with {against_text(chk)}" if probe else
+                       f"the step agrees with {against_text(chk)}, what is reported of it does not"))
         elif decl:
-            note = (f"declared difference(s) {', '.join(decl)} do not explain probe "
-                    f"{loc.get('probe') or (loc.get('disagreeing_keys') or ['?'])[0]}")
+            note = f"declared difference(s) {', '.join(decl)} do not explain {what}"
         if note:   # the localization's own conclusion: withdrawn with it when the resync supersedes it
             p.notes.append(note)
             loc["note"] = note
