@@ -153,7 +153,7 @@ def test_a_loss_near_zero_is_held_to_its_logits_rounding_not_to_itself():
 
 
 def test_clean_replayed_reports_of_two_backends_agree_and_each_side_is_held_to_its_own_probe(tmp_path):
-    """numpy against torch, momentum with a step decay inside the replayed points: each backend's replayed
+    """numpy against torch, momentum with a step decay at the replayed points: each backend's replayed
     training steps report what its own probes of the same states compute, with no report step failing. With a
     declared formula emulated (the reference computing a 1 % larger rate), the reference's rows are still held
     to its plain probe: against the emulated one they would be 1 % off."""
@@ -165,12 +165,12 @@ def test_clean_replayed_reports_of_two_backends_agree_and_each_side_is_held_to_i
     from harness.runs import load_run
     hp = HParams(steps=8, optimizer="momentum", lr=0.05, schedule="step", step_size=5, checkpoint_every=4,
                  eval_every=4)
-    ref, cand = (load_run(runner.execute(RunConfig(model="cnn2d_hard", backend=b, hparams=hp), tmp_path))
+    ref, cand = (load_run(runner.execute(RunConfig(model="cnn2d_2conv_2fc", backend=b, hparams=hp), tmp_path))
                  for b in ("torch", "numpy"))
     loc = Localizer(tmp_path, log=lambda m: None)
     for change in (None, {"fault": "lr_rel_1e-02"}):
-        rep = loc.replay(ref, cand, [4, 5, 6], change)
-        assert all(len(rep["reported"][w]) == 3 for w in ("reference", "candidate")), rep["reported"]
+        rep = loc.replay(ref, cand, [4, 5], change)     # before the decay and at it
+        assert all(len(rep["reported"][w]) == 2 for w in ("reference", "candidate")), rep["reported"]
         assert loc.report_at(_Pair(ref, cand), rep, "fc2") is None, change
     jobs = [p for p in (tmp_path / ".localize").iterdir() if (p / "worker.json").is_file()]
     assert jobs and all(json.loads((p / "worker.json").read_text()).get("report_error") is None for p in jobs)
