@@ -28,12 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from algorithms.contract import RunConfig  # noqa: E402
 from algorithms.optim import HParams  # noqa: E402
-from algorithms.params import load_npz  # noqa: E402
 from algorithms.spec import load_model  # noqa: E402
 from harness import reported, runner  # noqa: E402
 from harness.errors import BackendFailed  # noqa: E402
 from harness.localize import Localizer  # noqa: E402
 from harness.probe_analysis import spec_layers  # noqa: E402
+from harness.resync import parameters_at  # noqa: E402
 from harness.runs import load_run  # noqa: E402
 
 MODELS = ("cnn2d_hard", "resnet_tiny", "mobilenet_tiny", "convnext_tiny")
@@ -67,15 +67,13 @@ def configurations(model: str, backends: list[str], info: dict) -> list[tuple[st
 def distances(loc: Localizer, rep: dict, who: str, layers: list[str], ref) -> list[dict]:
     """Per replayed point: each series' relative distance of `who`'s report from its probe's recomputation."""
     rows = {int(r[0]): dict(zip(reported.REPORTED, r[1:])) for r in rep["reported"][who]}
+    labels = reported.batch_labels(ref, loc.root)
     out = []
     for t, cand_probe, compared, _p64, plain in rep["probes"]:
         probe = cand_probe if who == "candidate" else (compared if plain is None else plain)
         if int(t) not in rows:
             continue
-        state = load_npz(rep["states"][str(t)])
-        params = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("param/")}
-        labels = reported.first_batch(ref, loc.root, int(t))[1]
-        computed = reported.recomputed(probe, params, layers[-1], labels)
+        computed = reported.recomputed(probe, parameters_at(rep, int(t)), layers[-1], labels[int(t)])
         n = sum(int(v.size) for k, v in probe.items() if k.startswith("update0/"))
         off = reported.mismatches(ref, computed, n, int(t), rows[int(t)], reported.loss_floor(probe, layers[-1]))
         out.append({"step": int(t), "off": [m["series"] for m in off],

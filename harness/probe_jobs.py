@@ -162,17 +162,18 @@ class ProbeJobs:
         """harness.reported.localize at the points of `rep` (a replay of `pair`), first to last: each backend's
         training step from the reference's state there must report what its probe from that state computes
         (the jobs' `reported` rows; a replay keeps the logits whole). None: every report agrees."""
+        from .resync import parameters_at
         done = {who: {int(r[0]): dict(zip(reported.REPORTED, r[1:])) for r in rows}
                 for who, rows in (rep.get("reported") or {}).items()}
+        labels = None
         for t, cand_probe, compared, _p64, plain in rep["probes"]:
             rows = {who: done.get(who, {}).get(int(t)) for who in ("reference", "candidate")}
-            if None in rows.values():
+            params = parameters_at(rep, int(t))
+            if None in rows.values() or params is None:
                 continue
-            state = load_npz(rep["states"][str(t)])
-            params = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("param/")}
-            labels = reported.first_batch(pair.a, self.root, int(t))[1]
+            labels = reported.batch_labels(pair.a, self.root) if labels is None else labels
             got = reported.localize(pair, compared if plain is None else plain, cand_probe, logits_layer,
-                                    lambda run: (params, labels), step=int(t), rows=rows)
+                                    lambda run: (params, labels[int(t)]), step=int(t), rows=rows)
             if got is not None:
                 return got
         return None

@@ -94,10 +94,16 @@ def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: in
     return out
 
 
-def first_batch(run: Run, root: Path, step: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(the weights the run started from, the labels of its batch of `step`), as its jobs prepare them."""
+def first_batch(run: Run, root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(the weights the run started from, the labels of its first batch), as its jobs prepare them."""
     prep = runner.prepare(config_of(run.manifest, root), root)
-    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[step]]
+    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]
+
+
+def batch_labels(run: Run, root: Path) -> np.ndarray:
+    """The labels of every batch the run was fed (step -> its batch's labels), as its jobs prepare them."""
+    prep = runner.prepare(config_of(run.manifest, root), root)
+    return np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order]
 
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
@@ -139,4 +145,4 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "recomputed", "mismatches", "loss_floor", "first_batch", "localize"]
+__all__ = ["REPORTED", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch", "localize"]
