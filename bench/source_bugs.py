@@ -584,6 +584,25 @@ MUTATIONS = (
              "a training-accuracy metric that is never reset: the reported accuracy is the mean over every step so "
              "far; right at step 0, training untouched",
              args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "warmup", "--steps", "120")),
+    # ---- session 31: a schedule slip that grows late, a decay exclusion copied from common practice
+    Mutation("torch_cosine_lr_one_step_late", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
+             "        lr = self.lr_for(step)\n        set_hyper(",
+             "        lr = self.lr_for(max(step - 1, 0))\n        set_hyper(",
+             ("BUG",), ("optimizer",), "",
+             "starts small and grows: the scheduler steps after the update instead of before it, so each step uses "
+             "the previous step's cosine rate (identical at steps 0 and 1, 5e-5 relative at step 2, ~1 % at step "
+             "150, unbounded as the rate nears zero); the logged lr is right",
+             args=("--schedule", "cosine"), reference="numpy"),
+    Mutation("keras_adamw_decay_excludes_norms_and_biases", "cnn2d_hard", "keras-jax", 1, "wrappers/keras/optim.py",
+             "    return keras.optimizers.AdamW(weight_decay=hp.weight_decay, **kw), 0.0",
+             "    opt = keras.optimizers.AdamW(weight_decay=hp.weight_decay, **kw)\n"
+             "    opt.exclude_from_weight_decay(var_names=[\"gamma\", \"beta\", \"bias\"])   # common practice, not the spec's\n"
+             "    return opt, 0.0",
+             ("BUG",), ("optimizer",), "",
+             "the usual fine-tuning practice (no decay on norms and biases) copied into a port whose spec decays every "
+             "parameter: a 1 % difference in those parameters' updates at lr 1e-3, weight decay 0.01",
+             args=("--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.01", "--schedule", "warmup",
+                   "--steps", "150")),
 )
 
 
