@@ -67,7 +67,13 @@ def collected(backend: str, tmp_path_factory) -> dict:
                                    timeout=900)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# keras-jax's and keras-tensorflow's collectors cost 33 s of `make test` (07d016c, --durations=0): the Keras restart path
+# (wrappers/keras/backend.py) runs there on keras-torch, these two in `make test-slow`
+SLOW_BACKENDS = ("keras-tensorflow", "keras-jax")
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b in SLOW_BACKENDS else b
+                                     for b in BACKENDS])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_restart_steps_as_the_continued_run(backend, case, tmp_path_factory):
     r = collected(backend, tmp_path_factory)[case]

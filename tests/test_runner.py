@@ -64,6 +64,7 @@ def test_rerun_is_bit_identical(torch_run, tmp_path):
     assert cols(a, 2) == cols(b, 2) and cols(a, 4) == cols(b, 4)   # loss and grad_norm, as text
 
 
+@pytest.mark.slow    # 12.5 s; torch's rerun above and the bitwise baseline checks stay in `make test`
 def test_jax_rerun_is_bit_identical(tmp_path):
     need("jax")
     cols = []
