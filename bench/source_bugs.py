@@ -603,6 +603,25 @@ MUTATIONS = (
              "parameter: a 1 % difference in those parameters' updates at lr 1e-3, weight decay 0.01",
              args=("--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.01", "--schedule", "warmup",
                    "--steps", "150")),
+    Mutation("jax_bn_batch_statistics_as_constants", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
+             "                x = (x - mean) * lax.rsqrt(var + eps) * gamma + beta\n"
+             "                mean_sg, var_sg = lax.stop_gradient(mean), lax.stop_gradient(var)\n",
+             "                mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)   # 'statistics are not weights'\n"
+             "                x = (x - mean) * lax.rsqrt(var + eps) * gamma + beta\n"
+             "                mean_sg, var_sg = mean, var\n",
+             ("BUG",), ("backward",), "",
+             "backward only: the batch mean and variance are treated as constants in the backward pass, so the "
+             "forward, the loss and gamma's and beta's gradients are right and every gradient upstream of the "
+             "BatchNorm is not",
+             args=("--optimizer", "momentum", "--schedule", "step", "--steps", "150")),
+    Mutation("torch_loss_summed_then_divided", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/backend.py",
+             "        return F.cross_entropy(logits, y, label_smoothing=self.seams.label_smoothing)",
+             "        return F.cross_entropy(logits, y, label_smoothing=self.seams.label_smoothing, "
+             "reduction=\"sum\") / len(y)",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "not a bug: the mean written as the sum over the batch divided by its size (a different rounding of "
+             "the same mean)",
+             args=("--optimizer", "nesterov", "--schedule", "warmup", "--steps", "200"), reference="numpy"),
 )
 
 
