@@ -590,7 +590,7 @@ MUTATIONS = (
              "        lr = self.lr_for(max(step - 1, 0))\n        set_hyper(",
              ("BUG",), ("optimizer",), "",
              "starts small and grows: the scheduler steps after the update instead of before it, so each step uses "
-             "the previous step's cosine rate (identical at steps 0 and 1, 5e-5 relative at step 2, ~1 % at step "
+             "the previous step's cosine rate (identical at step 0, 3e-5 relative at step 1, 8e-5 at step 2, ~1 % at step "
              "150, unbounded as the rate nears zero); the logged lr is right",
              args=("--schedule", "cosine"), reference="numpy"),
     Mutation("keras_adamw_decay_excludes_norms_and_biases", "cnn2d_hard", "keras-jax", 1, "wrappers/keras/optim.py",
