@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,11 +80,13 @@ def duipai_in_process(args: list[str], monkeypatch, capsys) -> tuple[int, str, s
     return code, captured.out, captured.err
 
 
-def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict, timeout: float) -> dict:
+def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict, timeout: float,
+                            parts: tuple[str, ...] = ()) -> dict:
     """What `python -m MODULE BACKEND PATH` pickled into PATH, once per backend and test run: PATH is in
     `folder` (across_workers), under a file lock, so the worker that comes second reads the first one's (a
-    framework that must be set up before import, or a Keras backend, needs a process of its own). A failed
-    collector is remembered and reported once per test, not re-run."""
+    framework that must be set up before import, or a Keras backend, needs a process of its own). With `parts`,
+    one process per part at once (`python -m MODULE BACKEND PATH PART`), their dicts merged: the second worker,
+    waiting on the lock, lends its core. A failed collector is remembered and reported once per test, not re-run."""
     from filelock import FileLock
     need(backend)
     if backend not in cache:
@@ -91,12 +94,7 @@ def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict
         failed = path.with_suffix(".failed")
         with FileLock(str(path) + ".lock"):
             if not path.exists() and not failed.exists():
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-                r = subprocess.run([sys.executable, "-m", module, backend, str(path)], cwd=ROOT, env=env,
-                                   capture_output=True, text=True, timeout=timeout)
-                if r.returncode != 0:
-                    path.unlink(missing_ok=True)
-                    failed.write_text(f"collector for {backend} failed:\n{r.stderr[-4000:]}")
+                _run_collector(module, backend, path, failed, parts, timeout)
         if failed.exists():
             cache[backend] = {"error": failed.read_text()}
         else:
@@ -105,6 +103,41 @@ def collected_in_subprocess(module: str, backend: str, folder: Path, cache: dict
     if "error" in cache[backend]:
         pytest.fail(cache[backend]["error"])
     return cache[backend]
+
+
+def _run_collector(module: str, backend: str, path: Path, failed: Path, parts: tuple[str, ...],
+                   timeout: float) -> None:
+    """The collector's processes, all at once; PATH holds the merged result, or FAILED says why not."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    outs = {part: path.with_name(f"{path.stem}-{part}.pkl") if part else path for part in parts or ("",)}
+    logs = {part: out.with_suffix(".stderr") for part, out in outs.items()}   # a file: a full pipe would stall it
+    procs = {}
+    for part, out in outs.items():
+        with open(logs[part], "w") as log:
+            procs[part] = subprocess.Popen([sys.executable, "-m", module, backend, str(out), *([part] if part else [])],
+                                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + timeout
+    errors = []
+    for part, proc in procs.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            err = logs[part].read_text()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            err = f"timed out after {timeout:g} s\n{logs[part].read_text()}"
+        if proc.returncode != 0:
+            errors.append(f"collector for {backend}{f' (part {part})' if part else ''} failed:\n{err[-4000:]}")
+    if errors:
+        path.unlink(missing_ok=True)
+        failed.write_text("\n".join(errors))
+    elif parts:
+        merged: dict = {}
+        for out in outs.values():
+            with open(out, "rb") as f:
+                merged.update(pickle.load(f))
+        with open(path, "wb") as f:
+            pickle.dump(merged, f)
 
 
 _PROBES: dict = {}

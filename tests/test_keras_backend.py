@@ -132,33 +132,55 @@ def _probe(cls, model, hp, fault=None, steps=2):
     return b, out
 
 
-def collect(backend: str, path: str) -> None:
+# The collector runs as two processes at once (PARTS), so that an xdist worker waiting for a collector another worker
+# started lends its core to it (measured at 07d016c: the second worker waited 74 s for keras-jax's one process).
+PARTS = ("faults", "steps")
+
+
+def collect(backend: str, path: str, part: str) -> None:
+    """Part 'faults': the catalogued faults' probes and the clean ones beside them (torch: also the graph kinds, the
+    reference); part 'steps': everything else (keras backends only; float64 last, floatx is process-global)."""
     from algorithms.contract import RunOptions
     from wrappers.__main__ import set_backend_env
     from wrappers.registry import REGISTRY
     set_backend_env(REGISTRY[backend], RunOptions(threads=1))
     cls = REGISTRY[backend].load()
+    res: dict = {}
+    if part == "faults":
+        res = _collect_faults(cls, backend)
+    elif backend == "torch":      # the reference for the fault checks and the graph kinds (float32 and float64)
+        res["kinds"] = {dtype: _kinds(cls, dtype) for dtype in ("float32", "float64")}
+    else:
+        res = _collect_steps(cls)
+    with open(path, "wb") as f:
+        pickle.dump(res, f)
+
+
+def _collect_faults(cls, backend: str) -> dict:
+    from algorithms.contract import RunOptions
     from algorithms.spec import build_model, load_model
     res: dict = {"faults": {}}
     fault_models = {"fault_probe": build_model(FAULT_MODEL), "ceil_probe": build_model(CEIL_MODEL)}
     for name, decl in FAULTS.items():
         m = fault_models[decl["name"]]
         res["faults"][name] = _probe(cls, m, FAULT_HP, fault=name)[1]
-    if backend == "torch":        # the reference for the fault checks and the graph kinds (float32 and float64)
-        res["kinds"] = {dtype: _kinds(cls, dtype) for dtype in ("float32", "float64")}
-        with open(path, "wb") as f:
-            pickle.dump(res, f)
-        return
+    if backend == "torch":
+        return res
     for name in ("ceil_probe", "fault_probe"):
         b, res["faults"][f"clean:{name}"] = _probe(cls, fault_models[name], FAULT_HP)
     x, y = _inputs(fault_models["fault_probe"], 64, seed=1)
     res["eval_clean"] = [b.evaluate(x, y), b.evaluate(x, y)]
-    from algorithms.contract import RunOptions
     bf = cls(fault_models["fault_probe"], FAULT_HP, RunOptions(fault="dropout_in_eval"))
     bf.load_params(_copy(b.export_params()))      # the clean backend's weights: only the fault differs
     res["eval_dropout_in_eval"] = [bf.evaluate(x, y), bf.evaluate(x, y)]
     res["l2_not_decoupled"] = _trace(cls, load_model("cnn2d_2conv_2fc"), L2_HP, 2, fault="l2_not_decoupled")[1]
+    return res
 
+
+def _collect_steps(cls) -> dict:
+    from algorithms.contract import RunOptions
+    from algorithms.spec import build_model, load_model
+    res: dict = {}
     import keras
     from wrappers.keras.backend import KBACKEND  # noqa: F401  (the module under test)
     res["keras_backend"] = keras.backend.backend()
@@ -245,8 +267,7 @@ def collect(backend: str, path: str) -> None:
         res["float64"] = {"x": x64, "forward": b64.forward_layers(x64, {}), "params": init_params(m2, 0)}
     # the graph kinds alone (last: float64 where the backend has it)
     res["kinds"] = _kinds(cls, "float32" if "refused" in res["float64"] else "float64")
-    with open(path, "wb") as f:
-        pickle.dump(res, f)
+    return res
 
 
 def _step_forward_in_inference(b, x, masks) -> dict:
@@ -298,7 +319,7 @@ _CACHE: dict[str, dict] = {}
 
 def collected(backend: str, shared: Path) -> dict:
     from .conftest import collected_in_subprocess
-    return collected_in_subprocess("tests.test_keras_backend", backend, shared, _CACHE, timeout=1800)
+    return collected_in_subprocess("tests.test_keras_backend", backend, shared, _CACHE, timeout=1800, parts=PARTS)
 
 
 @pytest.fixture(scope="module")
@@ -624,7 +645,7 @@ def test_fault_l2_not_decoupled(backend, root):
 
 
 if __name__ == "__main__":
-    collect(sys.argv[1], sys.argv[2])
+    collect(sys.argv[1], sys.argv[2], sys.argv[3])
 
 
 @pytest.mark.parametrize("backend", KERAS)
