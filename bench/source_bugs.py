@@ -622,6 +622,20 @@ MUTATIONS = (
              "not a bug: the mean written as the sum over the batch divided by its size (a different rounding of "
              "the same mean)",
              args=("--optimizer", "nesterov", "--schedule", "warmup", "--steps", "200"), reference="numpy"),
+    # ---- the numpy backend's hand-written backward passes (the arbiter is a wrapper too)
+    Mutation("numpy_gelu_derivative_cdf_only", "convnext_tiny", "numpy", 1, "wrappers/numpy/layers.py",
+             "        return dy * (cdf + x * np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi))",
+             "        return dy * cdf       # d/dx x*Phi(x) taken as Phi(x)",
+             ("BUG",), ("backward",), "",
+             "backward only: exact GELU's derivative written as its CDF, the x * pdf(x) term dropped; the forward "
+             "and the loss are right", args=("--steps", "60")),
+    Mutation("numpy_layernorm_backward_without_variance_term", "convnext_tiny", "numpy", 1, "wrappers/numpy/layers.py",
+             "    dx = inv * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))",
+             "    dx = inv * (dxhat - dxhat.mean(axis=-1, keepdims=True))   # the variance's gradient forgotten",
+             ("BUG",), ("backward",), "",
+             "backward only: LayerNorm's input gradient without the term through the variance; gamma's and beta's "
+             "gradients and the forward are right", args=("--steps", "60", "--optimizer", "adamw", "--lr", "0.002",
+                                                         "--weight-decay", "0.01", "--schedule", "warmup")),
 )
 
 
