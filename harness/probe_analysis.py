@@ -75,6 +75,21 @@ def _forward_place(out: dict[str, Any], table: list[dict[str, Any]], first_bad: 
                                     "R": first_bad["R"]}
 
 
+def backward_span(grads: list[dict[str, Any]], first_bad: dict[str, Any], layers: list[str]) -> list[str]:
+    """The layers whose backward pass can hold a backward-only bug, in the spec's order: the first disagreeing
+    parameter's own layer (its weight gradient), up to and including the nearest later layer whose parameters'
+    gradients agree (its input gradient can still be wrong: a LayerNorm whose gamma and beta gradients are right
+    hands on a wrong gradient), or to the last layer when none agrees. Every later parameter's gradient agrees
+    (`first_bad` is the first to disagree in backward order)."""
+    rank = {name: i for i, name in enumerate(layers)}
+    start = rank.get(param_layer(first_bad["parameter"]))
+    if start is None:
+        return []
+    later = [rank[param_layer(g["parameter"])] for g in grads[:grads.index(first_bad)]
+             if g["ok"] and rank.get(param_layer(g["parameter"]), -1) > start]
+    return layers[start:min(later) + 1] if later else layers[start:]
+
+
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
             rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None,
             margin: float = 3.0, nudged: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
@@ -113,7 +128,7 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
     elif bad_grads:
         g = bad_grads[0]
         out.update(stage="backward", parameter=g["parameter"], layer=param_layer(g["parameter"]),
-                   probe=f"grad/{g['parameter']}", rel=g["rel"])
+                   probe=f"grad/{g['parameter']}", rel=g["rel"], backward_span=backward_span(grads, g, layers))
         scales = [x["scale"] for x in grads if np.isfinite(x["scale"])]
         if scales and all(x["residual"] < 1e-3 for x in grads) and max(scales) - min(scales) < 1e-3 * max(abs(s) for s in scales):
             out["gradient_scale"] = float(np.mean(scales))
@@ -214,6 +229,9 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
         s = f"backward, parameter {res['parameter']} (first gradient to disagree in backward order, rel {res['rel']:.3g})"
         if res.get("gradient_scale") is not None:
             s += f"; every gradient is the reference's x {res['gradient_scale']:.6g}"
+        elif len(res.get("backward_span") or []) > 1:
+            span = res["backward_span"]
+            s += f"; in the backward pass of one of {', '.join(span)} (the gradients of every parameter after {span[0]} agree)"
     elif st == "eval":
         s = (f"evaluation path, layer {res['layer']} (training agrees; " + (f"inference mode, {arose}" if over else
              f"the first layer whose inference-mode output disagrees from the same state, rel {res['rel']:.3g})"))
@@ -248,5 +266,5 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     return summary, lines
 
 
-__all__ = ["analyse", "describe", "eval_disagreement", "muffin_row", "change_text", "agrees", "spec_layers", "param_layer",
+__all__ = ["analyse", "backward_span", "describe", "eval_disagreement", "muffin_row", "change_text", "agrees", "spec_layers", "param_layer",
            "param_order", "layer_table", "origin"]

@@ -96,6 +96,24 @@ def test_backward_first_parameter_in_backward_order_and_uniform_scale():
     assert res["parameter"] == "conv2.kernel" and "gradient_scale" not in res
 
 
+def test_a_backward_only_bug_names_the_layers_whose_backward_can_hold_it():
+    """A wrong input gradient in relu_2's backward (the layer between conv2 and fc1): conv2's and conv1's gradients
+    disagree, fc1's and fc2's agree. The suspects are conv2 (its own weight gradient) up to fc1, the nearest later
+    layer whose parameters' gradients agree (its input gradient can be wrong all the same); when the last layer's
+    gradient is the first to disagree, the span runs to the end."""
+    ref = probes()
+    got = dict(ref, **{f"grad/{q}": ref[f"grad/{q}"] + np.arange(6.0) for q in PARAMS[:4]})
+    res = analyse(got, ref, LAYERS)
+    assert res["stage"] == "backward" and res["parameter"] == "conv2.kernel"
+    assert res["backward_span"] == ["conv2", "relu_2", "flatten_1", "fc1"]
+    summary, lines = describe(res, "step-0 probes")
+    assert summary == "backward: conv2.kernel"
+    assert "in the backward pass of one of conv2, relu_2, flatten_1, fc1 (the gradients of every parameter after conv2 " \
+           "agree)" in lines[0]
+    got = dict(ref, **{"grad/fc2.bias": ref["grad/fc2.bias"] + 1.0})
+    assert analyse(got, ref, LAYERS)["backward_span"] == ["fc2"]
+
+
 def test_optimizer_stage_when_gradients_agree():
     ref = probes()
     got = dict(ref)
