@@ -16,8 +16,19 @@ ORIGIN_JUMP = 10.0
 ORIGIN_OWN = 100.0
 
 
-def spec_layers(man: dict[str, Any]) -> list[str]:
-    return [l["name"] for l in (man.get("spec") or {}).get("layers", [])]
+class SpecLayers(list):
+    """The spec's layer names in order, and what each layer reads (`inputs`: the previous layer where the spec names
+    none), so that a backward span follows the graph's edges, not the order alone."""
+
+    def __init__(self, names: list[str], inputs: dict[str, list[str]]) -> None:
+        super().__init__(names)
+        self.inputs = inputs
+
+
+def spec_layers(man: dict[str, Any]) -> SpecLayers:
+    decl = (man.get("spec") or {}).get("layers", [])
+    names = [l["name"] for l in decl]
+    return SpecLayers(names, {l["name"]: list(l.get("inputs") or names[max(i - 1, 0):i]) for i, l in enumerate(decl)})
 
 
 def param_layer(param: str) -> str:
@@ -77,17 +88,28 @@ def _forward_place(out: dict[str, Any], table: list[dict[str, Any]], first_bad: 
 
 def backward_span(grads: list[dict[str, Any]], first_bad: dict[str, Any], layers: list[str]) -> list[str]:
     """The layers whose backward pass can hold a backward-only bug, in the spec's order: the first disagreeing
-    parameter's own layer (its weight gradient), up to and including the nearest later layer whose parameters'
-    gradients agree (its input gradient can still be wrong: a LayerNorm whose gamma and beta gradients are right
-    hands on a wrong gradient), or to the last layer when none agrees. Every later parameter's gradient agrees
-    (`first_bad` is the first to disagree in backward order)."""
-    rank = {name: i for i, name in enumerate(layers)}
-    start = rank.get(param_layer(first_bad["parameter"]))
-    if start is None:
+    parameter's own layer (its weight gradient) and every layer downstream of it on the graph's edges, up to and
+    including the first layer on each path whose parameters' gradients agree (its input gradient can still be
+    wrong: a LayerNorm whose gamma and beta gradients are right hands on a wrong gradient). Every later parameter's
+    gradient agrees (`first_bad` is the first to disagree in backward order). `layers` without edges (a plain list):
+    a chain."""
+    start = param_layer(first_bad["parameter"])
+    if start not in layers:
         return []
-    later = [rank[param_layer(g["parameter"])] for g in grads[:grads.index(first_bad)]
-             if g["ok"] and rank.get(param_layer(g["parameter"]), -1) > start]
-    return layers[start:min(later) + 1] if later else layers[start:]
+    inputs = getattr(layers, "inputs", None) or {n: layers[i - 1:i] for i, n in enumerate(layers) if i}
+    readers: dict[str, list[str]] = {}
+    for name, srcs in inputs.items():
+        for src in srcs:
+            readers.setdefault(src, []).append(name)
+    agreeing = {param_layer(g["parameter"]) for g in grads[:grads.index(first_bad)]} - {start}
+    span, todo = {start}, [start]
+    while todo:
+        for nxt in readers.get(todo.pop(), []):
+            if nxt not in span:
+                span.add(nxt)
+                if nxt not in agreeing:
+                    todo.append(nxt)
+    return [n for n in layers if n in span]
 
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
@@ -266,5 +288,5 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     return summary, lines
 
 
-__all__ = ["analyse", "backward_span", "describe", "eval_disagreement", "muffin_row", "change_text", "agrees", "spec_layers", "param_layer",
+__all__ = ["SpecLayers", "analyse", "backward_span", "describe", "eval_disagreement", "muffin_row", "change_text", "agrees", "spec_layers", "param_layer",
            "param_order", "layer_table", "origin"]

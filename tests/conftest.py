@@ -111,23 +111,30 @@ def _run_collector(module: str, backend: str, path: Path, failed: Path, parts: t
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     outs = {part: path.with_name(f"{path.stem}-{part}.pkl") if part else path for part in parts or ("",)}
     logs = {part: out.with_suffix(".stderr") for part, out in outs.items()}   # a file: a full pipe would stall it
-    procs = {}
-    for part, out in outs.items():
-        with open(logs[part], "w") as log:
-            procs[part] = subprocess.Popen([sys.executable, "-m", module, backend, str(out), *([part] if part else [])],
-                                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.monotonic() + timeout
+    procs: dict[str, subprocess.Popen] = {}
     errors = []
-    for part, proc in procs.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            err = logs[part].read_text()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            err = f"timed out after {timeout:g} s\n{logs[part].read_text()}"
-        if proc.returncode != 0:
-            errors.append(f"collector for {backend}{f' (part {part})' if part else ''} failed:\n{err[-4000:]}")
+    try:
+        for part, out in outs.items():
+            with open(logs[part], "w") as log:
+                procs[part] = subprocess.Popen([sys.executable, "-m", module, backend, str(out),
+                                                *([part] if part else [])],
+                                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + timeout
+        for part, proc in procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                err = logs[part].read_text()[-4000:]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                err = f"timed out after {timeout:g} s\n" + logs[part].read_text()[-4000:]
+            if proc.returncode != 0:
+                errors.append(f"collector for {backend}{f' (part {part})' if part else ''} failed:\n{err}")
+    finally:   # interrupted (Ctrl-C, a worker torn down): no collector left running
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if errors:
         path.unlink(missing_ok=True)
         failed.write_text("\n".join(errors))

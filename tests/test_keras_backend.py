@@ -3,7 +3,7 @@ exactly the declared formulas, its optimizer-state conversion is right, its faul
 reference's do, and its step statistics are the step's own.
 
 Every Keras backend needs its own process (KERAS_BACKEND is read at import), so each test reads the
-results of one collector process per backend: `python -m tests.test_keras_backend BACKEND OUT.pkl`
+results of one collector per backend: `python -m tests.test_keras_backend BACKEND OUT.pkl PART` (PARTS)
 (this file's __main__), which builds the backends in-process on small fixed inputs and records
 what the assertions need. The torch reference for the fault checks is collected the same way.
 """

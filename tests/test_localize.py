@@ -114,6 +114,28 @@ def test_a_backward_only_bug_names_the_layers_whose_backward_can_hold_it():
     assert analyse(got, ref, LAYERS)["backward_span"] == ["fc2"]
 
 
+def test_on_a_residual_graph_the_backward_span_follows_the_edges_past_a_shortcut():
+    """resnet_tiny, a wrong input gradient in block2_proj's backward (the shortcut conv, after block2_bn2 in the spec's
+    order): every gradient from block2_conv1 on agrees, block1_bn2's and earlier do not. The span follows block1_out's
+    two readers, the main path's block2_conv1 and the shortcut's block2_proj; in the spec's order alone it stopped at
+    block2_conv1 and missed the layer with the bug."""
+    from algorithms.spec import load_model
+    from harness.probe_analysis import spec_layers
+    layers = spec_layers({"spec": load_model("resnet_tiny").to_dict()})
+    kinds = {"conv2d": ("kernel",), "batchnorm2d": ("gamma", "beta"), "dense": ("kernel", "bias")}
+    decl = load_model("resnet_tiny").to_dict()["layers"]
+    params = [f"{l['name']}.{w}" for l in decl for w in kinds.get(l["type"], ())]
+    rng = np.random.default_rng(0)
+    ref = {f"forward/{n}": rng.standard_normal((2, 4)) for n in layers}
+    ref["loss"] = np.asarray(2.3)
+    ref.update({f"grad/{q}": rng.standard_normal(5) for q in params})
+    upstream = params[:params.index("block2_conv1.kernel")]
+    got = dict(ref, **{f"grad/{q}": ref[f"grad/{q}"] + 1.0 for q in upstream})
+    res = analyse(got, ref, layers)
+    assert res["parameter"].startswith("block1_bn2.")
+    assert res["backward_span"] == ["block1_bn2", "block1_add", "block1_out", "block2_conv1", "block2_proj"]
+
+
 def test_optimizer_stage_when_gradients_agree():
     ref = probes()
     got = dict(ref)
