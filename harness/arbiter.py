@@ -21,6 +21,7 @@ from .arbitration import MARGIN, REL_FLOOR, REL_TOL, arbitrate, statement
 from .compare import Comparison
 from .compare_output import labels
 from .pair import BUG, Pair
+from .probe_analysis import spec_layers
 from .errors import BackendFailed, BadInput
 
 # options of the compared runs that change how, not what, is computed: the arbiter runs without those it
@@ -105,10 +106,6 @@ def _own64(loc, run) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{run.backend} float64 probe unavailable ({str(e).splitlines()[0]})"
 
 
-def _layers(run) -> list[str]:
-    return [l["name"] for l in (run.manifest.get("spec") or {}).get("layers", [])]
-
-
 def _without(d: dict[str, Any], drop: set[str]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in drop}
 
@@ -166,7 +163,7 @@ def arbitrate_pair(pair: Pair, arbiter: str, loc, *, capabilities: set[str],
         return not_run(f"it cannot run the reference's configuration: {why}")
     exact_run = variant(ref, arbiter, **dict(opts, dtype="float64"))
     calib_run = variant(ref, arbiter, **dict(opts, dtype="float32"))
-    layers = _layers(ref)
+    layers = spec_layers(ref.manifest)
     try:
         exact = loc.probe0(exact_run)
         cp, rp = loc.probe0(cand), loc.probe0(ref)

@@ -29,6 +29,7 @@ from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
 from .probe_files import LazyProbeMap, ReplayProbes
+from .resync import parameters_at
 from .runs import Run, check_reproduces, config_of
 
 
@@ -162,7 +163,6 @@ class ProbeJobs:
         """harness.reported.localize at the points of `rep` (a replay of `pair`), first to last: each backend's
         training step from the reference's state there must report what its probe from that state computes
         (the jobs' `reported` rows; a replay keeps the logits whole). None: every report agrees."""
-        from .resync import parameters_at
         done = {who: {int(r[0]): dict(zip(reported.REPORTED, r[1:])) for r in rows}
                 for who, rows in (rep.get("reported") or {}).items()}
         labels = None

@@ -94,16 +94,21 @@ def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: in
     return out
 
 
-def first_batch(run: Run, root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(the weights the run started from, the labels of its first batch), as its jobs prepare them."""
+def _fed(run: Run, root: Path) -> tuple[runner.Prepared, np.ndarray]:
+    """The run's inputs as its jobs prepare them, and the labels of every batch it was fed (step -> labels)."""
     prep = runner.prepare(config_of(run.manifest, root), root)
-    return prep.params, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order[0]]
+    return prep, np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order]
+
+
+def first_batch(run: Run, root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(the weights the run started from, the labels of its first batch)."""
+    prep, labels = _fed(run, root)
+    return prep.params, labels[0]
 
 
 def batch_labels(run: Run, root: Path) -> np.ndarray:
-    """The labels of every batch the run was fed (step -> its batch's labels), as its jobs prepare them."""
-    prep = runner.prepare(config_of(run.manifest, root), root)
-    return np.asarray(load_npz(prep.dataset_path)["y_train"])[prep.order]
+    """The labels of every batch the run was fed (step -> its batch's labels)."""
+    return _fed(run, root)[1]
 
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
