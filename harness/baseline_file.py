@@ -28,7 +28,7 @@ from .errors import BadInput
 from .exact_series import Series, as_run, load_current, parse_float, typed_column
 from .files import atomic_write_text
 from .fingerprint import platform_fingerprint, run_fingerprint
-from .runs import COMPARABILITY, EVAL_SERIES, SERIES, STEP_SERIES, Run
+from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run, differences
 
 SCHEMA = 1
 TOOL = "duipai baseline"
@@ -231,8 +231,7 @@ def load_baseline(path: str | Path) -> Baseline:
 def config_mismatches(base_manifest: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     """The comparability fields (model spec, data, batch order, initial weights, hyper-parameters)
     that differ: a baseline of another configuration."""
-    return [f"{f} {base_manifest.get(f)} -> {manifest.get(f)}" for f in COMPARABILITY
-            if base_manifest.get(f) != manifest.get(f)]
+    return [f"{f} {va} -> {vb} ({words})" for f, va, vb, words in differences(base_manifest, manifest)]
 
 
 def spread_envelope(ref: Run, spread: dict[str, list[Any]], rule=None):

@@ -31,7 +31,7 @@ from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES
                    fmt_factor, formula_computed_by, not_moved)
 from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
-from .runs import SERIES, Run, declared_records, mismatches
+from .runs import SERIES, Run, declared_records, differences
 
 
 def align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):
@@ -338,8 +338,8 @@ def check_comparable(runs: list[Run], force: bool) -> list[str]:
     forced = []
     ref = runs[0]
     for r in runs[1:]:
-        for f, va, vb in mismatches(ref, r):
-            msg = f"{f} differs: {ref.name} has {va}, {r.name} has {vb}"
+        for f, va, vb, words in differences(ref.manifest, r.manifest):
+            msg = f"{f} differs: {ref.name} has {va}, {r.name} has {vb} ({words})"
             if not force:
                 raise BadInput(msg + " (not the same configuration; --force compares anyway)")
             forced.append(msg)

@@ -88,6 +88,18 @@ def _groups(runs, scanned: bool, force: bool) -> tuple[list[list], list[str]]:
     return list(groups.values()), []
 
 
+def _alone(run, groups: list[list], reference: str) -> str:
+    """The note for a run with no other run of its configuration, saying how it differs from the reference's
+    configuration (or the largest group's): a user who changed one flag by mistake sees which."""
+    from .runs import differences
+    refs = [r for g in groups for r in g if r is not run and reference in (r.name, r.backend)]
+    largest = max(groups, key=len)
+    base = next(iter(refs), largest[0] if len(largest) > 1 else None)
+    why = ", ".join(words for _, _, _, words in differences(base.manifest, run.manifest)) if base else ""
+    return (f"{run.name}: no other run of its configuration, not compared"
+            + (f" (against {base.name}: {why})" if why else ""))
+
+
 def _out_dir(out: Path | None, scanned_root: Path | None, runs) -> Path:
     if out is not None:
         return out
@@ -157,7 +169,7 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     with Activity("comparing", log) as say:   # envelope runs and localization jobs: a spinner on a terminal
         for group in groups:
             if len(group) < 2:
-                notes.append(f"{group[0].name}: no other run of its configuration, not compared")
+                notes.append(_alone(group[0], groups, reference))
                 continue
             ref = _pick_reference(group, reference) if scanned is None or any(
                 r.backend == reference or r.name == reference for r in group) else None

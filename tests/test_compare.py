@@ -306,12 +306,29 @@ def test_cli_refuses_a_run_of_another_spec_and_names_the_field(fam):
     assert "spec_hash differs" in (root / "o" / "comparison.csv").read_text()
 
 
+def test_a_run_alone_in_its_configuration_is_told_how_it_differs_from_the_reference(fam):
+    """A scanned folder with one run whose flag differs (another batch size, other data): the note names the
+    hyper-parameter or the data in words, not as hashes, and leaves out the batch order that follows from them."""
+    root, ref, members = fam
+    s, e = base_series(N), base_eval(N)
+    write_run(root, "cand", s, e, backend="jax")
+    write_run(root, "b32", s, e, backend="jax", hparams_hash="hp0032", order_hash="order0032",
+              hparams={"steps": N, "batch_size": 32, "seed": 0, "lr": 0.05, "optimizer": "momentum"})
+    write_run(root, "mine", s, e, backend="jax", data_hash="data9999", data={"source": "npz:/x/mine.npz"})
+    r = cli(str(root), "-r", "torch", *_env_args(members), "--no-localize")
+    assert r.exit_code == 0, r.output
+    assert "b32: no other run of its configuration, not compared (against ref: batch_size 64 -> 32)" in r.output
+    assert "mine: no other run of its configuration, not compared (against ref: data digits -> npz:/x/mine.npz)" \
+        in r.output
+    assert "order0032" not in r.output and "batch order" not in r.output
+
+
 def test_cli_mismatched_step_ranges(fam):
     root, ref, members = fam
     s, e = base_series(60), base_eval(60)
     write_run(root, "short", s, e, hparams_hash="hp0060", hparams={"steps": 60, "batch_size": 64, "seed": 0})
     r = cli(str(ref.path), str(root / "short"), *_env_args(members), "--no-localize")
-    assert r.exit_code == 2 and "hparams_hash differs" in r.output
+    assert r.exit_code == 2 and "hparams_hash differs" in r.output and "steps 100 -> 60)" in r.output
     r = cli(str(ref.path), str(root / "short"), *_env_args(members), "--no-localize", "--force", "--json")
     doc = json.loads(r.output)
     pair = doc["pairs"][0]
