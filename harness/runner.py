@@ -223,12 +223,14 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
             probe_steps: int = PROBE_STEPS, cases: list[HParams] | None = None, timeout: float | None = None,
             on_progress: Callable[[dict], None] | None = None, prepared: Prepared | None = None,
             replay: Replay | None = None, manifest_extra: dict[str, Any] | None = None,
-            fresh_process: bool = False) -> Path:
+            fresh_process: bool = False, on_replace: Callable[[Path, Path, str], None] | None = None) -> Path:
     """Run one job; returns the published folder (absolute). Raises BadInput or BackendFailed.
     Every path in the job file is absolute, so the worker's working directory does not matter.
     A training run (and a job asked `fresh_process`) starts in a new backend process, so that what it computes
     never depends on the jobs run before it, even with a wrapper that keeps state of its own between jobs;
-    a probe or replay job may run in a warm process of its configuration (harness.worker_pool)."""
+    a probe or replay job may run in a warm process of its configuration (harness.worker_pool).
+    `on_replace`: where the folder already holds a run of another configuration, it is not deleted but moved to
+    out_root/.replaced/ once the new run is complete, and on_replace(folder, kept copy, what differs) is called."""
     out_root = user_path(out_root)
     check_backend(cfg.backend)
     refusal = backend_info()[cfg.backend].get("no_data_parallel")
@@ -240,6 +242,7 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     check_lowers(cfg.backend, prep.model)
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
+    other = _other_configuration(final, cfg, prep) if on_replace is not None and mode == "train" else ""
     tmp_root = out_root / ".tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root))
@@ -302,8 +305,31 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     }
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
     (tmp / JOB_FILE).unlink()
+    if other and final.exists():   # a run of another configuration under this name: kept, not deleted
+        kept = out_root / ".replaced" / f"{name}-{datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(final, kept)
+        on_replace(final, kept, other)
     _publish(tmp, final)
     return final
+
+
+def _other_configuration(final: Path, cfg: RunConfig, prep: Prepared) -> str:
+    """What differs, in words, between the run already in `final` and this one ("" when nothing does, or when
+    `final` holds no readable run): the backend, the options, or a comparability field (harness.runs)."""
+    from .runs import differences
+    try:
+        old = json.loads((final / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(old, dict):
+        return ""
+    new = {"backend": cfg.backend, "options": cfg.options.to_dict(), "hparams": cfg.hparams.to_dict(),
+           "model": prep.model.name, "data": prep.dataset_meta, **comparability_hashes(cfg, prep)}
+    why = [f"backend {old.get('backend')} -> {cfg.backend}"] if old.get("backend") != cfg.backend else []
+    oo, no = old.get("options") or {}, new["options"]
+    why += [f"{k} {oo.get(k)} -> {no.get(k)}" for k in sorted(set(oo) | set(no)) if oo.get(k) != no.get(k)]
+    return ", ".join(why + [words for _, _, _, words in differences(old, new)])
 
 
 def _stored_config(cfg: RunConfig) -> dict[str, Any]:

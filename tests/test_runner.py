@@ -189,12 +189,21 @@ def test_killed_run_leaves_no_complete_looking_result(tmp_path):
     assert not list(tmp_path.glob("*/manifest.json"))
 
 
-def test_rerun_replaces_result_atomically(torch_run, tmp_path):
+def test_rerun_replaces_result_atomically_and_keeps_a_run_of_another_configuration(torch_run, tmp_path):
+    """The same configuration again replaces its folder; a run of another configuration under the same name
+    (more steps here) is moved to .replaced/, not lost, and the warning says what differs."""
     r = duipai("run", "-b", "torch", "--steps", "20", "--out", str(tmp_path), "--name", "x")
     r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
     assert r.returncode == 0
     assert len(pd.read_csv(tmp_path / "x" / "steps.csv")) == 30
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
+    kept = list((tmp_path / ".replaced").iterdir())
+    assert len(kept) == 1 and len(pd.read_csv(kept[0] / "steps.csv")) == 20
+    assert f"{tmp_path / 'x'} held a run of another configuration (" in r.stderr and "steps 20 -> 30" in r.stderr
+    assert str(kept[0]) in r.stderr
+    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
+    assert r.returncode == 0 and "another configuration" not in r.stderr
+    assert len(list((tmp_path / ".replaced").iterdir())) == 1
 
 
 def test_a_framework_rng_dropout_run_is_named_apart_from_the_harness_masked_one():

@@ -103,6 +103,12 @@ def make_config(kw: dict[str, Any]) -> RunConfig:
                      jit=not kw["no_jit"], perturb_ulp=kw["perturb_ulp"], extra=extra)
 
 
+def _said_replaced(folder: Path, kept: Path, why: str) -> None:
+    """A run of another configuration under the same name is moved aside, never lost, and said."""
+    click.echo(f"duipai: warning: {folder} held a run of another configuration ({why}); it is kept in {kept}",
+               err=True)
+
+
 @click.command()
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result folder and manifest summary as JSON.")
@@ -111,7 +117,7 @@ def run(as_json: bool, **kw: Any) -> None:
     cfg = make_config(kw)
     try:
         folder = runner.execute(cfg, kw["out"], kw["name"], timeout=kw["timeout"],
-                                on_progress=Progress(f"{cfg.backend} {cfg.model}"))
+                                on_progress=Progress(f"{cfg.backend} {cfg.model}"), on_replace=_said_replaced)
     except BadInput as e:
         fail(str(e))
     except BackendFailed as e:
