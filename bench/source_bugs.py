@@ -632,7 +632,7 @@ MUTATIONS = (
              "the labels shifted by one sample against their images inside the step (an off-by-one in a "
              "hand-written loader); every layer's output is right, the loss is not", reference="numpy",
              args=("--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
-    Mutation("torch_last_sample_dropped", "cnn2d_hard", "torch", 1, "wrappers/torch/backend.py",
+    Mutation("torch_last_sample_dropped", "mobilenet_tiny", "torch", 1, "wrappers/torch/backend.py",
              "            xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)\n"
              "            loss, replica_losses, acc = self._grads_single",
              "            xt, yt = self._input(x[:-1]), torch.as_tensor(y[:-1], dtype=torch.long, device=self.device)\n"
@@ -640,7 +640,7 @@ MUTATIONS = (
              ("BUG",), ("loss", "data"), "",
              "the step trains on 63 of the batch's 64 samples (a slice written [:-1]); the BatchNorm statistics "
              "and the mean loss are over one sample fewer", reference="numpy",
-             args=("--optimizer", "momentum", "--schedule", "step", "--steps", "120")),
+             args=("--optimizer", "momentum", "--schedule", "step", "--steps", "60")),
     # ---- the numpy backend's hand-written backward passes (the arbiter is a wrapper too)
     Mutation("numpy_gelu_derivative_cdf_only", "convnext_tiny", "numpy", 1, "wrappers/numpy/layers.py",
              "        return dy * (cdf + x * np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi))",
