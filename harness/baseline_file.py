@@ -28,7 +28,8 @@ from .errors import BadInput
 from .exact_series import Series, as_run, load_current, parse_float, typed_column
 from .files import atomic_write_text
 from .fingerprint import platform_fingerprint, run_fingerprint
-from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run, differences
+from .config_diff import differences
+from .runs import EVAL_SERIES, SERIES, STEP_SERIES, Run
 
 SCHEMA = 1
 TOOL = "duipai baseline"

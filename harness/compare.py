@@ -31,7 +31,8 @@ from .pair import (BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, SERIES
                    fmt_factor, formula_computed_by, not_moved)
 from .candidate_pairs import odd_one_out, pivot_pairs, resync_candidates, through_reference
 from .resync_verdict import apply_resync
-from .runs import SERIES, Run, declared_records, differences
+from .config_diff import differences
+from .runs import SERIES, Run, declared_records
 
 
 def align(grid: np.ndarray, ga: np.ndarray, gb: np.ndarray):

@@ -91,10 +91,13 @@ def _groups(runs, scanned: bool, force: bool) -> tuple[list[list], list[str]]:
 def _alone(run, groups: list[list], reference: str) -> str:
     """The note for a run with no other run of its configuration, saying how it differs from the reference's
     configuration (or the largest group's): a user who changed one flag by mistake sees which."""
-    from .runs import differences
-    refs = [r for g in groups for r in g if r is not run and reference in (r.name, r.backend)]
-    largest = max(groups, key=len)
-    base = next(iter(refs), largest[0] if len(largest) > 1 else None)
+    from .config_diff import differences
+    others = [r for g in groups for r in g if r is not run]
+    try:   # the run -r picks, by the same rules as a group's reference
+        base = _pick_reference(others, reference) if others else None
+    except BadInput:
+        largest = max(groups, key=len)
+        base = largest[0] if len(largest) > 1 else None
     why = ", ".join(words for _, _, _, words in differences(base.manifest, run.manifest)) if base else ""
     return (f"{run.name}: no other run of its configuration, not compared"
             + (f" (against {base.name}: {why})" if why else ""))

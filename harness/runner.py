@@ -36,6 +36,7 @@ from algorithms.optim import HParams
 from algorithms.params import check_params, init_params, params_hash, perturb_ulp, save_npz
 from algorithms.spec import ModelSpec, load_model
 
+from .config_diff import changed_settings, differences
 from .errors import BackendFailed, BadInput, CannotLower
 from .worker_pool import run_job, shared_pool
 
@@ -242,7 +243,9 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     check_lowers(cfg.backend, prep.model)
     name = name or cfg.default_name(prep.model.name) + ("" if mode == "train" else f"__{mode}")
     final = out_root / name
-    other = _other_configuration(final, cfg, prep) if on_replace is not None and mode == "train" else ""
+    if final.exists() and not (final / MANIFEST_FILE).is_file():   # a folder of the user's, not a result of ours
+        raise BadInput(f"{final} exists and holds no {MANIFEST_FILE}: not a result folder, not replaced "
+                       "(--name or --out another folder)")
     tmp_root = out_root / ".tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root))
@@ -305,31 +308,35 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
     }
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
     (tmp / JOB_FILE).unlink()
-    if other and final.exists():   # a run of another configuration under this name: kept, not deleted
+    other = _other_configuration(final, manifest) if on_replace is not None and mode == "train" else ""
+    if other:   # a run of another configuration under this name: kept, not deleted
         kept = out_root / ".replaced" / f"{name}-{datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         kept.parent.mkdir(parents=True, exist_ok=True)
         os.replace(final, kept)
+        os.replace(tmp, final)
         on_replace(final, kept, other)
-    _publish(tmp, final)
+    else:
+        _publish(tmp, final)
     return final
 
 
-def _other_configuration(final: Path, cfg: RunConfig, prep: Prepared) -> str:
-    """What differs, in words, between the run already in `final` and this one ("" when nothing does, or when
-    `final` holds no readable run): the backend, the options, or a comparability field (harness.runs)."""
-    from .runs import differences
+def _other_configuration(final: Path, new: dict[str, Any]) -> str:
+    """What differs, in words, between the run already in `final` and the one about to be published there (its
+    manifest `new`): "" when nothing does or nothing is there. The stored configurations are compared key by
+    key (the rendezvous port aside: where to meet, not what is computed), then the comparability hashes (the
+    same data file with other contents)."""
+    if not final.exists():
+        return ""
     try:
         old = json.loads((final / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return ""
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST_FILE} cannot be read: {type(e).__name__}"
     if not isinstance(old, dict):
-        return ""
-    new = {"backend": cfg.backend, "options": cfg.options.to_dict(), "hparams": cfg.hparams.to_dict(),
-           "model": prep.model.name, "data": prep.dataset_meta, **comparability_hashes(cfg, prep)}
-    why = [f"backend {old.get('backend')} -> {cfg.backend}"] if old.get("backend") != cfg.backend else []
-    oo, no = old.get("options") or {}, new["options"]
-    why += [f"{k} {oo.get(k)} -> {no.get(k)}" for k in sorted(set(oo) | set(no)) if oo.get(k) != no.get(k)]
-    return ", ".join(why + [words for _, _, _, words in differences(old, new)])
+        return f"its {MANIFEST_FILE} is not a run manifest"
+    why = changed_settings(old.get("config"), new["config"]) if isinstance(old.get("config"), dict) else \
+        ([f"backend {old.get('backend')} -> {new['backend']}"] if old.get("backend") != new["backend"] else []) \
+        + changed_settings(old.get("options"), new["options"])
+    return ", ".join(why or [words for _, _, _, words in differences(old, new)])
 
 
 def _stored_config(cfg: RunConfig) -> dict[str, Any]:

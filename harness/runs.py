@@ -18,14 +18,12 @@ from algorithms.contract import (EVAL_COLUMNS, EVAL_FILE, EVAL_SERIES, MANIFEST_
                                  STEPS_FILE, RunConfig, RunOptions)
 from algorithms.documents import parse_document
 
+from .config_diff import COMPARABILITY
 from .errors import BadInput
 
 SERIES = STEP_SERIES + EVAL_SERIES
 
 CHECKSUM_WIDTH = 24   # bytes read per batch_checksum (algorithms.data writes 12 hex digits)
-
-# what must be equal for two runs to be compared step by step (the run's identity minus the backend)
-COMPARABILITY = ("spec_hash", "data_hash", "order_hash", "base_weights_hash", "hparams_hash")
 
 
 def manifest_options(man: dict[str, Any], where: Path | str) -> RunOptions:
@@ -235,32 +233,6 @@ def mismatches(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
     return [(f, a.manifest.get(f), b.manifest.get(f)) for f in COMPARABILITY if a.manifest.get(f) != b.manifest.get(f)]
 
 
-def what_differs(a: dict[str, Any], b: dict[str, Any], field: str) -> str:
-    """In words, what makes a comparability field of two manifests differ: the hashes alone tell a user nothing."""
-    if field == "hparams_hash":
-        ha, hb = a.get("hparams") or {}, b.get("hparams") or {}
-        keys = [k for k in sorted(set(ha) | set(hb)) if ha.get(k) != hb.get(k)]
-        return ", ".join(f"{k} {ha.get(k)} -> {hb.get(k)}" for k in keys) or "the hyper-parameters"
-    if field == "spec_hash":
-        ma, mb = a.get("model"), b.get("model")
-        return f"model {ma} -> {mb}" if ma != mb else f"model {ma}'s spec (another version of it)"
-    if field == "data_hash":
-        sa, sb = ((m.get("data") or {}).get("source") for m in (a, b))
-        return f"data {sa} -> {sb}" if sa != sb else f"data {sa} (its contents)"
-    return {"order_hash": "the batch order (seed, batch size, steps or the data's size)",
-            "base_weights_hash": "the initial weights (init seed or model)"}.get(field, field)
-
-
-def differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
-    """The comparability fields of two manifests that differ, each with what differs in words (what_differs);
-    the batch order and the initial weights are left out where a hyper-parameter, the model or the data differs,
-    as they follow from those."""
-    found = [(f, a.get(f), b.get(f)) for f in COMPARABILITY if a.get(f) != b.get(f)]
-    if {"hparams_hash", "spec_hash", "data_hash"} & {f for f, _, _ in found}:
-        found = [m for m in found if m[0] not in ("order_hash", "base_weights_hash")]
-    return [(f, va, vb, what_differs(a, b, f)) for f, va, vb in found]
-
-
 def comparability_key(run: Run) -> tuple:
     return tuple(run.manifest.get(f) for f in COMPARABILITY)
 
@@ -337,5 +309,5 @@ def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any], co
             and (man.get("init") or {}).get("perturb_ulp_seed") == cfg.perturb_ulp)
 
 
-__all__ = ["Run", "load_run", "discover", "mismatches", "differences", "what_differs", "config_of", "same_config", "SERIES", "STEP_SERIES",
+__all__ = ["Run", "load_run", "discover", "mismatches", "config_of", "same_config", "SERIES", "STEP_SERIES",
            "EVAL_SERIES", "COMPARABILITY"]

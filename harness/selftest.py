@@ -204,7 +204,8 @@ def _comparisons(folder: Path) -> dict[str, dict[str, Any]]:
     """candidate run name -> its pair record (with the reference), from every comparison.json."""
     out = {}
     for c in folder.rglob("comparison.json"):
-        if "runs" in c.relative_to(folder).parts[:-1]:
+        rel = c.relative_to(folder).parts
+        if "runs" in rel[:-1] or any(part.startswith(".") for part in rel):   # hidden: the harness's own
             continue
         doc = json.loads(c.read_text())
         for pair in doc.get("pairs", []):

@@ -323,6 +323,19 @@ def test_a_run_alone_in_its_configuration_is_told_how_it_differs_from_the_refere
     assert "order0032" not in r.output and "batch order" not in r.output
 
 
+def test_what_differs_reads_hand_edited_manifests_without_failing():
+    """Manifests whose hparams or data are not tables (edited by hand): the words fall back, nothing raises."""
+    from harness.config_diff import differences, what_differs
+    a = {"hparams": {"lr": 0.05, "steps": 10}, "data": {"source": "digits"}, "hparams_hash": "h1", "data_hash": "d1"}
+    b = {"hparams": "lr=0.05", "data": ["x"], "hparams_hash": "h2", "data_hash": "d2"}
+    assert what_differs(a, b, "hparams_hash") == "lr 0.05 -> None, steps 10 -> None"
+    assert what_differs(a, b, "data_hash") == "the data"
+    assert what_differs(a, dict(a, data_hash="d3"), "data_hash") == "the data's contents (digits)"
+    only_order = differences({"order_hash": "o1"}, {"order_hash": "o2"})
+    assert [(f, w) for f, _, _, w in only_order] == [("order_hash", "the batch order (seed, batch size, steps or "
+                                                      "the data's size)")]
+
+
 def test_cli_mismatched_step_ranges(fam):
     root, ref, members = fam
     s, e = base_series(60), base_eval(60)

@@ -647,3 +647,15 @@ def test_a_candidate_the_pivot_cannot_compute_is_left_aside_and_said():
     assert lead and said.endswith("the torch backend they share (left aside, not placed in either group: keras-jax: "
                                   "its declared adam_epsilon_hat not computed from the jax run's states (see its pair's "
                                   "notes)).")
+
+
+def test_the_report_reads_no_comparison_in_the_harness_s_hidden_folders(tmp_path):
+    """A run moved to .replaced/ (or a job in .localize/) may hold a comparison.json written beside it: the
+    report and the self-test read only the results folder's own comparisons."""
+    from harness.report import find_comparisons
+    for rel in ("comparison.json", "group/comparison.json", ".replaced/old-run/comparison.json",
+                ".localize/job/comparison.json", "runs/r/comparison.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    assert [p.relative_to(tmp_path).as_posix() for p in find_comparisons(tmp_path)] == [
+        "comparison.json", "group/comparison.json"]

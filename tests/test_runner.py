@@ -204,6 +204,31 @@ def test_rerun_replaces_result_atomically_and_keeps_a_run_of_another_configurati
     r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
     assert r.returncode == 0 and "another configuration" not in r.stderr
     assert len(list((tmp_path / ".replaced").iterdir())) == 1
+    # the rendezvous port is where to meet, not what is computed; a perturbed run is another configuration
+    man_file = tmp_path / "x" / "manifest.json"
+    man = json.loads(man_file.read_text())
+    man["config"]["extra"]["port"] = 29999
+    man_file.write_text(json.dumps(man))
+    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
+    assert r.returncode == 0 and "another configuration" not in r.stderr
+    man = json.loads(man_file.read_text())
+    man["config"]["perturb_ulp"] = 2
+    man_file.write_text(json.dumps(man))
+    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
+    assert r.returncode == 0 and "another configuration (perturb_ulp 2 -> None)" in r.stderr
+    assert len(list((tmp_path / ".replaced").iterdir())) == 2
+
+
+def test_a_folder_that_is_no_result_is_never_replaced(tmp_path, capsys, monkeypatch):
+    """`--name` naming a folder of the user's (no manifest.json in it): refused in one line, exit 2, untouched."""
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    (mine / "train.csv").write_text("label,p0\n1,0\n")
+    code, out, err = duipai_in_process(["run", "-b", "torch", "--steps", "3", "--out", str(tmp_path), "--name",
+                                        "mydata"], monkeypatch, capsys)
+    assert code == 2 and "mydata exists and holds no manifest.json: not a result folder, not replaced" in err
+    assert len(err.strip().splitlines()) == 1
+    assert (mine / "train.csv").read_text() == "label,p0\n1,0\n" and sorted(q.name for q in mine.iterdir()) == ["train.csv"]
 
 
 def test_a_framework_rng_dropout_run_is_named_apart_from_the_harness_masked_one():
