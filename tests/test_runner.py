@@ -214,9 +214,11 @@ def test_rerun_replaces_result_atomically_and_keeps_a_run_of_another_configurati
     man = json.loads(man_file.read_text())
     man["config"]["perturb_ulp"] = 2
     man_file.write_text(json.dumps(man))
-    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x")
+    r = duipai("run", "-b", "torch", "--steps", "30", "--out", str(tmp_path), "--name", "x", "--json")
     assert r.returncode == 0 and "another configuration (perturb_ulp 2 -> None)" in r.stderr
     assert len(list((tmp_path / ".replaced").iterdir())) == 2
+    said = json.loads(r.stdout)["replaced"]     # --json says it too, for a script
+    assert said["differs"] == "perturb_ulp 2 -> None" and Path(said["kept"]).parent == tmp_path / ".replaced"
 
 
 def test_a_folder_that_is_no_result_is_never_replaced(tmp_path, capsys, monkeypatch):

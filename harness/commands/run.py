@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -103,10 +103,14 @@ def make_config(kw: dict[str, Any]) -> RunConfig:
                      jit=not kw["no_jit"], perturb_ulp=kw["perturb_ulp"], extra=extra)
 
 
-def _said_replaced(folder: Path, kept: Path, why: str) -> None:
-    """A run of another configuration under the same name is moved aside, never lost, and said."""
-    click.echo(f"duipai: warning: {folder} held a run of another configuration ({why}); it is kept in {kept}",
-               err=True)
+def _said_replaced(replaced: dict[str, str]) -> Callable[[Path, Path, str], None]:
+    """A run of another configuration under the same name is moved aside, never lost, and said (on stderr, and
+    in `replaced` for --json)."""
+    def say(folder: Path, kept: Path, why: str) -> None:
+        replaced.update(kept=str(kept), differs=why)
+        click.echo(f"duipai: warning: {folder} held a run of another configuration ({why}); it is kept in {kept}",
+                   err=True)
+    return say
 
 
 @click.command()
@@ -115,9 +119,10 @@ def _said_replaced(folder: Path, kept: Path, why: str) -> None:
 def run(as_json: bool, **kw: Any) -> None:
     """Train one backend on one configuration, in its own process; write CSV, log and manifest."""
     cfg = make_config(kw)
+    replaced: dict[str, str] = {}
     try:
         folder = runner.execute(cfg, kw["out"], kw["name"], timeout=kw["timeout"],
-                                on_progress=Progress(f"{cfg.backend} {cfg.model}"), on_replace=_said_replaced)
+                                on_progress=Progress(f"{cfg.backend} {cfg.model}"), on_replace=_said_replaced(replaced))
     except BadInput as e:
         fail(str(e))
     except BackendFailed as e:
@@ -127,7 +132,8 @@ def run(as_json: bool, **kw: Any) -> None:
         click.echo(f"duipai: warning: --fault {cfg.fault} does not apply here: {man['fault_inert']}; "
                    "this run is not that bug", err=True)
     if as_json:
-        click.echo(json.dumps({"folder": str(folder), "manifest": man}, default=str))
+        click.echo(json.dumps({"folder": str(folder), "manifest": man, **({"replaced": replaced} if replaced else {})},
+                              default=str))
     else:
         click.echo(f"{folder}  ({man['backend']}, {man['model']}, {cfg.hparams.steps} steps, {man['wall_s']:.1f} s)")
 
