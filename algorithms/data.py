@@ -282,6 +282,9 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such data file")
+    with open(p, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":   # np.load would try it as a pickle and say so, which misleads
+            raise DataError(f"{p}: not an .npz file (not a zip archive; write it with numpy.savez)")
     try:
         z = load_npz(p)
     except Exception as e:  # zipfile / pickle / format errors all mean "not a usable .npz"
@@ -295,6 +298,8 @@ def load_npz_data(path: str | Path, *, raw_max: float | None = None,
     arrays = {}
     for name in names:    # before any arithmetic on them: a string or complex array, a scalar
         a = z[name]
+        if not isinstance(a, np.ndarray):       # a zip member that is no .npy: NumPy hands back its bytes
+            raise DataError(f"{p}: not a readable .npz file ({name} in it is not a NumPy array)")
         if a.ndim == 0:
             raise DataError(f"{p}: array {name} is a scalar, not one entry per sample")
         if a.dtype.kind not in "biuf":           # labels as floats must be whole numbers: checked with the values

@@ -81,9 +81,15 @@ def test_csv_errors_name_file_and_problem(tmp_path, text, needle):
 def test_missing_and_bad_npz(tmp_path):
     with pytest.raises(D.DataError, match="no such data file"):
         D.load_data(str(tmp_path / "nope.npz"))
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(D.DataError, match="not a readable .npz"):
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")     # numpy alone would call it a pickle
+    with pytest.raises(D.DataError, match=r"not an \.npz file \(not a zip archive"):
         D.load_data(str(tmp_path / "junk.npz"))
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "zip.npz", "w") as z:   # a zip, but no array in it
+        for k in ("x_train", "y_train", "x_test", "y_test"):
+            z.writestr(f"{k}.npy", "not an array")
+    with pytest.raises(D.DataError, match="not a readable .npz"):
+        D.load_data(str(tmp_path / "zip.npz"))
     np.savez(tmp_path / "w.npz", images=np.zeros((3, 2, 2)))
     with pytest.raises(D.DataError, match="needs arrays"):
         D.load_data(str(tmp_path / "w.npz"))
