@@ -207,6 +207,10 @@ def _read_csv(path: Path, shape) -> tuple[np.ndarray, np.ndarray]:
         except ValueError:
             col = next(j for j, c in enumerate(r) if not _is_number(c))
             name = header[col] if header else f"column {col + 1}"
+            sep = next((c for c in ";\t|" if c in r[col]), None)
+            if sep:   # one cell holding the whole row: another separator (the header's name would be the row too)
+                raise DataError(f"{path}: line {line} is separated by {sep!r}, not by commas (the MNIST CSV layout: "
+                                "a label column, then one column per pixel, comma-separated)") from None
             raise DataError(f"{path}: line {line}, {name}: {r[col]!r} is not a number") from None
     y = data[:, label_col]
     bad = np.flatnonzero((y < 0) | (y != np.floor(y)))

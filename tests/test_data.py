@@ -70,6 +70,8 @@ def test_csv_loader_and_cache(tmp_path):
     ("p0,p1,p2,p3,p4\n0.5,0,0,0,0\n2,0,0,0,0\n3,0,0,0,0\n4,0,0,0,0\n5,0,0,0,0\n",
      "line 2, column 'p0' (the header names no 'label' column: the first is taken): label 0.5 is not"),
     ("-1,0,0,0,0\n2,0,0,0,0\n", "line 1, column 1: label -1"),
+    ("label;p0;p1;p2;p3\n1;0;0;0;0\n", "line 2 is separated by ';', not by commas"),
+    ("label\tp0\tp1\tp2\tp3\n1\t0\t0\t0\t0\n", "line 2 is separated by '\\t', not by commas"),
 ])
 def test_csv_errors_name_file_and_problem(tmp_path, text, needle):
     f = _write(tmp_path / "d.csv", text)
