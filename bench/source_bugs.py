@@ -55,6 +55,11 @@ RESULTS = ROOT / "bench" / "results"
 STEPS = 300
 
 
+# torch's one-process step: what it is fed (the two mutations of its input edit this text)
+TORCH_STEP_INPUT = ("            xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)\n"
+                    "            loss, replica_losses, acc = self._grads_single")
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -624,19 +629,15 @@ MUTATIONS = (
              args=("--optimizer", "nesterov", "--schedule", "warmup", "--steps", "200"), reference="numpy"),
     # ---- what the step is fed, changed inside the wrapper (the harness hands it the right batch)
     Mutation("torch_labels_rolled_by_one", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
-             "            xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)\n"
-             "            loss, replica_losses, acc = self._grads_single",
-             "            xt, yt = self._input(x), torch.as_tensor(np.roll(y, 1), dtype=torch.long, device=self.device)\n"
-             "            loss, replica_losses, acc = self._grads_single",
+             TORCH_STEP_INPUT,
+             TORCH_STEP_INPUT.replace("torch.as_tensor(y,", "torch.as_tensor(np.roll(y, 1),"),
              ("BUG",), ("loss",), "",
              "the labels shifted by one sample against their images inside the step (an off-by-one in a "
              "hand-written loader); every layer's output is right, the loss is not", reference="numpy",
              args=("--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
     Mutation("torch_last_sample_dropped", "mobilenet_tiny", "torch", 1, "wrappers/torch/backend.py",
-             "            xt, yt = self._input(x), torch.as_tensor(y, dtype=torch.long, device=self.device)\n"
-             "            loss, replica_losses, acc = self._grads_single",
-             "            xt, yt = self._input(x[:-1]), torch.as_tensor(y[:-1], dtype=torch.long, device=self.device)\n"
-             "            loss, replica_losses, acc = self._grads_single",
+             TORCH_STEP_INPUT,
+             TORCH_STEP_INPUT.replace("self._input(x), torch.as_tensor(y,", "self._input(x[:-1]), torch.as_tensor(y[:-1],"),
              ("BUG",), ("loss", "data"), "",
              "the step trains on 63 of the batch's 64 samples (a slice written [:-1]); the BatchNorm statistics "
              "and the mean loss are over one sample fewer", reference="numpy",

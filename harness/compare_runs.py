@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from .config_diff import differences
 from .errors import EXIT_BAD_INPUT, EXIT_CRASH, BackendFailed, BadInput, error_line
 
 DEFAULT_METRICS = "eval_loss,eval_accuracy,loss"
@@ -91,7 +92,6 @@ def _groups(runs, scanned: bool, force: bool) -> tuple[list[list], list[str]]:
 def _alone(run, groups: list[list], reference: str) -> str:
     """The note for a run with no other run of its configuration, saying how it differs from the reference's
     configuration (or the largest group's): a user who changed one flag by mistake sees which."""
-    from .config_diff import differences
     others = [r for g in groups for r in g if r is not run]
     try:   # the run -r picks, by the same rules as a group's reference
         base = _pick_reference(others, reference) if others else None

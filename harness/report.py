@@ -56,9 +56,9 @@ def read_comparison(path: Path) -> dict[str, Any]:
 def find_comparisons(folder: Path) -> list[Path]:
     """Every comparison.json under `folder`, but in runs/, report/ and hidden folders (the harness's own:
     .localize, .failed, .replaced: a run kept aside may hold a comparison written beside it)."""
-    return sorted(p for p in folder.rglob("comparison.json") if "runs" not in p.relative_to(folder).parts[:-1]
-                  and "report" not in p.relative_to(folder).parts
-                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    def ours(rel: tuple[str, ...]) -> bool:
+        return "runs" not in rel[:-1] and "report" not in rel and not any(part.startswith(".") for part in rel)
+    return sorted(p for p in folder.rglob("comparison.json") if ours(p.relative_to(folder).parts))
 
 
 def _short(name: str, ref: str) -> str:

@@ -209,7 +209,7 @@ def prepare(cfg: RunConfig, out_root: Path) -> Prepared:
 
 
 def comparability_hashes(cfg: RunConfig, prep: Prepared) -> dict[str, str]:
-    """What must be equal for two runs to be compared step by step (harness.runs.COMPARABILITY): the model,
+    """What must be equal for two runs to be compared step by step (harness.config_diff.COMPARABILITY): the model,
     the data, the batch order, the unperturbed initial weights and the hyper-parameters, as hashes."""
     return {"spec_hash": prep.model.hash(), "data_hash": prep.dataset_meta["hash"],
             "order_hash": hashlib.sha256(prep.order.tobytes()).hexdigest()[:16],

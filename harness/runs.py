@@ -228,11 +228,6 @@ def movable_keys(a: Run, b: Run, keys: list[str], exclude: set[str] = frozenset(
     return out
 
 
-def mismatches(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
-    """The comparability fields that differ: (field, value in a, value in b)."""
-    return [(f, a.manifest.get(f), b.manifest.get(f)) for f in COMPARABILITY if a.manifest.get(f) != b.manifest.get(f)]
-
-
 def comparability_key(run: Run) -> tuple:
     return tuple(run.manifest.get(f) for f in COMPARABILITY)
 
@@ -309,5 +304,5 @@ def same_config(man: dict[str, Any], cfg: RunConfig, ref_man: dict[str, Any], co
             and (man.get("init") or {}).get("perturb_ulp_seed") == cfg.perturb_ulp)
 
 
-__all__ = ["Run", "load_run", "discover", "mismatches", "config_of", "same_config", "SERIES", "STEP_SERIES",
+__all__ = ["Run", "load_run", "discover", "config_of", "same_config", "SERIES", "STEP_SERIES",
            "EVAL_SERIES", "COMPARABILITY"]

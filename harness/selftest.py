@@ -25,6 +25,7 @@ from .compare_runs import compare_folder
 from .defaults import REFERENCE
 from .errors import EXIT_BUG, EXIT_OK
 from .files import atomic_write_text
+from .report import find_comparisons
 from algorithms.contract import RunConfig
 
 
@@ -203,10 +204,7 @@ def plan(backends: tuple[str, ...], faults: tuple[str, ...], variants: tuple[str
 def _comparisons(folder: Path) -> dict[str, dict[str, Any]]:
     """candidate run name -> its pair record (with the reference), from every comparison.json."""
     out = {}
-    for c in folder.rglob("comparison.json"):
-        rel = c.relative_to(folder).parts
-        if "runs" in rel[:-1] or any(part.startswith(".") for part in rel):   # hidden: the harness's own
-            continue
+    for c in find_comparisons(folder):
         doc = json.loads(c.read_text())
         for pair in doc.get("pairs", []):
             if pair.get("with_reference"):

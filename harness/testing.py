@@ -33,7 +33,7 @@ from .baseline_set import INDEX, load_set
 from .defaults import REFERENCE
 from .exact_series import describe_diff, load_current, series_diff
 from .fingerprint import platform_fingerprint, same_platform
-from .runs import COMPARABILITY
+from .config_diff import COMPARABILITY
 
 
 @dataclass
