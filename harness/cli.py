@@ -3,6 +3,8 @@ harness/commands/, and the console entry. Every command: clear one-line errors, 
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import sys
 
 import click
@@ -15,7 +17,8 @@ from .commands.matrix import all_cmd, matrix_cmd
 from .commands.report import report_cmd
 from .commands.run import probe, run
 from .commands.selftest import selftest_cmd
-from .errors import EXIT_CRASH, EXIT_OK
+from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED
+from .worker_pool import interrupt
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -46,9 +49,26 @@ def one_blas_thread() -> None:
     threadpool_limits(limits=1)
 
 
+_SIGNALLED: list[int] = []
+
+
+def _stop(signum: int, _frame: object) -> None:
+    """Ctrl-C or SIGTERM: the backend processes (each in a process group of its own, out of the terminal's
+    reach) are killed and no new job starts, so the command ends within seconds, not when its queued runs are
+    done; runs already published stay and are reused by the same command again. A second signal ends at once."""
+    if _SIGNALLED:
+        os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+    _SIGNALLED.append(signum)
+    interrupt()
+    raise KeyboardInterrupt
+
+
 def entry() -> None:
-    """Console entry: usage errors become one line (`duipai: error: ...`) and exit code 2."""
+    """Console entry: usage errors become one line (`duipai: error: ...`) and exit code 2; an interrupt is one
+    line and exit code 130 (143 for SIGTERM)."""
     one_blas_thread()
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         main.main(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
@@ -57,9 +77,11 @@ def entry() -> None:
     except click.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "duipai"
         fail(f"{e.format_message()} (see `{cmd.replace('python -m harness.cli', 'duipai')} --help`)")
-    except click.Abort:
-        click.echo("duipai: interrupted", err=True)
-        sys.exit(130)
+    except (click.Abort, KeyboardInterrupt):
+        terminated = _SIGNALLED[:1] == [signal.SIGTERM]
+        click.echo(f"duipai: {'terminated' if terminated else 'interrupted'}: what finished is kept (runs, probe "
+                   "and replay jobs) and the same command again reuses it", err=True)
+        sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

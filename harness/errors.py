@@ -8,10 +8,17 @@ from pathlib import Path
 
 # exit codes shared by every command
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
+# stopped by the user (Ctrl-C, SIGINT) or by the system (SIGTERM: a CI job cancelled): 128 + the signal, as a shell
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 class BadInput(Exception):
     """User error: one clear line, exit 2, nothing written."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A job that did not start or was stopped because the command was interrupted: not a backend's failure, so
+    nothing is recorded for it (no `.failed/` log, no failed entry); the next run of the same command does it."""
 
 
 class BackendFailed(Exception):

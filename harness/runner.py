@@ -270,6 +270,9 @@ def execute(cfg: RunConfig, out_root: Path, name: str | None = None, *, mode: st
         rc, last, jobs_before = run_job(shared_pool(PROJECT_ROOT), configuration, _child_env(), tmp / JOB_FILE,
                                         tmp / RUN_LOG, on_progress, t0 + timeout if timeout else None,
                                         fresh=fresh_process or mode == "train")
+    except KeyboardInterrupt:     # the command was interrupted: nothing of this run is kept, nothing recorded
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except BaseException:
         _fail(tmp, out_root, name)
         raise

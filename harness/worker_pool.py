@@ -7,6 +7,10 @@ process that finished a job cleanly waits for the next job with the same backend
 options (what a framework fixes when it is first used: environment, device count, precision,
 fault), and runs it exactly as a fresh one would; a job that fails, times out or crashes ends its
 process. DUIPAI_FRESH_PROCESSES=1 gives every job a process of its own, as before.
+
+Each process leads a process group of its own, so that the harness, not the terminal, decides when it ends:
+a timeout or an interrupt kills the whole group (a multi-process job's processes with it), and `interrupt()`
+stops every running job at once when the command is interrupted (Ctrl-C, SIGTERM).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import atexit
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -22,12 +27,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import Interrupted
+
 # idle processes kept at most (the least recently used one ends first), and the memory they may hold
 # together: a TensorFlow or Keras process holds 0.3-0.55 GB, a NumPy one 0.04 GB
 MAX_IDLE = max(0, int(os.environ.get("DUIPAI_WARM_PROCESSES", "12")))
 # jobs one process runs at most before it is replaced: what a framework keeps between jobs stays bounded
 MAX_JOBS = 64
 FRESH_ENV = "DUIPAI_FRESH_PROCESSES"
+# set once the command is interrupted: no job starts after it, and every running one is killed
+_STOPPING = threading.Event()
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.RLock()   # re-entrant: `interrupt` (a signal handler) may run while its thread holds it
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill a job's process and every process it started (its group), and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def interrupt() -> None:
+    """The command was interrupted: no further job starts (`run_job` raises Interrupted), every running job's
+    process group is killed now, and the idle processes end. Safe to call from a signal handler."""
+    _STOPPING.set()
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if _POOL is not None:
+        _POOL.close(grace_s=0.0)
 
 
 def memory_budget() -> int:
@@ -73,7 +108,7 @@ def stream_progress(proc: subprocess.Popen, on_progress: Callable[[dict], None] 
         if line is None:
             break
         if deadline and time.time() > deadline:
-            proc.kill()
+            kill(proc)
             last["timeout"] = True
             break
         try:
@@ -99,7 +134,7 @@ class Pool:
     def __init__(self, command: list[str], cwd: Path):
         self.command, self.cwd = command, cwd
         self.idle: list[Worker] = []       # least recently used first
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()      # re-entrant: `interrupt` may run while this thread holds it
 
     def take(self, key: str, env: dict[str, str]) -> Worker:
         with self.lock:
@@ -113,7 +148,7 @@ class Pool:
 
     def start(self, key: str, env: dict[str, str]) -> Worker:
         proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, cwd=self.cwd, env=env)
+                                stderr=subprocess.DEVNULL, text=True, cwd=self.cwd, env=env, start_new_session=True)
         return Worker(key, proc)
 
     def give_back(self, w: Worker, reusable: bool) -> None:
@@ -131,10 +166,10 @@ class Pool:
             del self.idle[:n]
         end(*surplus)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
         with self.lock:
             workers, self.idle = self.idle, []
-        end(*workers)
+        end(*workers, grace_s=grace_s)
 
 
 def end(*workers: Worker, grace_s: float = 5.0) -> None:
@@ -151,8 +186,7 @@ def end(*workers: Worker, grace_s: float = 5.0) -> None:
         try:
             w.proc.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
+            kill(w.proc)
 
 
 def send(w: Worker, request: str) -> bool:
@@ -171,20 +205,33 @@ def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path,
             fresh: bool = False) -> tuple[int, dict[str, Any], int]:
     """Run one job in a warm process of this configuration and environment, or in a new one (always, when
     `fresh`; afterwards it may serve other jobs): (exit code, its merged progress messages, how many jobs that
-    process ran before). -9: killed at the deadline."""
+    process ran before). -9: killed at the deadline. Interrupted once the command is (`interrupt`)."""
+    if _STOPPING.is_set():
+        raise Interrupted()
     key = json.dumps([configuration, env], sort_keys=True)
     w = pool.start(key, env) if fresh else pool.take(key, env)
     request = json.dumps({"job": str(job_file), "log": str(log_file)}) + "\n"
     try:
+        with _RUNNING_LOCK:
+            _RUNNING.add(w.proc)
+        if _STOPPING.is_set():      # interrupted while it started: `interrupt` did not see it
+            raise Interrupted()
         if not send(w, request):    # it ended while idle (after `take` looked): a new one
             end(w)
-            w = pool.start(key, env)
+            with _RUNNING_LOCK:
+                _RUNNING.discard(w.proc)
+                w = pool.start(key, env)
+                _RUNNING.add(w.proc)
             send(w, request)
         last = stream_progress(w.proc, on_progress, deadline)
+        if _STOPPING.is_set():      # killed by `interrupt`: no exit code of the job's own
+            raise Interrupted()
     except BaseException:
-        w.proc.kill()
-        w.proc.wait()
+        kill(w.proc)
         raise
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(w.proc)
     before = w.jobs
     if last.get("timeout"):       # killed by stream_progress; give_back reaps it
         pool.give_back(w, reusable=False)
