@@ -17,7 +17,7 @@ from .commands.matrix import all_cmd, matrix_cmd
 from .commands.report import report_cmd
 from .commands.run import probe, run
 from .commands.selftest import selftest_cmd
-from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED
+from .errors import EXIT_CRASH, EXIT_OK
 from .worker_pool import interrupt
 
 
@@ -49,15 +49,17 @@ def one_blas_thread() -> None:
     threadpool_limits(limits=1)
 
 
+# what ends a command cleanly (exit 128 + the signal, as a shell says): Ctrl-C, a CI job cancelled, the terminal closed
+STOP_SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
 _SIGNALLED: list[int] = []
 
 
 def _stop(signum: int, _frame: object) -> None:
-    """Ctrl-C or SIGTERM: the backend processes (each in a process group of its own, out of the terminal's
+    """Ctrl-C, SIGTERM or SIGHUP: the backend processes (each in a process group of its own, out of the terminal's
     reach) are killed and no new job starts, so the command ends within seconds, not when its queued runs are
     done; runs already published stay and are reused by the same command again. A second signal ends at once."""
     if _SIGNALLED:
-        os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+        os._exit(128 + signum)
     _SIGNALLED.append(signum)
     interrupt()
     raise KeyboardInterrupt
@@ -65,10 +67,17 @@ def _stop(signum: int, _frame: object) -> None:
 
 def entry() -> None:
     """Console entry: usage errors become one line (`duipai: error: ...`) and exit code 2; an interrupt is one
-    line and exit code 130 (143 for SIGTERM)."""
+    line and exit code 128 + the signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
     one_blas_thread()
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    before = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
+    try:
+        _main()
+    finally:   # called in-process (tests, harness.testing): the caller's handlers again
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _main() -> None:
     try:
         main.main(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
@@ -78,10 +87,10 @@ def entry() -> None:
         cmd = e.ctx.command_path if e.ctx else "duipai"
         fail(f"{e.format_message()} (see `{cmd.replace('python -m harness.cli', 'duipai')} --help`)")
     except (click.Abort, KeyboardInterrupt):
-        terminated = _SIGNALLED[:1] == [signal.SIGTERM]
-        click.echo(f"duipai: {'terminated' if terminated else 'interrupted'}: what finished is kept (runs, probe "
-                   "and replay jobs) and the same command again reuses it", err=True)
-        sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+        signum = _SIGNALLED[0] if _SIGNALLED else signal.SIGINT
+        click.echo(f"duipai: {STOP_SIGNALS[signum]}: what finished is kept (runs, probe and replay jobs) and the "
+                   "same command again reuses it", err=True)
+        sys.exit(128 + signum)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

@@ -8,8 +8,7 @@ from pathlib import Path
 
 # exit codes shared by every command
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
-# stopped by the user (Ctrl-C, SIGINT) or by the system (SIGTERM: a CI job cancelled): 128 + the signal, as a shell
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+# stopped by a signal (Ctrl-C, SIGTERM, SIGHUP): 128 + the signal, as a shell says (harness/cli.py: STOP_SIGNALS)
 
 
 class BadInput(Exception):

@@ -9,8 +9,9 @@ fault), and runs it exactly as a fresh one would; a job that fails, times out or
 process. DUIPAI_FRESH_PROCESSES=1 gives every job a process of its own, as before.
 
 Each process leads a process group of its own, so that the harness, not the terminal, decides when it ends:
-a timeout or an interrupt kills the whole group (a multi-process job's processes with it), and `interrupt()`
-stops every running job at once when the command is interrupted (Ctrl-C, SIGTERM).
+a timeout or an interrupt kills the whole group (a multi-process job's launcher with it; torchrun's ranks,
+in sessions of their own, end with their agents' pipes), and `interrupt()` stops every running job at once
+when the command is interrupted (Ctrl-C, SIGTERM, SIGHUP).
 """
 from __future__ import annotations
 
@@ -42,25 +43,36 @@ _RUNNING_LOCK = threading.RLock()   # re-entrant: `interrupt` (a signal handler)
 
 
 def kill(proc: subprocess.Popen) -> None:
-    """Kill a job's process and every process it started (its group), and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+    """Kill a job's process and every process it started (its group), and reap it. Not once reaped: its number
+    may then be another process's."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
     proc.wait()
+
+
+def _register(proc: subprocess.Popen) -> None:
+    """A job's process is running: `interrupt` kills it from now on; Interrupted if the command already was
+    (after `interrupt` looked, so it did not see this one)."""
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    if _STOPPING.is_set():
+        raise Interrupted()
 
 
 def interrupt() -> None:
     """The command was interrupted: no further job starts (`run_job` raises Interrupted), every running job's
     process group is killed now, and the idle processes end. Safe to call from a signal handler."""
     _STOPPING.set()
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for proc in running:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    with _RUNNING_LOCK:      # held while signalling: a job's thread takes its process out before reaping it
+        for proc in _RUNNING:
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
     if _POOL is not None:
         _POOL.close(grace_s=0.0)
 
@@ -212,26 +224,24 @@ def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path,
     w = pool.start(key, env) if fresh else pool.take(key, env)
     request = json.dumps({"job": str(job_file), "log": str(log_file)}) + "\n"
     try:
-        with _RUNNING_LOCK:
-            _RUNNING.add(w.proc)
-        if _STOPPING.is_set():      # interrupted while it started: `interrupt` did not see it
-            raise Interrupted()
+        _register(w.proc)
         if not send(w, request):    # it ended while idle (after `take` looked): a new one
-            end(w)
             with _RUNNING_LOCK:
                 _RUNNING.discard(w.proc)
-                w = pool.start(key, env)
-                _RUNNING.add(w.proc)
+            end(w)
+            w = pool.start(key, env)
+            _register(w.proc)
             send(w, request)
         last = stream_progress(w.proc, on_progress, deadline)
         if _STOPPING.is_set():      # killed by `interrupt`: no exit code of the job's own
             raise Interrupted()
     except BaseException:
-        kill(w.proc)
-        raise
-    finally:
         with _RUNNING_LOCK:
             _RUNNING.discard(w.proc)
+        kill(w.proc)
+        raise
+    with _RUNNING_LOCK:
+        _RUNNING.discard(w.proc)
     before = w.jobs
     if last.get("timeout"):       # killed by stream_progress; give_back reaps it
         pool.give_back(w, reusable=False)

@@ -78,12 +78,13 @@ def stop(proc: subprocess.Popen, sig: int) -> tuple[int, str, float]:
     return proc.returncode, err, time.time() - t0
 
 
-def test_sigint_ends_a_run_and_its_backend_process_and_keeps_nothing_of_it(tmp_path):
+@pytest.mark.parametrize("sig, said", [(signal.SIGINT, "interrupted"), (signal.SIGHUP, "hung up")])
+def test_a_signal_ends_a_run_and_its_backend_process_and_keeps_nothing_of_it(tmp_path, sig, said):
     proc = start(tmp_path, "run", "-b", "numpy", *LONG, "--out", "res")
     workers = wait_for_job(proc, tmp_path / "res")
-    rc, err, took = stop(proc, signal.SIGINT)
-    assert rc == 130, err
-    assert err.strip().splitlines()[-1].startswith("duipai: interrupted"), err
+    rc, err, took = stop(proc, sig)
+    assert rc == 128 + sig, err
+    assert err.strip().splitlines()[-1].startswith(f"duipai: {said}"), err
     assert "Traceback" not in err
     assert took < 30
     time.sleep(0.5)
