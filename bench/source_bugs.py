@@ -551,6 +551,35 @@ MUTATIONS = (
              "the all-reduced count of correct predictions divided by one replica's batch: the reported training "
              "accuracy doubled, training untouched",
              args=("--steps", "100")),
+    Mutation("jax_dp_shards_in_reverse_replica_order", "cnn2d_hard", "jax", 2, "wrappers/jax/parallel.py",
+             "        if self.multi:\n            return global_array((x, y, m), self.data_sharded)\n",
+             "        # the replicas' shards in reverse order (a port that enumerated the devices backwards)\n"
+             "        half = len(x) // self.replicas\n"
+             "        x, y, m = np.roll(x, half, 0), np.roll(y, half, 0), {k: np.roll(v, half, 0) for k, v in m.items()}\n"
+             "        if self.multi:\n            return global_array((x, y, m), self.data_sharded)\n",
+             ("BUG",), ("forward", "eval", "data"), "bn1",
+             "replica 0 trains on the second half of the batch: every sample is normalised with the same half's "
+             "statistics as before and the mean gradient is the same sum, but the running statistics, folded from "
+             "replica 0's, are the other half's",
+             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
+    Mutation("keras_tensorflow_dp_shards_in_reverse_replica_order", "cnn2d_hard", "keras-tensorflow", 2,
+             "wrappers/keras/runtimes/tensorflow.py",
+             "        return shard_bounds(batch, self.replicas, self.fault)\n",
+             "        return shard_bounds(batch, self.replicas, self.fault)[::-1]   # replica 0 takes the last shard\n",
+             ("BUG",), ("forward", "eval", "data"), "bn1",
+             "the same port slip in MirroredStrategy: data and dropout masks stay together, the loss and gradient "
+             "are the same sums, the exported and evaluated moving statistics (replica 0's) are the other half's",
+             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
+    Mutation("keras_jax_dp_shards_in_reverse_replica_order", "cnn2d_hard", "keras-jax", 2, "wrappers/keras/parallel.py",
+             '        if self.fault != "overlapping_shards":\n            return x, y, masks\n',
+             '        if self.fault != "overlapping_shards":\n            half = len(x) // self.replicas   # the shards '
+             'in reverse order\n            return (np.roll(x, half, 0), np.roll(y, half, 0),\n'
+             '                    {k: np.roll(v, half, 0) for k, v in masks.items()})\n',
+             ("IDENTICAL", "DRIFT", "DECLARED"), (), "",
+             "no bug: keras-jax's one GSPMD program normalises over the global batch (BatchNorm statistics over "
+             "all replicas), so which replica holds which half only reorders sums: drift, as the data-parallel "
+             "control of the two mutations above",
+             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
     Mutation("jax_bn_stats_moved_by_a_metrics_forward", "cnn2d_hard", "jax", 1, "wrappers/jax/backend.py",
              "        logits, new_buffers = aux[0], aux[1]\n",
              "        # the accuracy's logits from a second training-mode forward, fed the running statistics it just moved\n"
