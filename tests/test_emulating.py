@@ -19,7 +19,7 @@ INFO = {
     "numpy": {"missing": [], "faults": [], "capabilities": ["float64"], "emulations": [],
               "no_data_parallel": "one process"},
     "keras-jax": {"missing": [], "faults": [], "capabilities": ["data_parallel", "float64"], "emulations": [],
-                  "no_data_parallel": ""},
+                  "no_data_parallel": "", "replica_running_stats": "global"},
     "tensorflow": {"missing": [], "faults": ["adam_eps_hat"], "capabilities": ["data_parallel", "float64", "sync_bn"],
                    "emulations": ["bn_running_var_biased"], "no_data_parallel": "", "replica_running_stats": "mean"},
 }
@@ -174,3 +174,16 @@ def test_a_stand_in_for_a_data_parallel_keras_reference_folds_running_statistics
     assert got["change"] == {"devices": 2, "backend": "torch", "fault": "bn_replica_mean_running_stats"}
     assert got["check"]["reference_check"]["change"] == {
         "backend": "torch", "fault": "adam_eps_hat+adam_float32_betas+bn_running_var_biased"}
+
+
+def test_a_reference_whose_data_parallel_program_has_no_replicas_does_not_emulate_per_replica_statistics():
+    """Found as a user (session 33, the AMD VM): `duipai compare resnet_tiny runs -r keras-jax` had keras-tensorflow at
+    --devices 2 BUG at `forward: stem_bn`: its per-replica statistics were \"emulated\" by keras-jax at --devices 2,
+    whose one GSPMD program normalises over the global batch (286 of 286 probes disagreeing). Now a backend that
+    declares emulations computes them from the reference's states, as for torch and tensorflow at --devices 2."""
+    kj = _run("keras-jax", KERAS_ADAM)
+    got = emulation(kj, _run("keras-tensorflow", KERAS_ADAM + [PER_REPLICA], devices=2), INFO)
+    assert got["change"] is not None and got["change"].get("backend") in ("torch", "jax"), got
+    assert got["change"]["devices"] == 2
+    # a reference whose data-parallel program keeps per-replica statistics still computes them itself
+    assert emulation(_run("torch"), _run("jax", [PER_REPLICA], devices=2), INFO)["change"] == {"devices": 2}

@@ -42,6 +42,7 @@ class KerasJaxEntry(_KerasEntry):
     description = "Keras 3 on its JAX backend"
     # sync_bn: accepted; under GSPMD BatchNorm is always over the global batch (said in the manifest)
     capabilities = frozenset({"data_parallel", "sync_bn", "float64", "threads"})
+    replica_running_stats = "global"   # so it cannot compute per-replica statistics for a candidate at dp N
     faults = KERAS_FAULTS | DP_FAULTS
 
     @classmethod
