@@ -73,9 +73,7 @@ class Entry:
     no_data_parallel: ClassVar[str] = ""
     # what it can do (names from CAPABILITIES): the harness and the tests read these, never a backend's name
     capabilities: ClassVar[frozenset[str]] = frozenset()
-    # per-replica BatchNorm at dp N keeps replica 0's running statistics, or "mean" of the replicas'; "global": none
-    # per replica at all (one program over the global batch normalises over all of it)
-    replica_running_stats: ClassVar[str] = "replica 0"
+    replica_running_stats: ClassVar[str] = "replica 0"   # at dp N: replica 0's, "mean", or "global" (no replicas' own)
     # the catalogued faults (algorithms/faults.py) its wrapper implements; WORKER_FAULTS come on top for every backend
     faults: ClassVar[frozenset[str]] = frozenset()
     emulations: ClassVar[frozenset[str]] = frozenset()   # of declared differences, '+'-joinable: harness/emulating.py
