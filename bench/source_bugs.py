@@ -60,6 +60,10 @@ TORCH_STEP_INPUT = ("            xt, yt = self._input(x), torch.as_tensor(y, dty
                     "            loss, replica_losses, acc = self._grads_single")
 
 
+# the shard-order mutations' configuration
+SHARD_ORDER_ARGS = ("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -561,7 +565,7 @@ MUTATIONS = (
              "replica 0 trains on the second half of the batch: every sample is normalised with the same half's "
              "statistics as before and the mean gradient is the same sum, but the running statistics, folded from "
              "replica 0's, are the other half's",
-             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
+             args=SHARD_ORDER_ARGS),
     Mutation("keras_tensorflow_dp_shards_in_reverse_replica_order", "cnn2d_hard", "keras-tensorflow", 2,
              "wrappers/keras/runtimes/tensorflow.py",
              "        return shard_bounds(batch, self.replicas, self.fault)\n",
@@ -569,7 +573,7 @@ MUTATIONS = (
              ("BUG",), ("forward", "eval", "data"), "bn1",
              "the same port slip in MirroredStrategy: data and dropout masks stay together, the loss and gradient "
              "are the same sums, the exported and evaluated moving statistics (replica 0's) are the other half's",
-             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
+             args=SHARD_ORDER_ARGS),
     Mutation("keras_jax_dp_shards_in_reverse_replica_order", "cnn2d_hard", "keras-jax", 2, "wrappers/keras/parallel.py",
              '        if self.fault != "overlapping_shards":\n            return x, y, masks\n',
              '        if self.fault != "overlapping_shards":\n            half = len(x) // self.replicas   # the shards '
@@ -579,7 +583,7 @@ MUTATIONS = (
              "no bug: keras-jax's one GSPMD program normalises over the global batch (BatchNorm statistics over "
              "all replicas), so which replica holds which half only reorders sums: drift, as the data-parallel "
              "control of the two mutations above",
-             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "120")),
+             args=SHARD_ORDER_ARGS),
     Mutation("jax_bn_stats_moved_by_a_metrics_forward", "cnn2d_hard", "jax", 1, "wrappers/jax/backend.py",
              "        logits, new_buffers = aux[0], aux[1]\n",
              "        # the accuracy's logits from a second training-mode forward, fed the running statistics it just moved\n"

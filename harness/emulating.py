@@ -43,8 +43,9 @@ def _fault_on(info: dict[str, Any], faults: list[str], fold: bool | None) -> str
     statistics emulated at dp > 1), running statistics folded as the candidate's (True: the MEAN over the
     replicas): its own fold, or replica 0's plus the MEAN emulation; None where it cannot (it folds the MEAN and
     the candidate keeps replica 0's, or it normalises over the global batch at dp N: one program over all replicas)."""
-    mean = info.get("replica_running_stats") == "mean"
-    if fold is not None and (info.get("replica_running_stats") == "global" or mean and not fold):
+    how = info.get("replica_running_stats")
+    mean = how == "mean"
+    if fold is not None and (how == "global" or mean and not fold):
         return None     # no per-replica statistics at dp N at all, or the MEAN where the candidate keeps replica 0's
     return combine(faults + (["bn_replica_mean_running_stats"] if fold and not mean else [])) or ""
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # exit codes shared by every command
-EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
-# stopped by a signal (Ctrl-C, SIGTERM, SIGHUP): 128 + the signal, as a shell says (harness/cli.py: STOP_SIGNALS)
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3   # and 128 + a signal when stopped (cli.STOP_SIGNALS)
 
 
 class BadInput(Exception):

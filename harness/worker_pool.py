@@ -42,14 +42,19 @@ _RUNNING: set[subprocess.Popen] = set()
 _RUNNING_LOCK = threading.RLock()   # re-entrant: `interrupt` (a signal handler) may run while its thread holds it
 
 
-def kill(proc: subprocess.Popen) -> None:
-    """Kill a job's process and every process it started (its group), and reap it. Not once reaped: its number
-    may then be another process's."""
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a job's process and every process it started (its group); never one already reaped (its number may
+    then be another process's)."""
     if proc.returncode is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             proc.kill()
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill a job's process group and reap the process."""
+    _kill_group(proc)
     proc.wait()
 
 
@@ -62,17 +67,19 @@ def _register(proc: subprocess.Popen) -> None:
         raise Interrupted()
 
 
+def _unregister(proc: subprocess.Popen) -> None:
+    """The job's process is done with (before it is reaped: `interrupt` never signals a reaped one)."""
+    with _RUNNING_LOCK:
+        _RUNNING.discard(proc)
+
+
 def interrupt() -> None:
     """The command was interrupted: no further job starts (`run_job` raises Interrupted), every running job's
     process group is killed now, and the idle processes end. Safe to call from a signal handler."""
     _STOPPING.set()
     with _RUNNING_LOCK:      # held while signalling: a job's thread takes its process out before reaping it
         for proc in _RUNNING:
-            if proc.returncode is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _kill_group(proc)
     if _POOL is not None:
         _POOL.close(grace_s=0.0)
 
@@ -226,8 +233,7 @@ def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path,
     try:
         _register(w.proc)
         if not send(w, request):    # it ended while idle (after `take` looked): a new one
-            with _RUNNING_LOCK:
-                _RUNNING.discard(w.proc)
+            _unregister(w.proc)
             end(w)
             w = pool.start(key, env)
             _register(w.proc)
@@ -236,12 +242,10 @@ def run_job(pool: Pool, configuration: str, env: dict[str, str], job_file: Path,
         if _STOPPING.is_set():      # killed by `interrupt`: no exit code of the job's own
             raise Interrupted()
     except BaseException:
-        with _RUNNING_LOCK:
-            _RUNNING.discard(w.proc)
+        _unregister(w.proc)
         kill(w.proc)
         raise
-    with _RUNNING_LOCK:
-        _RUNNING.discard(w.proc)
+    _unregister(w.proc)
     before = w.jobs
     if last.get("timeout"):       # killed by stream_progress; give_back reaps it
         pool.give_back(w, reusable=False)
