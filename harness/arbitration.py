@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.batch_rows import align
 from harness.probes import running_mean_scale
 
 MARGIN = 3.0          # x the arbiter's own float32 RMS error at the key (Inductor: 2 for fp32; the probes use 3)
@@ -150,6 +151,10 @@ def arbitrate(candidate: dict[str, Any], reference: dict[str, Any], exact: dict[
     from the arbiter's float32 probes `calib` and the side's own float64 probes `candidate64`/`reference64`,
     each optional; a shape mismatch or a non-finite value is an infinite error). Keys whose exact values are
     not finite cannot be judged and are listed, as are keys one side lacks."""
+    if layers:   # each side's activation rows in the exact computation's order (harness.batch_rows)
+        candidate, reference = align(candidate, exact, layers)[0], align(reference, exact, layers)[0]
+        candidate64 = align(candidate64, exact, layers)[0] if candidate64 else candidate64
+        reference64 = align(reference64, exact, layers)[0] if reference64 else reference64
     pool = list(keys) if keys is not None else list(exact)
     out = Arbitration("neither", calibrated=calib is not None)
     worst_ratio = -1.0

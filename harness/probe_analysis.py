@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import probes
+from . import batch_rows, probes
 
 R_EPS = 1e-7   # CRADLE's denominator guard
 # Where an inherited error arose (see `origin`): it grew at least ORIGIN_JUMP-fold across one layer, to at
@@ -117,13 +117,18 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
             margin: float = 3.0, nudged: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
     probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
-    of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients."""
+    of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients.
+    The candidate's activation rows are first matched to the reference's (harness.batch_rows: the same samples in
+    another row order are not a different computation); `rows_matched` says where that moved rows."""
+    a, moved = batch_rows.align(a, b, layers)
     logits = f"forward/{layers[-1]}" if layers else None
     diffs = {d.key: d for d in probes.compare(a, b, rel_tol, ref64=ref64, margin=margin, logits_key=logits,
                                                           nudged=nudged)}
     missing = probes.missing_keys(a, b)
     out: dict[str, Any] = {"stage": None, "layer": None, "parameter": None, "probe": None, "rel": None,
                            "disagreeing_keys": [k for k, d in diffs.items() if not d.ok], "missing_keys": missing}
+    if moved:
+        out["rows_matched"] = moved
     # forward, layer by layer, in the spec's order
     table = layer_table(diffs, "forward/", layers)
     out["layers"] = table

@@ -29,6 +29,7 @@ from algorithms.params import load_npz
 
 from .implied import optimizer_rest
 from .kinks import explaining
+from .batch_rows import align as align_rows
 from .bias_test import sequential_test, signed_deviations
 from .probe_analysis import eval_disagreement
 from .probes import BACKWARD_KINDS, kind_of
@@ -177,6 +178,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     explained the same way, by their formula, never by the flip."""
     results, evidence, devs, owns, by_formula = [], [], [], [], {}
     for t, pa, pb, p64, plain in rep["probes"]:
+        pa = align_rows(pa, pb, layers)[0]   # the same samples in another row order (harness.batch_rows)
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))

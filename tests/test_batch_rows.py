@@ -1,0 +1,97 @@
+"""The same samples in another row order are matched before activations are compared (harness.batch_rows), and
+nothing else is: a permutation that changes the computation still disagrees where it does."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.batch_rows import ROW_TOL, align, matching
+from harness.probe_analysis import analyse
+from harness.probes import compare
+
+LAYERS = ["conv1", "bn1", "fc"]
+N = 16
+
+
+def reference(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    conv = rng.normal(size=(N, 4, 4, 3)).astype(np.float32)
+    bn = (conv - conv.mean(axis=(0, 1, 2))) / conv.std(axis=(0, 1, 2))
+    fc = rng.normal(size=(N, 10)).astype(np.float32)
+    out = {"forward/conv1": conv, "forward/bn1": bn, "forward/fc": fc,
+           "eval/conv1": conv, "eval/bn1": 0.9 * conv, "eval/fc": fc, "loss": np.asarray(2.3),
+           "grad/fc.kernel": rng.normal(size=(5, 10)), "update0/fc.kernel": rng.normal(size=(5, 10))}
+    return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
+def rolled(p: dict[str, np.ndarray], shift: int = N // 2, prefixes: tuple[str, ...] = ("forward/", "eval/")):
+    """The second half of the batch first, as a port that hands replica 0 the other shard holds it."""
+    return {k: (np.roll(v, shift, 0) if k.startswith(prefixes) else v) for k, v in p.items()}
+
+
+def test_the_same_samples_in_another_order_agree_and_say_so():
+    ref = reference()
+    res = analyse(rolled(ref), ref, LAYERS)
+    assert res["stage"] is None and res["disagreeing_keys"] == []
+    assert res["rows_matched"] == {"forward/": N, "eval/": N}
+    # compared row by row, every activation disagrees from the first layer on
+    off = {d.key for d in compare(rolled(ref), ref) if not d.ok}
+    assert off == {k for k in ref if k.startswith(("forward/", "eval/"))}
+    assert matching(np.roll(ref["forward/conv1"], 3, 0), ref["forward/conv1"]) is not None
+
+
+def test_the_reference_order_is_left_alone():
+    ref = reference()
+    res = analyse(dict(ref), ref, LAYERS)
+    assert "rows_matched" not in res and res["disagreeing_keys"] == []
+    assert align(ref, ref, LAYERS)[1] == {}
+
+
+def test_statistics_over_other_samples_still_disagree_at_their_layer():
+    """Per-replica BatchNorm over the other half: the matched rows agree at conv1 and not at bn1."""
+    ref = reference()
+    cand = rolled(ref)
+    conv = cand["forward/conv1"]
+    half = N // 2
+    cand["forward/bn1"] = np.concatenate([(s - s.mean(axis=(0, 1, 2))) / s.std(axis=(0, 1, 2))
+                                          for s in (conv[:half], conv[half:])])
+    res = analyse(cand, ref, LAYERS)
+    assert (res["stage"], res["layer"]) == ("forward", "bn1")
+    assert res["rows_matched"]["forward/"] == N
+
+
+def test_a_label_that_did_not_move_with_its_sample_shows_in_the_loss():
+    ref = reference()
+    cand = rolled(ref)
+    cand["loss"] = np.asarray(2.9)
+    res = analyse(cand, ref, LAYERS)
+    assert res["stage"] == "loss"
+
+
+def test_duplicated_samples_are_no_permutation():
+    """Overlapping shards (replica 1 trains on replica 0's half again) are not a reordering of the batch."""
+    ref = reference()
+    cand = dict(ref)
+    for k in ("forward/conv1", "forward/bn1", "forward/fc"):
+        cand[k] = np.concatenate([ref[k][:N // 2]] * 2)
+    res = analyse(cand, ref, LAYERS)
+    assert "rows_matched" not in res
+    assert (res["stage"], res["layer"]) == ("forward", "conv1")
+
+
+def test_a_first_layer_off_beyond_the_row_tolerance_is_compared_in_the_order_it_came():
+    ref = reference()
+    cand = rolled(ref)
+    cand["forward/conv1"] = cand["forward/conv1"] * (1 + 10 * ROW_TOL)
+    res = analyse(cand, ref, LAYERS)
+    assert res["rows_matched"] == {"eval/": N}   # the evaluation's rows, untouched, still match
+    assert (res["stage"], res["layer"]) == ("forward", "conv1")
+
+
+def test_a_small_first_layer_error_is_seen_after_the_matching():
+    """Within the row tolerance the rows are matched, and the per-key tolerance still sees the error at conv1."""
+    ref = reference()
+    cand = rolled(ref)
+    cand["forward/conv1"] = cand["forward/conv1"] * (1 + 0.1 * ROW_TOL)
+    res = analyse(cand, ref, LAYERS)
+    assert res["rows_matched"]["forward/"] == N
+    assert (res["stage"], res["layer"]) == ("forward", "conv1")
