@@ -8,7 +8,8 @@ disagree from the first layer on, and the first is a false BUG. So, per group of
 (`forward/<layer>`, `eval/<layer>`, and any prefix ending in those), the rows of the first layer in spec order
 are matched to the reference's by a bijection of the batch axis (an optimal assignment on the row distances),
 accepted only when every matched row agrees within ROW_TOL of its own size and the identity order does not;
-every layer of that group is then permuted alike. A computation that differs after the matching (per-replica
+every layer of that group with as many rows is then permuted alike (a probe may keep a few rows of a large layer
+and every row of a small one: each row count is matched at its first layer). A computation that differs after the matching (per-replica
 statistics over other samples, a dropout mask that did not move with its sample, a label that did not) still
 disagrees where it happens; one that differs at the first layer by more than ROW_TOL is compared in the order it
 came, so the first layer is still where it shows.
@@ -63,22 +64,25 @@ def matching(x: np.ndarray, y: np.ndarray, tol: float = ROW_TOL) -> np.ndarray |
 
 
 def align(a: dict[str, Any], b: dict[str, Any], layers: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
-    """(a with each activation group's rows in b's order where `matching` finds one, {prefix: rows moved}).
+    """(a with each activation group's rows in b's order where `matching` finds one, {prefix: most rows moved}).
     Keys outside the activation groups (the loss, gradients, updates, buffers, optimizer state) are untouched:
     they are sums over the batch, with no row order of their own."""
     common = [k for k in b if k in a]
     out, moved = dict(a), {}
     for prefix, keys in _groups(common, layers).items():
-        first = np.asarray(a[keys[0]])
-        order = matching(first, np.asarray(b[keys[0]]))
-        if order is None:
-            continue
-        n = first.shape[0]
+        orders: dict[int, np.ndarray | None] = {}   # per row count: a probe may keep a few rows of a large layer
         for k in keys:
             v = np.asarray(a[k])
-            if v.ndim >= 1 and v.shape[0] == n:
-                out[k] = v[order]
-        moved[prefix] = int(np.sum(order != np.arange(n)))
+            if v.ndim < 1:
+                continue
+            n = v.shape[0]
+            if n not in orders:
+                orders[n] = matching(v, np.asarray(b[k]))
+            if orders[n] is not None:
+                out[k] = v[orders[n]]
+        shifted = [int(np.sum(o != np.arange(len(o)))) for o in orders.values() if o is not None]
+        if shifted:
+            moved[prefix] = max(shifted)
     return out, moved
 
 

@@ -95,3 +95,19 @@ def test_a_small_first_layer_error_is_seen_after_the_matching():
     res = analyse(cand, ref, LAYERS)
     assert res["rows_matched"]["forward/"] == N
     assert (res["stage"], res["layer"]) == ("forward", "conv1")
+
+
+def test_a_few_rows_of_a_large_layer_and_every_row_of_a_small_one_are_matched_apart():
+    """Replayed probes keep 8 rows of a spatial layer and all 64 of a dense one: each row count has its own order."""
+    rng = np.random.default_rng(3)
+    ref = {"forward/conv1": rng.normal(size=(8, 4, 4, 3)), "forward/bn1": rng.normal(size=(8, 4, 4, 3)),
+           "forward/fc": rng.normal(size=(64, 10)), "loss": np.asarray(1.0)}
+    cand = {"forward/conv1": np.roll(ref["forward/conv1"], 4, 0), "forward/bn1": np.roll(ref["forward/bn1"], 4, 0),
+            "forward/fc": np.roll(ref["forward/fc"], 32, 0), "loss": np.asarray(1.0)}
+    res = analyse(cand, ref, LAYERS)
+    assert res["disagreeing_keys"] == [] and res["rows_matched"] == {"forward/": 64}
+    cand["forward/fc"] = cand["forward/fc"][::-1].copy()   # the dense rows in an order of their own: matched too
+    assert analyse(cand, ref, LAYERS)["disagreeing_keys"] == []
+    cand["forward/fc"][0] += 1.0                             # and a row that is no row of the reference is not
+    res = analyse(cand, ref, LAYERS)
+    assert (res["stage"], res["layer"]) == ("forward", "fc")
