@@ -272,6 +272,9 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     where = res.get("layer") if st in ("forward", "eval") else (res.get("parameter") or res.get("layer"))
     summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")
+    if res.get("rows_matched"):
+        lines.append(f"  the candidate's batch rows came in another order ({', '.join(res['rows_matched'])}): compared "
+                     "after matching each row to the reference's")
     table = res.get("eval_layers") if st == "eval" else res.get("layers")
     if table:
         lines.append("  layer            rel. error   R (change rate)  agrees" + ("   (inference mode)" if st == "eval" else ""))

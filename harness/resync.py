@@ -176,9 +176,11 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
     ill-conditioned update: Adam's first step on a gradient within rounding of zero); and beside a flip or a
     crossing, the update and optimizer state of a parameter whose gradient agrees (`optimizer_rest`) are
     explained the same way, by their formula, never by the flip."""
-    results, evidence, devs, owns, by_formula = [], [], [], [], {}
+    results, evidence, devs, owns, by_formula, reordered = [], [], [], [], {}, {}
     for t, pa, pb, p64, plain in rep["probes"]:
-        pa = align_rows(pa, pb, layers)[0]   # the same samples in another row order (harness.batch_rows)
+        pa, moved = align_rows(pa, pb, layers)   # the same samples in another row order (harness.batch_rows)
+        if moved:
+            reordered[int(t)] = max(moved.values())
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
                       nudged=(rep.get("sensitivity") or {}).get(t))
@@ -286,7 +288,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
                                "crossed": {t: seen[t] for t in sorted(crossings) if seen.get(t)}},
            # the points whose update was checked against its own gradient's formula (harness.implied)
            "implied": {t: by_formula[t] for t in sorted(by_formula)},
-           "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs")}
+           "reproduced": rep.get("reproduced"), "jobs": rep.get("jobs"), "rows_matched": reordered}
     if emulated:
         out["evidence"] = evidence
     return out

@@ -375,6 +375,9 @@ def apply_resync(p: Pair, requested: bool) -> None:
                               "gradients disagreed by a discontinuity the resynced steps do not show"), "lines": [],
                           "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}}
         was = p.verdict = INCONCLUSIVE
+    if rs.get("rows_matched"):
+        p.notes.append(f"the candidate holds the batch's samples in another row order at {len(rs['rows_matched'])} "
+                       "resynced step(s): its activations were compared row by matched row (harness.batch_rows)")
     against = rs.get("against")
     if was == INCONCLUSIVE and against and rs.get("evidence") and not not_moved_ids(p, against["emulated"]):
         p.verdict, p.declared = DECLARED, list(against["emulated"])

@@ -111,3 +111,16 @@ def test_a_few_rows_of_a_large_layer_and_every_row_of_a_small_one_are_matched_ap
     cand["forward/fc"][0] += 1.0                             # and a row that is no row of the reference is not
     res = analyse(cand, ref, LAYERS)
     assert (res["stage"], res["layer"]) == ("forward", "fc")
+
+
+def test_the_resync_compares_matched_rows_and_says_so():
+    """The shared-state steps: a candidate holding the batch in another row order agrees at every point, its
+    sequential test sees no bias, and the judgement names the points where rows were matched."""
+    from harness import resync as R
+    pts = []
+    for t in (0, 10, 20):
+        ref = reference(t)
+        pts.append((t, rolled(ref), ref, ref, None))
+    got = R.judge({"at": [0, 10, 20], "probes": pts, "reproduced": None, "jobs": 2}, LAYERS, analyse)
+    assert got["agree"] and got["sequential"]["bias"] is None
+    assert got["rows_matched"] == {0: N, 10: N, 20: N}
