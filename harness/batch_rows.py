@@ -28,15 +28,13 @@ ROW_KINDS = ("forward/", "eval/")
 
 def _groups(keys: list[str], layers: list[str]) -> dict[str, list[str]]:
     """Activation probe keys by prefix ('forward/', 'eval/', 'joint/forward/'), each list in spec order."""
-    known = set(layers)
+    rank = {layer: i for i, layer in enumerate(layers)}
     out: dict[str, list[str]] = {}
-    for layer in layers:
-        for k in keys:
-            prefix, _, name = k.rpartition("/")
-            prefix += "/"
-            if name == layer and name in known and prefix.endswith(ROW_KINDS):
-                out.setdefault(prefix, []).append(k)
-    return out
+    for k in keys:
+        prefix, _, name = k.rpartition("/")
+        if name in rank and (prefix + "/").endswith(ROW_KINDS):
+            out.setdefault(prefix + "/", []).append(k)
+    return {p: sorted(ks, key=lambda k: rank[k.rpartition("/")[2]]) for p, ks in out.items()}
 
 
 def _row_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
