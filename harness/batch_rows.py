@@ -4,15 +4,21 @@ A backend may hold the same samples of a step in another row order: a data-paral
 second half of the batch, a strategy that gathers the replicas' outputs in its own order. Where the step's
 statistics are global (one program normalising over the whole batch) that is the same computation with its sums
 reordered; where they are per replica, the normalised activations themselves differ. Compared row by row, both
-disagree from the first layer on, and the first is a false BUG. So, per group of activation probes
-(`forward/<layer>`, `eval/<layer>`, and any prefix ending in those), the rows of the first layer in spec order
-are matched to the reference's by a bijection of the batch axis (an optimal assignment on the row distances),
-accepted only when every matched row agrees within ROW_TOL of its own size and the identity order does not;
-every layer of that group with as many rows is then permuted alike (a probe may keep a few rows of a large layer
-and every row of a small one: each row count is matched at its first layer). A computation that differs after the matching (per-replica
-statistics over other samples, a dropout mask that did not move with its sample, a label that did not) still
-disagrees where it happens; one that differs at the first layer by more than ROW_TOL is compared in the order it
-came, so the first layer is still where it shows.
+disagree from the first layer on, and the first is a false BUG.
+
+So the rows of the activation probes (`forward/<layer>`, `eval/<layer>`, and the candidate's `joint/forward/<layer>`
+of the same step) are matched to the reference's by a bijection of the batch axis: an optimal assignment on the row
+distances of the first layer in spec order (ties between equal rows broken by the later layers), accepted only when
+every matched row agrees within ROW_TOL of its own size while the given order does not. Every layer with as many
+rows is then permuted alike; the inference-mode forward runs on the same batch, so it takes the training forward's
+order where that fits it. A probe may keep every s-th sample of a large layer and every sample of a small one
+(algorithms.params.thin_activations): the kept rows take the whole batch's order where it maps the kept samples
+onto themselves (shards moved as blocks do), else their own matching; an order that scatters the kept samples
+leaves them compared as they came (a disagreement there, while the whole-batch probes of step 0 agree).
+
+A computation that differs after the matching (per-replica statistics over other samples, a dropout mask that did
+not move with its sample, a label that did not: the loss) still disagrees where it happens; one that differs at the
+first layer by more than ROW_TOL is compared in the order it came, so the first layer is still where it shows.
 """
 from __future__ import annotations
 
@@ -23,18 +29,13 @@ import numpy as np
 # a matched row's error relative to its own size: far above float32 rounding of one layer (~1e-7 .. 1e-6 on the
 # built-in models), far below the lowering bugs of the catalogue (>= 1e-2), which are then seen at that layer
 ROW_TOL = 1e-3
-ROW_KINDS = ("forward/", "eval/")
+KINDS = ("forward", "eval")
+TIE_WEIGHT = 1e-9   # the later layers' share of the assignment's cost: it decides between equal first-layer rows only
 
 
-def _groups(keys: list[str], layers: list[str]) -> dict[str, list[str]]:
-    """Activation probe keys by prefix ('forward/', 'eval/', 'joint/forward/'), each list in spec order."""
-    rank = {layer: i for i, layer in enumerate(layers)}
-    out: dict[str, list[str]] = {}
-    for k in keys:
-        prefix, _, name = k.rpartition("/")
-        if name in rank and (prefix + "/").endswith(ROW_KINDS):
-            out.setdefault(prefix + "/", []).append(k)
-    return {p: sorted(ks, key=lambda k: rank[k.rpartition("/")[2]]) for p, ks in out.items()}
+def _rows(v: Any) -> np.ndarray:
+    v = np.asarray(v, np.float64)
+    return v.reshape(v.shape[0], -1)
 
 
 def _row_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -43,45 +44,92 @@ def _row_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(y, axis=1), floor)
 
 
-def matching(x: np.ndarray, y: np.ndarray, tol: float = ROW_TOL) -> np.ndarray | None:
+def fits(order: np.ndarray | None, x: Any, y: Any, tol: float = ROW_TOL) -> bool:
+    """Whether x's rows in `order` (None: as they are) agree with y's within `tol` of each row's size."""
+    xr, yr = _rows(x), _rows(y)
+    if xr.shape != yr.shape or not (np.isfinite(xr).all() and np.isfinite(yr).all()):
+        return False
+    return float(np.max(_row_errors(xr if order is None else xr[order], yr))) <= tol
+
+
+def matching(x: Any, y: Any, tol: float = ROW_TOL, later: list[tuple[Any, Any]] = ()) -> np.ndarray | None:
     """The order of x's rows that matches y's (x[order] ~ y), when it is not the identity and every matched row
-    agrees within `tol` of its size while the identity order does not; None otherwise."""
-    if x.shape != y.shape or x.ndim < 1 or x.shape[0] < 2:
+    agrees within `tol` of its size while the identity order does not; None otherwise. `later`: (x, y) pairs of
+    later layers with as many rows, whose distances break ties between equal rows of x."""
+    if np.shape(x) != np.shape(y) or np.ndim(x) < 1 or np.shape(x)[0] < 2:
         return None
-    n = x.shape[0]
-    xr, yr = np.asarray(x, np.float64).reshape(n, -1), np.asarray(y, np.float64).reshape(n, -1)
-    if not (np.isfinite(xr).all() and np.isfinite(yr).all()) or float(np.max(_row_errors(xr, yr))) <= tol:
+    xr, yr = _rows(x), _rows(y)
+    n = xr.shape[0]
+    if not (np.isfinite(xr).all() and np.isfinite(yr).all()) or fits(None, xr, yr, tol):
+        return None
+    # a bijection within tol moves no row's norm by more than tol x the largest: sorted norms must agree that far
+    # (the bottleneck matching of two sorted lists), a cheap no before the assignment
+    nx, ny = np.sort(np.linalg.norm(xr, axis=1)), np.sort(np.linalg.norm(yr, axis=1))
+    if float(np.max(np.abs(nx - ny))) > tol * max(float(ny[-1]), 1e-30):
         return None
     from scipy.optimize import linear_sum_assignment
     from scipy.spatial.distance import cdist
-    rows, cols = linear_sum_assignment(cdist(yr, xr, "sqeuclidean"))
+    cost = cdist(yr, xr, "sqeuclidean") / max(float(np.sum(yr ** 2)), 1e-300)
+    for lx, ly in later:
+        if np.shape(lx) == np.shape(ly) and np.shape(lx)[0] == n:
+            lxr, lyr = _rows(lx), _rows(ly)
+            if np.isfinite(lxr).all() and np.isfinite(lyr).all():
+                cost = cost + TIE_WEIGHT * cdist(lyr, lxr, "sqeuclidean") / max(float(np.sum(lyr ** 2)), 1e-300)
+    rows, cols = linear_sum_assignment(cost)
     order = cols[np.argsort(rows)]
-    if np.array_equal(order, np.arange(n)) or float(np.max(_row_errors(xr[order], yr))) > tol:
+    if np.array_equal(order, np.arange(n)) or not fits(order, xr, yr, tol):
         return None
     return order
 
 
+def _kept(order: np.ndarray, n: int) -> np.ndarray | None:
+    """The order of a probe's n kept rows (every s-th sample, s = len(order) // n) under the whole batch's `order`,
+    when it maps the kept samples onto themselves; None otherwise."""
+    s = len(order) // n if n else 0
+    if s < 1 or len(order) % n:
+        return None
+    picked = order[::s][:n]
+    return picked // s if np.all(picked % s == 0) and len(set(picked.tolist())) == n else None
+
+
+def _place(key: str, rank: dict[str, int]) -> tuple[str, str] | None:
+    """(kind, layer) of an activation probe key, any prefix before its kind ('joint/forward/x' -> forward, x)."""
+    head, _, name = key.rpartition("/")
+    kind = head.rpartition("/")[2]
+    return (kind, name) if kind in KINDS and name in rank else None
+
+
 def align(a: dict[str, Any], b: dict[str, Any], layers: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
-    """(a with each activation group's rows in b's order where `matching` finds one, {prefix: most rows moved}).
-    Keys outside the activation groups (the loss, gradients, updates, buffers, optimizer state) are untouched:
-    they are sums over the batch, with no row order of their own."""
-    common = [k for k in b if k in a]
+    """(a with its activation rows in b's order where `matching` finds one, {kind: most rows moved}). Keys outside
+    the activation probes (the loss, gradients, updates, buffers, optimizer state) are untouched: they are sums
+    over the batch, with no row order of their own."""
+    rank = {layer: i for i, layer in enumerate(layers)}
     out, moved = dict(a), {}
-    for prefix, keys in _groups(common, layers).items():
-        orders: dict[int, np.ndarray | None] = {}   # per row count: a probe may keep a few rows of a large layer
-        for k in keys:
-            v = np.asarray(a[k])
-            if v.ndim < 1:
-                continue
-            n = v.shape[0]
-            if n not in orders:
-                orders[n] = matching(v, np.asarray(b[k]))
-            if orders[n] is not None:
-                out[k] = v[orders[n]]
-        shifted = [int(np.sum(o != np.arange(len(o)))) for o in orders.values() if o is not None]
-        if shifted:
-            moved[prefix] = max(shifted)
+    orders: dict[tuple[str, int], np.ndarray | None] = {}
+    for kind in KINDS:
+        base = sorted((k for k in a if k in b and _place(k, rank) and k.startswith(kind + "/")),
+                      key=lambda k: rank[k.rpartition("/")[2]])
+        counts = sorted({np.shape(a[k])[0] for k in base if np.ndim(a[k]) >= 1}, reverse=True)
+        for n in counts:   # the whole batch first: the kept rows of a thinned layer may take its order
+            keys = [k for k in base if np.ndim(a[k]) >= 1 and np.shape(a[k])[0] == n]
+            first, rest = keys[0], keys[1:]
+            tries = [orders.get(("forward", n))] if kind == "eval" else []
+            whole = orders.get((kind, counts[0]))
+            if n != counts[0] and whole is not None:
+                tries.append(_kept(whole, n))
+            got = next((o for o in tries if o is not None and fits(o, a[first], b[first])), None)
+            if got is None and not fits(None, a[first], b[first]):
+                got = matching(a[first], b[first], later=[(a[k], b[k]) for k in rest])
+            orders[(kind, n)] = got
+            if got is not None:
+                moved[kind] = max(moved.get(kind, 0), int(np.sum(got != np.arange(n))))
+    for k, v in a.items():
+        place = _place(k, rank)
+        if place is not None and np.ndim(v) >= 1:
+            got = orders.get((place[0], np.shape(v)[0]))
+            if got is not None:
+                out[k] = np.asarray(v)[got]
     return out, moved
 
 
-__all__ = ["align", "matching", "ROW_TOL"]
+__all__ = ["align", "fits", "matching", "ROW_TOL"]

@@ -4,8 +4,8 @@ runner.execute (probe and replay jobs); their .npz probes are compared here.
 
 In this order, the first that finds a disagreement answers:
   (a) data     the batch checksums of the two runs differ at or before the first divergent step;
-  (b) step 0   both configurations probed from the canonical weights on the first batch (forward per
-               layer, loss, gradient per parameter, one or more optimizer steps); Muffin's rule names
+  (b) step 0   both configurations probed from the canonical weights on the first batch (forward per layer,
+               its rows matched first: harness.batch_rows, loss, gradient per parameter, optimizer steps); Muffin's rule names
                the first layer whose input agrees but whose output does not (layers in the spec's
                order), CRADLE's change rate R = (d_l - d_prev) / (d_prev + 1e-7) is given for every
                layer; the first gradient that disagrees, in backward order (last layer first);
@@ -18,9 +18,8 @@ In this order, the first that finds a disagreement answers:
                reference's state there against its probe of that state;
   (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
                on, while every training series stays inside and the step-0 probes agree;
-  (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to
-               d-1 and d and saves its state there; both backends probe those steps from exactly
-               those states (`replay` job mode of wrappers/worker.py).
+  (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to d-1 and d
+               and saves its state there; both backends probe those steps from exactly those states (`replay`).
 A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
 combination across replicas (stage reduction), in how replicas split the batch (data), or, when its first
 layer computes batch statistics (BatchNorm) and has a layer upstream (agreeing over the global batch: each replica
@@ -47,6 +46,7 @@ from algorithms.faults import combine
 from algorithms.spec import load_model
 
 from . import kinks, probes, reported, runner
+from .batch_rows import align
 from .emulating import emulation
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
 from .pair import against_text
@@ -209,7 +209,7 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
                                            + (chk.get("emulated", []) if change is not None else []))
-        if res["stage"] is None and (rep := reported.localize(pair, ref0, cand0, layers[-1],
+        if res["stage"] is None and (rep := reported.localize(pair, ref0, align(cand0, ref0, layers)[0], layers[-1],
                                                               self.first_batch)):   # the step agrees, a report does not
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):

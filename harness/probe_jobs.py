@@ -25,9 +25,11 @@ from algorithms.contract import WORKER_FILE, Replay, checkpoints_in, probe_file_
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
 from . import reported, runner
+from .batch_rows import align
 from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
 from .matrix import run_key, up_to_date
+from .probe_analysis import spec_layers
 from .probe_files import LazyProbeMap, ReplayProbes
 from .resync import parameters_at
 from .runs import Run, check_reproduces, config_of
@@ -172,8 +174,9 @@ class ProbeJobs:
             if None in rows.values() or params is None:
                 continue
             labels = reported.batch_labels(pair.a, self.root) if labels is None else labels
-            got = reported.localize(pair, compared if plain is None else plain, cand_probe, logits_layer,
-                                    lambda run: (params, labels[int(t)]), step=int(t), rows=rows)
+            against = compared if plain is None else plain
+            got = reported.localize(pair, against, align(cand_probe, against, spec_layers(pair.a.manifest))[0],
+                                    logits_layer, lambda run: (params, labels[int(t)]), step=int(t), rows=rows)
             if got is not None:
                 return got
         return None
@@ -330,13 +333,14 @@ class ProbeJobs:
                              "replay", extra, **wide)
             f64 = pool.submit(self._job, cand, f"replay__{cand.name}__{_tag(cand)}__float64__from-{_tag(ref)}__at{t}",
                               "replay", Replay([t], states=extra.states), dtype="float64")   # its gradients only
-            try:
-                got = load_npz(fc.result() / f"{stem}.npz"), load_npz(fz.result() / f"{stem}.npz")
+            try:   # the candidate's rows in the reference's order (harness.batch_rows)
+                z, layers = load_npz(fz.result() / f"{stem}.npz"), spec_layers(ref.manifest)
+                got = align(load_npz(fc.result() / f"{stem}.npz"), z, layers)[0], z
             except BackendFailed as e:
                 self.log(f"localize: no every-sample probe of step {t} ({str(e).splitlines()[0]}); no kink evidence")
                 return None
             try:
-                return (*got, load_npz(f64.result() / f"{stem}.npz"))
+                return (*got, align(load_npz(f64.result() / f"{stem}.npz"), z, layers)[0])
             except (BackendFailed, BadInput) as e:
                 self.log(f"localize: no float64 step of {cand.name} at {t} ({str(e).splitlines()[0]})")
                 return (*got, None)
