@@ -81,9 +81,8 @@ def implied_step(ref: Run, rep: dict[str, Any], change: dict[str, Any] | None):
         DIFFERENCES[d["id"]].emulated_by or "" for d in ref.declared if d["id"] in DIFFERENCES]
     formulas = formulas_of(combine([f for f in [(change or {}).get("fault"), *own] if f]))
     hp = ref.manifest.get("hparams")
-    if formulas is None or ref.fault is not None or not hp or not rep.get("states"):   # a reference with a
-        # fault computes something else than the formula: its own error would set the tolerance
-        return None
+    if formulas is None or ref.fault is not None or not hp or not rep.get("states"):
+        return None   # a reference with a fault computes something else: its own error would set the tolerance
     return ImpliedStep(HParams.from_dict(hp), rep["states"], formulas, margin=R.MARGIN, floor=R.FLOOR)
 
 
@@ -123,28 +122,8 @@ class Localizer(ProbeJobs):
             return {"error": str(e).splitlines()[0], "points": at}
         if "error" in rep:
             return {"error": rep["error"], "points": at}
+        out, rep = self._judged(ref, cand, rep, change, implied_step(ref, rep, change), emulated=change is not None)
         self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
-        implied = implied_step(ref, rep, change)
-        out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
-        if R.wants_more_sensitivity(out):
-            # a step that differs in the backward pass only, where the reference's own two nudges never jumped:
-            # ask the reference harder, at every point alike, whether its own rounding flips kinks there too
-            rep = self.more_sensitivity(ref, rep)
-            self._replays[(ref.name, cand.name, change_tag(change or {}))] = rep
-            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
-        # a backward-only disagreement beyond what the reference's own nudges flipped: look for the crossing in
-        # the candidate's own activations at that step (every sample), point after point while each is explained
-        crossings: dict[int, list[dict[str, Any]] | None] = {}
-        model = None
-        while R.wants_more_sensitivity(out) and out["first_disagreement"]["step"] not in crossings:
-            t = int(out["first_disagreement"]["step"])
-            got = self.every_sample(ref, cand, rep, t, change)
-            model = model or load_model(model_ref(ref.manifest, self.root))
-            crossings[t] = None if got is None else (kinks.crossed(model, *got[:2]) + kinks.saturated(model, *got[:2])
-                                                      + kinks.same_in_float64(got[2], got[1])
-                                                      + kinks.same_when_recorded(model, *got[:2]))
-            rep = dict(rep, crossings=crossings)
-            out = R.judge(rep, spec_layers(ref.manifest), analyse, emulated=change is not None, implied=implied)
         out["sensitivity_seeds"] = rep.get("sensitivity_seeds", len(SENSITIVITY_SEEDS))
         out["every"] = every
         if pair.first is not None or pair.saturated:   # the curves diverged or say nothing: does each side
@@ -322,11 +301,32 @@ class Localizer(ProbeJobs):
         rep = self.replay(ref, ref, at, change)
         if "error" in rep:
             return {"agree": False, "error": rep["error"]}
-        # (the replay's sensitivity is the backend computing the formula's own: the reference's nudges carry its bug)
-        out = R.judge(rep, layers, analyse, emulated=True)
+        # (sensitivity: the backend computing the formula's; the reference's nudges carry its bug); kinks as a candidate's
+        out = self._judged(ref, ref, rep, change, implied_step(ref, rep, change), emulated=True)[0]
         against = {"emulated": rc["differences"], "change": change}
         return (dict(out, reference_side=True, against=against)
                 if not out["agree"] or out["sequential"].get("bias") is not None else {"agree": True})
+
+    def _judged(self, ref: Run, cand: Run, rep: dict[str, Any], change: dict[str, Any] | None, implied: Any, *,
+                emulated: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(harness.resync.judge of `rep`, `rep` with more nudged steps). A point off in the backward pass only asks for
+        them at every point, then for the candidate's own crossings there (harness.kinks), point by point."""
+        from . import resync as R
+        layers = spec_layers(ref.manifest)
+        out = R.judge(rep, layers, analyse, emulated=emulated, implied=implied)
+        if R.wants_more_sensitivity(out):
+            rep = self.more_sensitivity(ref, rep)
+            out = R.judge(rep, layers, analyse, emulated=emulated, implied=implied)
+        crossings: dict[int, list[dict[str, Any]] | None] = {}
+        while R.wants_more_sensitivity(out) and out["first_disagreement"]["step"] not in crossings:
+            t = int(out["first_disagreement"]["step"])
+            got = self.every_sample(ref, cand, rep, t, change)
+            model = load_model(model_ref(ref.manifest, self.root))
+            crossings[t] = None if got is None else (kinks.crossed(model, *got[:2]) + kinks.saturated(model, *got[:2])
+                                                      + kinks.same_in_float64(got[2], got[1])
+                                                      + kinks.same_when_recorded(model, *got[:2]))
+            out = R.judge(dict(rep, crossings=crossings), layers, analyse, emulated=emulated, implied=implied)
+        return out, rep
 
     def emulation(self, ref: Run, cand: Run) -> dict[str, Any]:
         """harness.emulating.emulation, with the installed backends' declarations."""
