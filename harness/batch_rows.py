@@ -12,9 +12,10 @@ distances of the first layer in spec order (ties between equal rows broken by th
 every matched row agrees within ROW_TOL of its own size while the given order does not. Every layer with as many
 rows is then permuted alike; the inference-mode forward runs on the same batch, so it takes the training forward's
 order where that fits it. A probe may keep every s-th sample of a large layer and every sample of a small one
-(algorithms.params.thin_activations): the kept rows take the whole batch's order where it maps the kept samples
-onto themselves (shards moved as blocks do), else their own matching; an order that scatters the kept samples
-leaves them compared as they came (a disagreement there, while the whole-batch probes of step 0 agree).
+(algorithms.params.thin_activations): each row count is matched on its own. The kept rows are the same samples on
+both sides when the candidate's order moves them as blocks do (shards); an order that scatters them leaves other
+samples in the candidate's kept rows, compared as they came (a disagreement there, while the whole-batch probes of
+step 0 agree).
 
 A computation that differs after the matching (per-replica statistics over other samples, a dropout mask that did
 not move with its sample, a label that did not: the loss) still disagrees where it happens; one that differs at the
@@ -82,16 +83,6 @@ def matching(x: Any, y: Any, tol: float = ROW_TOL, later: list[tuple[Any, Any]] 
     return order
 
 
-def _kept(order: np.ndarray, n: int) -> np.ndarray | None:
-    """The order of a probe's n kept rows (every s-th sample, s = len(order) // n) under the whole batch's `order`,
-    when it maps the kept samples onto themselves; None otherwise."""
-    s = len(order) // n if n else 0
-    if s < 1 or len(order) % n:
-        return None
-    picked = order[::s][:n]
-    return picked // s if np.all(picked % s == 0) and len(set(picked.tolist())) == n else None
-
-
 def _place(key: str, rank: dict[str, int]) -> tuple[str, str] | None:
     """(kind, layer) of an activation probe key, any prefix before its kind ('joint/forward/x' -> forward, x)."""
     head, _, name = key.rpartition("/")
@@ -109,16 +100,12 @@ def align(a: dict[str, Any], b: dict[str, Any], layers: list[str]) -> tuple[dict
     for kind in KINDS:
         base = sorted((k for k in a if k in b and _place(k, rank) and k.startswith(kind + "/")),
                       key=lambda k: rank[k.rpartition("/")[2]])
-        counts = sorted({np.shape(a[k])[0] for k in base if np.ndim(a[k]) >= 1}, reverse=True)
-        for n in counts:   # the whole batch first: the kept rows of a thinned layer may take its order
+        counts = sorted({np.shape(a[k])[0] for k in base if np.ndim(a[k]) >= 1})
+        for n in counts:
             keys = [k for k in base if np.ndim(a[k]) >= 1 and np.shape(a[k])[0] == n]
             first, rest = keys[0], keys[1:]
-            tries = [orders.get(("forward", n))] if kind == "eval" else []
-            whole = orders.get((kind, counts[0]))
-            if n != counts[0] and whole is not None:
-                tries.append(_kept(whole, n))
-            got = next((o for o in tries if o is not None and fits(o, a[first], b[first])), None)
-            if got is None and not fits(None, a[first], b[first]):
+            got = orders.get(("forward", n)) if kind == "eval" else None
+            if got is None or not fits(got, a[first], b[first]):   # matching: None where the given order fits
                 got = matching(a[first], b[first], later=[(a[k], b[k]) for k in rest])
             orders[(kind, n)] = got
             if got is not None:

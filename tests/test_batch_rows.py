@@ -144,9 +144,9 @@ def test_the_evaluation_takes_the_training_forwards_order_and_the_recorded_step_
         np.testing.assert_array_equal(out[k], ref[k.removeprefix("joint/")])
 
 
-def test_kept_rows_take_the_whole_batchs_order_when_it_keeps_them_together():
-    """A replay keeps every 8th sample of a spatial layer: shards moved as blocks keep the kept samples together,
-    and the kept rows are put in the order the whole batch's rows give them."""
+def test_kept_rows_are_matched_when_the_order_keeps_them_together():
+    """A replay keeps every 8th sample of a spatial layer: shards moved as blocks keep the kept samples on both
+    sides the same, and the kept rows are matched among themselves."""
     rng = np.random.default_rng(4)
     full = {"forward/conv1": rng.normal(size=(64, 2, 2, 3)), "forward/fc": rng.normal(size=(64, 10))}
     order = np.roll(np.arange(64), 16)            # cand[order] == ref: four shards of 16, moved as blocks
@@ -156,5 +156,23 @@ def test_kept_rows_take_the_whole_batchs_order_when_it_keeps_them_together():
     thin = {k: (v[::8] if v.ndim == 4 else v) for k, v in full.items()}
     cand = {k: (v[::8] if v.ndim == 4 else v) for k, v in cand_full.items()}
     out, moved = align(cand, thin, LAYERS)
+    np.testing.assert_array_equal(out["forward/conv1"], thin["forward/conv1"])
+    np.testing.assert_array_equal(out["forward/fc"], thin["forward/fc"])
+
+
+def test_kept_rows_of_a_batch_the_row_count_does_not_divide_are_matched_too():
+    """60 samples, 8 kept: every 7th of the first 50 (algorithms.params.thin_activations); blocks of 14 moved keep
+    the same samples on both sides."""
+    from algorithms.params import thin_activations
+    rng = np.random.default_rng(5)
+    full = {"forward/conv1": rng.normal(size=(60, 2, 2, 3)), "forward/fc": rng.normal(size=(60, 10))}
+    order = np.arange(60)
+    order[:56] = np.roll(np.arange(56), 14)     # cand[order] == ref: blocks of 14 moved, the last 4 samples in place
+    cand_full = {k: np.empty_like(v) for k, v in full.items()}
+    for k, v in full.items():
+        cand_full[k][order] = v
+    thin, cand = thin_activations(full), thin_activations(cand_full)
+    assert thin["forward/conv1"].shape[0] == 8
+    out, _ = align(cand, thin, LAYERS)
     np.testing.assert_array_equal(out["forward/conv1"], thin["forward/conv1"])
     np.testing.assert_array_equal(out["forward/fc"], thin["forward/fc"])
