@@ -689,6 +689,65 @@ MUTATIONS = (
              "backward only: LayerNorm's input gradient without the term through the variance; gamma's and beta's "
              "gradients and the forward are right", args=("--steps", "60", "--optimizer", "adamw", "--lr", "0.002",
                                                          "--weight-decay", "0.01", "--schedule", "warmup")),
+    # ---- session 35: hyper-parameters a port hard-codes or shifts, bugs behind a declared difference, late bugs
+    Mutation("tf_momentum_hard_coded", "cnn2d_3conv_3fc", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             "momentum=tf.constant(h.momentum, self.dtype),",
+             "momentum=tf.constant(0.9, self.dtype),",
+             ("BUG",), ("optimizer",), "",
+             "the momentum coefficient written as the usual 0.9 where the configuration says 0.8",
+             args=("--optimizer", "nesterov", "--momentum", "0.8", "--schedule", "cosine", "--steps", "150")),
+    Mutation("tf_dp_adam_bias_powers_one_step_ahead", "cnn2d_hard", "tensorflow", 2, "wrappers/tensorflow/optim.py",
+             "b1p, b2p = h.beta1 ** self.t, h.beta2 ** self.t",
+             "b1p, b2p = h.beta1 ** (self.t + 1), h.beta2 ** (self.t + 1)",
+             ("BUG",), ("optimizer",), "",
+             "Adam's bias-correction powers one step ahead (a count that starts at 1 and is incremented first), "
+             "in a data-parallel BatchNorm run whose per-replica statistics are a declared difference",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "warmup", "--steps", "150")),
+    Mutation("keras_adamw_decay_scaled_by_lr", "cnn2d_2conv_2fc", "keras-tensorflow", 1, "wrappers/keras/optim.py",
+             "    return keras.optimizers.AdamW(weight_decay=hp.weight_decay, **kw), 0.0",
+             "    return keras.optimizers.AdamW(weight_decay=hp.weight_decay * lr, **kw), 0.0",
+             ("BUG",), ("optimizer",), "",
+             "AdamW's decay multiplied by the learning rate twice (a port from a library whose decay is not "
+             "scaled by lr): the decoupled decay all but vanishes",
+             args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.05", "--schedule", "cosine",
+                   "--steps", "200")),
+    Mutation("keras_momentum_coefficient_off", "cnn2d_2conv_2fc", "keras-jax", 1, "wrappers/keras/optim.py",
+             "        return keras.optimizers.SGD(learning_rate=lr, momentum=hp.momentum,",
+             "        return keras.optimizers.SGD(learning_rate=lr, momentum=hp.momentum * 0.99,",
+             ("BUG",), ("optimizer",), "",
+             "the momentum coefficient 1 % low, in a configuration (Nesterov, a step schedule) whose Keras velocity "
+             "is a declared difference that must not absorb it",
+             args=("--optimizer", "nesterov", "--schedule", "step", "--weight-decay", "0.0005")),
+    Mutation("keras_dp_bn_eps_tenfold", "cnn2d_hard", "keras-tensorflow", 2, "wrappers/keras/layers.py",
+             '            keras_mom, eps = seams.bn_params(o, "keras")   # Keras: r = M r + (1-M) x\n',
+             '            keras_mom, eps = seams.bn_params(o, "keras")   # Keras: r = M r + (1-M) x\n'
+             '            eps = eps * 10\n',
+             ("BUG",), ("forward",), "bn1",
+             "every BatchNorm's eps ten times the spec's, in a data-parallel run whose per-replica statistics are a "
+             "declared difference that must not absorb it",
+             args=("--optimizer", "momentum", "--schedule", "cosine", "--steps", "150")),
+    Mutation("jax_labels_reversed_from_step_180", "cnn2d_hard", "jax", 1, "wrappers/jax/backend.py",
+             "        xb, yb, mb = self._batch(x, y, masks)\n        self.params, self.buffers, self.opt_state, stats",
+             "        xb, yb, mb = self._batch(x, y if step < 180 else y[::-1], masks)\n"
+             "        self.params, self.buffers, self.opt_state, stats",
+             ("BUG",), ("loss", "data"), "",
+             "the labels in reverse order against their images from step 180 on (a loader bug that starts with a "
+             "later epoch): a late bug on a chaotic model, long after the free-running curves parted",
+             args=("--optimizer", "momentum", "--schedule", "cosine")),
+    Mutation("tf_eval_labels_rolled", "cnn2d_3conv_3fc", "tensorflow", 1, "wrappers/tensorflow/backend.py",
+             "(x.shape,), xt, tf.constant(np.asarray(y, np.int32)),",
+             "(x.shape,), xt, tf.constant(np.roll(np.asarray(y, np.int32), 1)),",
+             ("BUG",), ("eval",), "",
+             "evaluation labels shifted by one sample against their images; training is untouched",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine")),
+    Mutation("tf_lr_one_step_late", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             "        lr = self.lr_for(step)\n        eps = b1p = b2p = 0.0",
+             "        lr = self.lr_for(max(step - 1, 0))\n        eps = b1p = b2p = 0.0",
+             ("BUG",), ("optimizer",), "",
+             "the learning rate of the previous step (an off-by-one in a port's schedule), under a warm-up whose "
+             "rate changes every step for the first 10 % of training",
+             args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01", "--schedule", "warmup",
+                   "--steps", "200")),
 )
 
 
