@@ -748,6 +748,29 @@ MUTATIONS = (
              "rate changes every step for the first 10 % of training",
              args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01", "--schedule", "warmup",
                    "--steps", "200")),
+    Mutation("jax_dp_bias_gradients_doubled", "cnn2d_3conv_3fc", "jax", 2, "wrappers/jax/backend.py",
+             "        logits, new_buffers = aux[0], aux[1]\n",
+             "        logits, new_buffers = aux[0], aux[1]\n"
+             "        if self.mesh is not None:   # the biases' gradients reduced a second time\n"
+             "            grads = {n: g * 2 if n.endswith('.bias') else g for n, g in grads.items()}\n",
+             ("BUG",), ("reduction", "backward", "optimizer"), "",
+             "data parallel only: the biases' gradients summed over the two replicas where the others are averaged "
+             "(an all-reduce applied twice to one parameter group), after the gradient the probes read",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "150")),
+    Mutation("torch_sgd_weight_decay_dropped", "cnn2d_hard", "torch", 1, "wrappers/torch/optim.py",
+             "        return torch.optim.SGD(params, lr=hp.lr, weight_decay=hp.weight_decay)",
+             "        return torch.optim.SGD(params, lr=hp.lr)",
+             ("BUG",), ("optimizer",), "",
+             "plain SGD constructed without its weight decay (the momentum branch has it)", reference="numpy",
+             args=("--optimizer", "sgd", "--lr", "0.1", "--weight-decay", "0.0005", "--schedule", "step",
+                   "--steps", "200")),
+    Mutation("keras_jax_bn_running_statistics_dropped", "cnn2d_hard", "keras-jax", 1, "wrappers/keras/runtimes/jax.py",
+             "    (_, (loss, logits, non_trainable, reps)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)",
+             "    (_, (loss, logits, _moved, reps)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)",
+             ("BUG",), ("eval", "state", "forward"), "",
+             "the step's new BatchNorm moving statistics thrown away (a name shadowed in a hand-written train_step): "
+             "training is right, every evaluation uses the initial statistics",
+             args=("--optimizer", "nesterov", "--schedule", "warmup", "--steps", "150")),
 )
 
 
