@@ -16,10 +16,11 @@ In this order, the first that finds a disagreement answers:
                computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
                after (d) finds nothing, the same at its replayed steps: each backend's training step from the
                reference's state there against its probe of that state;
-  (c) eval     only the evaluation series diverge, from the evaluation of the initial weights (step 0)
-               on, while every training series stays inside and the step-0 probes agree;
+  (c) eval     the evaluation series diverge from step 0 (both runs evaluate the same initial weights before any
+               step), training only later or never, and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to d-1 and d
-               and saves its state there; both backends probe those steps from exactly those states (`replay`).
+               and saves its state there; both backends probe those steps from exactly those states (`replay`)
+               (an update off, loss and gradients agreeing: upstream if the step's own report is not its probe's).
 A disagreement that disappears when the candidate is probed with --devices 1 is in the gradient
 combination across replicas (stage reduction), in how replicas split the batch (data), or, when its first
 layer computes batch statistics (BatchNorm) and has a layer upstream (agreeing over the global batch: each replica
@@ -194,10 +195,10 @@ class Localizer(ProbeJobs):
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items()
                          if s not in EVAL_SERIES and c.diverged_step is not None]
-            # (c) only the evaluation differs, from the evaluation of the initial weights on
-            if res["stage"] is None and first["series"] in EVAL_SERIES and not train_div and d == 0:
-                line = (f"localized by series: eval: only {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
-                        " diverge; every training series stays inside and the step-0 probes agree")
+            # (c) the evaluation differs from its first, of the same canonical weights in both runs before any step
+            if res["stage"] is None and first["series"] in EVAL_SERIES and d == 0 and min(train_div, default=1) > 0:
+                line = (f"localized by series: eval: {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
+                        f" diverge from step 0, the same initial weights evaluated; training {f'parts from step {min(train_div)}' if train_div else 'stays inside'}; step-0 probes agree")
                 return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
                         "probe": None, "summary": "eval: evaluation path", "lines": [line],
                         "disagreeing_keys": [], "step0": res, "declared_check": chk or None}
@@ -217,7 +218,7 @@ class Localizer(ProbeJobs):
                                                 analyse(pa, plain_b, layers, ref64=p64, nudged=(
                                                     rep.get("plain_sensitivity") or {}).get(t))["disagreeing_keys"]]
                         r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t),
-                                    nudged=(rep.get("sensitivity") or {}).get(t))
+                                    nudged=(rep.get("sensitivity") or {}).get(t), rows=reported.rows_at(rep, t))
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state" + (
                                 f", against {against_text(chk)}" if change is not None else "")
@@ -362,8 +363,7 @@ class Localizer(ProbeJobs):
         r["set_aside"] = {"differences": used, "keys": aside, "all": False, "statistical": statistical}
         return r
 
-    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str],
-                   change: dict[str, Any]) -> dict[str, Any]:
+    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str], change: dict[str, Any]) -> dict:
         """A candidate on several replicas that agrees with the reference once run on one (the reference with
         the emulations in `change` but its own replica count)."""
         change = {k: v for k, v in change.items() if k != "devices"}

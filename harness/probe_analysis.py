@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import batch_rows, probes
+from . import batch_rows, probes, reported
 
 R_EPS = 1e-7   # CRADLE's denominator guard
 # Where an inherited error arose (see `origin`): it grew at least ORIGIN_JUMP-fold across one layer, to at
@@ -114,10 +114,14 @@ def backward_span(grads: list[dict[str, Any]], first_bad: dict[str, Any], layers
 
 def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str],
             rel_tol: float = probes.REL_TOL, ref64: dict[str, np.ndarray] | None = None,
-            margin: float = 3.0, nudged: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+            margin: float = 3.0, nudged: list[dict[str, np.ndarray]] | None = None,
+            rows: dict[str, list | None] | None = None) -> dict[str, Any]:
     """Compare candidate probes `a` with reference probes `b` (with `ref64`, the reference's float64
     probes: harness.probes' Inductor rule, tolerance 3x the reference's own error): the stage and place
     of the first disagreement, per-layer forward errors with the change rate R, per-parameter gradients.
+    `rows`: what each side's training step reported from the probes' state (harness.reported.rows_at): an
+    update off while the probes' loss and gradients agree is placed upstream when the step's own loss or
+    gradient norm is not its probe's (harness.reported.step_upstream).
     The candidate's activation rows are first matched to the reference's (harness.batch_rows: the same samples in
     another row order are not a different computation); `rows_matched` says where that moved rows."""
     a, moved = batch_rows.align(a, b, layers)
@@ -178,6 +182,8 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
                 out["layer"] = param_layer(out["parameter"]) if "." in out["parameter"] else None
                 if not ups:
                     out["note"] = "optimizer state only"
+                if rows and layers:
+                    out.update(reported.step_upstream(rows, a, b, layers[-1]) or {})
                 break
     evals = layer_table(diffs, "eval/", layers)
     if evals:
@@ -272,6 +278,8 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
     where = res.get("layer") if st in ("forward", "eval") else (res.get("parameter") or res.get("layer"))
     summary = f"{st}: {where or res.get('probe') or ''}".rstrip(": ")
     lines.append(f"localized by {method}: {s}")
+    if res.get("step_report"):
+        lines.append(f"  {res['step_report']['line']}")
     if res.get("rows_matched"):
         lines.append(f"  the candidate's batch rows came in another order ({', '.join(res['rows_matched'])}): compared "
                      "after matching each row to the reference's")

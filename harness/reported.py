@@ -111,6 +111,53 @@ def batch_labels(run: Run, root: Path) -> np.ndarray:
     return _fed(run, root)[1]
 
 
+def rows_at(rep: dict[str, Any], step: int) -> dict[str, list | None]:
+    """What each backend's training step of a replay `rep` reported from its state at `step` (None: not had)."""
+    return {who: next((r for r in (rep.get("reported") or {}).get(who) or [] if int(r[0]) == int(step)), None)
+            for who in ("candidate", "reference")}
+
+
+def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref: dict[str, np.ndarray],
+                  logits_layer: str) -> dict[str, Any] | None:
+    """Where a resynced step's update disagrees while the probes' loss and gradients agree (stage `optimizer`):
+    is that what the training step itself computed? `rows` ({"candidate": ..., "reference": ...}: [step, loss,
+    accuracy, grad, update and parameter norms], what each backend's training step reported from the state its
+    probe `cand` / `ref` started from). A candidate whose step reports another loss than its own probe of the
+    same state computes (the reference's report agreeing with its probe) was fed or computes its loss from
+    something the probes are not given (its batch's samples or labels, its objective): the disagreement sits
+    upstream of the optimizer, stage `loss`; the same with the gradient norm: stage `backward`. None where the
+    candidate's report is its probe's (the optimizer stands) or the reference's is not its own either."""
+    got = {}
+    for who, probe in (("candidate", cand), ("reference", ref)):
+        row = rows.get(who)
+        if row is None or "loss" not in probe:
+            return None
+        computed = {"loss": float(probe["loss"]),
+                    "grad_norm": _norm(v for k, v in probe.items() if k.startswith("grad/"))}
+        n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("grad/"))
+        norm_tol = max(REL_TOL, NORM_ULPS * F32_EPS * float(np.sqrt(n)))
+        reported = dict(zip(REPORTED, row[1:]))
+        got[who] = []
+        for s, want in computed.items():
+            have = float(reported[s])
+            tol = max((REL_TOL if s == "loss" else norm_tol) * max(abs(want), 1e-12),
+                      loss_floor(probe, logits_layer) if s == "loss" else 0.0)
+            if not np.isfinite(have) or abs(have - want) > tol:
+                got[who].append({"series": s, "reported": have, "computed": want,
+                                 "rel": abs(have - want) / max(abs(want), 1e-12)})
+    if not got["candidate"] or got["reference"]:
+        return None
+    m = got["candidate"][0]
+    stage = "loss" if m["series"] == "loss" else "backward"
+    line = (f"the candidate's training step from this state reports {m['series']} {m['reported']:.7g}; its probe of "
+            f"the same state and batch computes {m['computed']:.7g} (rel {m['rel']:.3g}), and the reference's step "
+            f"reports what its probe computes: the step {'computes its loss' if stage == 'loss' else 'differentiates'}"
+            f" from something the probes are not given ({'its batch, its labels or its objective' if stage == 'loss' else 'its gradient is not the probed one'}),"
+            " upstream of the optimizer")
+    return {"stage": stage, "probe": f"step {m['series']}", "rel": m["rel"], "layer": None, "parameter": None,
+            "step_report": {"mismatches": got["candidate"], "line": line}}
+
+
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
              batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None],
              step: int = 0, rows: dict[str, dict[str, float]] | None = None) -> dict[str, Any] | None:

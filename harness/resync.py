@@ -33,6 +33,7 @@ from .batch_rows import align as align_rows
 from .bias_test import sequential_test, signed_deviations
 from .probe_analysis import eval_disagreement
 from .probes import BACKWARD_KINDS, kind_of
+from .reported import rows_at
 
 # The per-key tolerance at a resynced step: max(MARGIN x the reference's own float32-vs-float64 RMS error
 # on that key at that state, FLOOR x the tensor's scale). The numbers behind both: docs/verdict.md,
@@ -183,7 +184,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             reordered[int(t)] = max(moved.values())
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
-                      nudged=(rep.get("sensitivity") or {}).get(t))
+                      nudged=(rep.get("sensitivity") or {}).get(t), rows=rows_at(rep, t))
         results.append((int(t), res, z is not None))
         rest = optimizer_rest(res) if implied is not None and not res["missing_keys"] else []
         if rest:

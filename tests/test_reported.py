@@ -174,3 +174,54 @@ def test_clean_replayed_reports_of_two_backends_agree_and_each_side_is_held_to_i
         assert loc.report_at(_Pair(ref, cand), rep, "fc2") is None, change
     jobs = [p for p in (tmp_path / ".localize").iterdir() if (p / "worker.json").is_file()]
     assert jobs and all(json.loads((p / "worker.json").read_text()).get("report_error") is None for p in jobs)
+
+
+def _step_probe(loss: float, scale: float = 1.0, update: float = 0.01) -> dict[str, np.ndarray]:
+    """One resynced step's probes: two layers' forward, the loss, two gradients, the update they led to."""
+    rng = np.random.default_rng(3)
+    return {"forward/conv": rng.normal(size=(4, 2, 2, 3)).astype(np.float32),
+            "forward/logits": np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], np.float32),
+            "loss": np.asarray(loss, np.float64),
+            "grad/conv.kernel": np.array([3.0, 4.0], np.float32) * scale,
+            "grad/logits.kernel": np.array([12.0], np.float32) * scale,
+            "update0/conv.kernel": np.array([update, -update]), "update0/logits.kernel": np.array([update])}
+
+
+def _row(loss: float, grad_norm: float = 13.0) -> list[float]:
+    return [180, loss, 0.5, grad_norm, 0.02, 5.0]
+
+
+def test_a_step_whose_own_loss_is_not_its_probes_is_placed_at_the_loss_not_the_optimizer():
+    cand, ref = _step_probe(2.0), _step_probe(2.0)
+    # the candidate's training step reported 2.3 from the state its probe computes 2.0 at; the reference's is its own
+    got = reported.step_upstream({"candidate": _row(2.3), "reference": _row(2.0)}, cand, ref, "logits")
+    assert got["stage"] == "loss" and got["probe"] == "step loss" and got["rel"] == pytest.approx(0.15)
+    assert "its labels" in got["step_report"]["line"]
+    # the gradient norm the step reports, 13 x 1.5, is not its probe's gradient's (13): the step differentiates
+    # something else
+    got = reported.step_upstream({"candidate": _row(2.0, 19.5), "reference": _row(2.0)}, cand, ref, "logits")
+    assert got["stage"] == "backward" and got["step_report"]["mismatches"][0]["series"] == "grad_norm"
+
+
+def test_a_step_whose_report_is_its_probes_leaves_the_optimizer_where_it_is():
+    cand, ref = _step_probe(2.0), _step_probe(2.0)
+    assert reported.step_upstream({"candidate": _row(2.0 * (1 + 1e-6)), "reference": _row(2.0)}, cand, ref,
+                                   "logits") is None
+    # the reference's own report is not its probe's either: nothing to say which side's report to believe
+    assert reported.step_upstream({"candidate": _row(2.3), "reference": _row(2.3)}, cand, ref, "logits") is None
+    # a side whose training step reported nothing
+    assert reported.step_upstream({"candidate": None, "reference": _row(2.0)}, cand, ref, "logits") is None
+
+
+def test_the_analysis_of_a_resynced_step_reads_the_steps_own_reports():
+    from harness.probe_analysis import analyse
+    rep = {"reported": {"candidate": [_row(2.0), [181, 2.3, 0.5, 13.0, 0.02, 5.0]],
+                        "reference": [_row(2.0), [181, 2.0, 0.5, 13.0, 0.02, 5.0]]}}
+    assert reported.rows_at(rep, 181) == {"candidate": [181, 2.3, 0.5, 13.0, 0.02, 5.0],
+                                          "reference": [181, 2.0, 0.5, 13.0, 0.02, 5.0]}
+    assert reported.rows_at(rep, 7) == {"candidate": None, "reference": None}
+    cand, ref = _step_probe(2.0, update=0.02), _step_probe(2.0)     # only the update is off
+    assert analyse(cand, ref, ["conv", "logits"])["stage"] == "optimizer"
+    assert analyse(cand, ref, ["conv", "logits"], rows=reported.rows_at(rep, 180))["stage"] == "optimizer"
+    got = analyse(cand, ref, ["conv", "logits"], rows=reported.rows_at(rep, 181))
+    assert got["stage"] == "loss" and got["step_report"]["mismatches"][0]["reported"] == 2.3
