@@ -256,8 +256,12 @@ def describe(res: dict[str, Any], method: str) -> tuple[str, list[str]]:
                                                            f"rel {res['rel']:.3g})")
     elif st == "forward":
         s = f"forward, layer {res['layer']} running statistics ({res['probe']}, rel {res['rel']:.3g})"
+    elif st == "loss" and res.get("step_report"):
+        s = f"loss (forward and the probed loss agree; the training step's own loss rel {res['rel']:.3g})"
     elif st == "loss":
         s = f"loss (forward agrees, loss rel {res['rel']:.3g})"
+    elif st == "backward" and res.get("step_report"):
+        s = f"backward (the probed gradients agree; the training step's own gradient norm rel {res['rel']:.3g})"
     elif st == "backward":
         s = f"backward, parameter {res['parameter']} (first gradient to disagree in backward order, rel {res['rel']:.3g})"
         if res.get("gradient_scale") is not None:

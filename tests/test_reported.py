@@ -225,3 +225,12 @@ def test_the_analysis_of_a_resynced_step_reads_the_steps_own_reports():
     assert analyse(cand, ref, ["conv", "logits"], rows=reported.rows_at(rep, 180))["stage"] == "optimizer"
     got = analyse(cand, ref, ["conv", "logits"], rows=reported.rows_at(rep, 181))
     assert got["stage"] == "loss" and got["step_report"]["mismatches"][0]["reported"] == 2.3
+
+
+def test_the_terminal_says_which_loss_disagrees():
+    from harness.probe_analysis import analyse, describe
+    rep = {"reported": {"candidate": [[181, 2.3, 0.5, 13.0, 0.02, 5.0]], "reference": [[181, 2.0, 0.5, 13.0, 0.02, 5.0]]}}
+    got = analyse(_step_probe(2.0, update=0.02), _step_probe(2.0), ["conv", "logits"], rows=reported.rows_at(rep, 181))
+    summary, lines = describe(got, "replay of step 181")
+    assert summary == "loss: step loss"
+    assert "the training step's own loss rel 0.15" in lines[0] and "reports loss 2.3" in lines[1]
