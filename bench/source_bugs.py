@@ -771,6 +771,22 @@ MUTATIONS = (
              "the step's new BatchNorm moving statistics thrown away (a name shadowed in a hand-written train_step): "
              "training is right, every evaluation uses the initial statistics",
              args=("--optimizer", "nesterov", "--schedule", "warmup", "--steps", "150")),
+    # rewrites that compute the same thing (no bug): must not be BUG
+    Mutation("torch_batch_rows_reversed_with_their_labels", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
+             TORCH_STEP_INPUT,
+             TORCH_STEP_INPUT.replace("self._input(x), torch.as_tensor(y,",
+                                      "self._input(x[::-1].copy()), torch.as_tensor(y[::-1].copy(),"),
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the step takes the batch's samples in reverse order, each with its own label (a loader that "
+             "stacks the other way round); the mean loss and gradient are the same up to summation order",
+             reference="numpy", args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "step", "--steps", "150")),
+    Mutation("jax_sgd_momentum_as_trace_chain", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/optim.py",
+             "            lambda learning_rate: l2(optax.sgd(learning_rate, momentum=hp.momentum, nesterov=nesterov))",
+             "            lambda learning_rate: l2(optax.chain(optax.trace(decay=hp.momentum, nesterov=nesterov),\n"
+             "                                                 optax.scale_by_learning_rate(learning_rate)))",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: optax.sgd with momentum written out as the chain it is (a trace, then the learning rate)",
+             args=("--optimizer", "nesterov", "--schedule", "step", "--weight-decay", "0.0005", "--steps", "200")),
 )
 
 
