@@ -787,6 +787,20 @@ MUTATIONS = (
              ("IDENTICAL", "DRIFT"), (), "",
              "no bug: optax.sgd with momentum written out as the chain it is (a trace, then the learning rate)",
              args=("--optimizer", "nesterov", "--schedule", "step", "--weight-decay", "0.0005", "--steps", "200")),
+    Mutation("keras_residual_add_inputs_reversed", "resnet_tiny", "keras-tensorflow", 1, "wrappers/keras/layers.py",
+             "            x = L.Add(name=n)([edges[src] for src in layer.inputs])",
+             "            x = L.Add(name=n)([edges[src] for src in reversed(layer.inputs)])",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: every residual sum written shortcut first (floating-point addition of two tensors commutes)",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "60")),
+    Mutation("tf_layernorm_eps_torch_default", "convnext_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             '            x = layer_norm(x, p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], o["eps"])',
+             '            x = layer_norm(x, p[f"{layer.name}.gamma"], p[f"{layer.name}.beta"], 1e-5)',
+             ("BUG",), ("forward",), "stem_ln",
+             "every LayerNorm with torch's default eps 1e-5 where the spec (ConvNeXt's) says 1e-6: the normalised "
+             "outputs move by a few parts per million where the variance is near 1",
+             args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.05", "--schedule", "warmup",
+                   "--steps", "100")),
 )
 
 
