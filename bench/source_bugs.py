@@ -32,7 +32,9 @@ one step early, a momentum buffer rescaled at the schedule's first decay, gradie
 SGD dampening that bites from step 1; a --sync-bn flag that never reaches the layers; conventions of other
 libraries (AdamW's decay without lr, no weight decay on biases, AMSGrad, optax's eps_root); the statistics a
 wrapper reports beside its training (a copy-pasted norm, an accuracy over one replica's batch, a norm
-scaled by the schedule's rate, wrong from its first decay).
+scaled by the schedule's rate, wrong from its first decay); hyper-parameters a port hard-codes, bugs behind a
+declared difference (per-replica statistics at dp 2, Keras' velocity), a data bug that starts at step 180, the
+evaluation's labels.
 """
 from __future__ import annotations
 
