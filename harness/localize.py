@@ -193,10 +193,10 @@ class Localizer(ProbeJobs):
                                                               self.first_batch)):   # the step agrees, a report does not
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
-            train_div = [c.diverged_step for s, c in pair.checks.items()
-                         if s not in EVAL_SERIES and c.diverged_step is not None]
-            # (c) the evaluation differs from its first, of the same canonical weights in both runs before any step
-            if res["stage"] is None and first["series"] in EVAL_SERIES and d == 0 and min(train_div, default=1) > 0:
+            train_div = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
+            # (c) the evaluation differs from its first (the same initial weights evaluated), training later or never
+            if res["stage"] is None and first["series"] in EVAL_SERIES and d == 0 and (not train_div or (
+                    change is None and min(train_div) > 0)):   # (a declared formula may move both: not relaxed then)
                 line = (f"localized by series: eval: {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
                         f" diverge from step 0, the same initial weights evaluated; training {f'parts from step {min(train_div)}' if train_div else 'stays inside'}; step-0 probes agree")
                 return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
@@ -218,7 +218,7 @@ class Localizer(ProbeJobs):
                                                 analyse(pa, plain_b, layers, ref64=p64, nudged=(
                                                     rep.get("plain_sensitivity") or {}).get(t))["disagreeing_keys"]]
                         r = analyse(pa, pb, layers, ref64=p64 if plain_b is None else rep["emulated64"].get(t),
-                                    nudged=(rep.get("sensitivity") or {}).get(t), rows=reported.rows_at(rep, t))
+                                    nudged=(rep.get("sensitivity") or {}).get(t), rows=reported.rows_at(rep, t, plain_b))
                         if r["stage"] is not None:
                             res, method = r, f"replay of step {t} from the reference's state" + (
                                 f", against {against_text(chk)}" if change is not None else "")

@@ -182,8 +182,9 @@ def analyse(a: dict[str, np.ndarray], b: dict[str, np.ndarray], layers: list[str
                 out["layer"] = param_layer(out["parameter"]) if "." in out["parameter"] else None
                 if not ups:
                     out["note"] = "optimizer state only"
-                if rows and layers:
-                    out.update(reported.step_upstream(rows, a, b, layers[-1]) or {})
+                upstream = reported.step_upstream(rows, a, b, layers[-1]) if rows and layers else None
+                if upstream:        # the step's own report places it before the optimizer
+                    out = {k: v for k, v in out.items() if k not in ("note", "optimizer_step")} | upstream
                 break
     evals = layer_table(diffs, "eval/", layers)
     if evals:
@@ -204,7 +205,7 @@ def eval_disagreement(res: dict[str, Any]) -> dict[str, Any]:
     disagreement (the first inference-mode layer whose input agrees and output does not, or where its error arose)."""
     keys = [k for k in res["disagreeing_keys"] if k.startswith("eval/")]
     out = {k: v for k, v in res.items() if k not in ("gradient_scale", "note", "optimizer_step", "over_tolerance_at",
-                                                     "max_R_layer")}
+                                                     "max_R_layer", "step_report")}
     out.update(stage="eval", parameter=None, layer=None, probe=keys[0] if keys else None, disagreeing_keys=keys,
                training_set_aside=[k for k in res["disagreeing_keys"] if k not in keys])
     d = next((x for x in res.get("diffs") or [] if x["key"] == out["probe"]), None)

@@ -111,10 +111,15 @@ def batch_labels(run: Run, root: Path) -> np.ndarray:
     return _fed(run, root)[1]
 
 
-def rows_at(rep: dict[str, Any], step: int) -> dict[str, list | None]:
-    """What each backend's training step of a replay `rep` reported from its state at `step` (None: not had)."""
-    return {who: next((r for r in (rep.get("reported") or {}).get(who) or [] if int(r[0]) == int(step)), None)
-            for who in ("candidate", "reference")}
+def rows_at(rep: dict[str, Any], step: int, plain: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """What each backend's training step of a replay `rep` reported from its state at `step` (None: not had);
+    `plain`: the plain reference's probe there when the compared one is the reference computing a declared formula
+    (the reported row is the plain reference's step, so its report is checked against that probe)."""
+    out: dict[str, Any] = {who: next((r for r in (rep.get("reported") or {}).get(who) or [] if int(r[0]) == int(step)),
+                                     None) for who in ("candidate", "reference")}
+    if plain is not None:
+        out["reference_probe"] = plain
+    return out
 
 
 def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref: dict[str, np.ndarray],
@@ -128,7 +133,7 @@ def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref
     upstream of the optimizer, stage `loss`; the same with the gradient norm: stage `backward`. None where the
     candidate's report is its probe's (the optimizer stands) or the reference's is not its own either."""
     got = {}
-    for who, probe in (("candidate", cand), ("reference", ref)):
+    for who, probe in (("candidate", cand), ("reference", rows.get("reference_probe", ref))):
         row = rows.get(who)
         if row is None or "loss" not in probe:
             return None
@@ -197,4 +202,5 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch", "localize"]
+__all__ = ["REPORTED", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch", "localize", "rows_at",
+           "step_upstream"]

@@ -184,7 +184,7 @@ def judge(rep: dict[str, Any], layers: list[str], analyse: Callable[..., dict[st
             reordered[int(t)] = max(moved.values())
         z = p64 if plain is None else rep.get("emulated64", {}).get(t)
         res = analyse(pa, pb, layers, rel_tol=floor, ref64=z, margin=margin,
-                      nudged=(rep.get("sensitivity") or {}).get(t), rows=rows_at(rep, t))
+                      nudged=(rep.get("sensitivity") or {}).get(t), rows=rows_at(rep, t, plain))
         results.append((int(t), res, z is not None))
         rest = optimizer_rest(res) if implied is not None and not res["missing_keys"] else []
         if rest:

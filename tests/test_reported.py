@@ -234,3 +234,30 @@ def test_the_terminal_says_which_loss_disagrees():
     summary, lines = describe(got, "replay of step 181")
     assert summary == "loss: step loss"
     assert "the training step's own loss rel 0.15" in lines[0] and "reports loss 2.3" in lines[1]
+
+
+def test_under_a_declared_formula_the_references_report_is_checked_against_the_plain_references_probe():
+    """The reported row is the plain reference's training step; the compared probe may be the reference computing
+    a declared formula, whose loss differs: the plain one's probe is what its report must match."""
+    cand, emulating, plain = _step_probe(2.0), _step_probe(2.0), _step_probe(2.1)
+    rows = reported.rows_at({"reported": {"candidate": [_row(2.3)], "reference": [_row(2.1)]}}, 180, plain)
+    assert rows["reference_probe"] is plain
+    assert reported.step_upstream(rows, cand, emulating, "logits")["stage"] == "loss"
+    # against the emulating reference's probe the plain reference's own report would look off: nothing said
+    assert reported.step_upstream({k: v for k, v in rows.items() if k != "reference_probe"}, cand, emulating,
+                                  "logits") is None
+
+
+def test_a_relabelled_point_keeps_nothing_of_the_optimizer_and_an_eval_reading_drops_its_report():
+    from harness.probe_analysis import analyse, eval_disagreement
+    rows = reported.rows_at({"reported": {"candidate": [_row(2.3)], "reference": [_row(2.0)]}}, 180)
+    cand, ref = _step_probe(2.0, update=0.02), _step_probe(2.0)
+    cand = {k: v for k, v in cand.items() if not k.startswith("update0/")}   # nothing but the optimizer state off
+    cand["opt0/momentum/conv.kernel"], ref["opt0/momentum/conv.kernel"] = np.array([1.0, 2.0]), np.array([1.0, 2.5])
+    for p in (cand, ref):
+        p.update({"update0/conv.kernel": np.array([0.01, -0.01]), "update0/logits.kernel": np.array([0.01])})
+    plain = analyse(cand, ref, ["conv", "logits"])
+    assert plain["stage"] == "optimizer" and plain["note"] == "optimizer state only" and plain["optimizer_step"] == 0
+    got = analyse(cand, ref, ["conv", "logits"], rows=rows)
+    assert got["stage"] == "loss" and "note" not in got and "optimizer_step" not in got
+    assert "step_report" not in eval_disagreement(got)
