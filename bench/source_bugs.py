@@ -803,6 +803,21 @@ MUTATIONS = (
              "outputs move by a few parts per million where the variance is near 1",
              args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.05", "--schedule", "warmup",
                    "--steps", "100")),
+    # the arbiter's hand-written code is a wrapper too: a slip there must be found against torch like any other
+    Mutation("numpy_leaky_relu_backward_default_slope", "scenarios/graph_ops_tiny", "numpy", 1,
+             "wrappers/numpy/layers.py",
+             '        return np.where(cache, dy, dy * layer.spec["alpha"])',
+             "        return np.where(cache, dy, dy * 0.01)",
+             ("BUG",), ("backward",), "",
+             "backward only: LeakyReLU's derivative on the negative side with the common default slope 0.01 where "
+             "the spec (and the forward) says 0.1", args=("--steps", "60")),
+    Mutation("numpy_bn_running_variance_biased", "cnn2d_hard", "numpy", 1, "wrappers/numpy/layers.py",
+             "    p[rv] = (1 - m) * p[rv] + m * var * (n / (n - 1) if n > 1 else 1.0)",
+             "    p[rv] = (1 - m) * p[rv] + m * var",
+             ("BUG",), ("forward", "eval"), "bn1",
+             "the running variance moved towards the biased batch variance (Keras' convention) where the spec "
+             "says torch's unbiased one: training is right, the running statistics and every evaluation are not",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "step", "--steps", "120")),
 )
 
 
