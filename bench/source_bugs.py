@@ -818,6 +818,20 @@ MUTATIONS = (
              "the running variance moved towards the biased batch variance (Keras' convention) where the spec "
              "says torch's unbiased one: training is right, the running statistics and every evaluation are not",
              args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "step", "--steps", "120")),
+    # a port tested at two replicas only: right at dp 2, a bug at dp 4
+    Mutation("tf_dp4_global_batch_as_two_shards", "cnn2d_3conv_3fc", "tensorflow", 4, "wrappers/tensorflow/parallel.py",
+             "                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=b)",
+             "                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=2 * (b // n))",
+             ("BUG",), ("reduction", "backward"), "",
+             "the global batch written as two shards (a port only ever run on two devices): at four replicas each "
+             "replica's loss is scaled for half the batch, the summed gradient is twice the mean's",
+             args=("--optimizer", "sgd", "--lr", "0.05", "--schedule", "step", "--steps", "150")),
+    Mutation("tf_dp2_global_batch_as_two_shards", "cnn2d_3conv_3fc", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
+             "                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=b)",
+             "                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=2 * (b // n))",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug at two replicas: the same slip where two shards are the global batch",
+             args=("--optimizer", "sgd", "--lr", "0.05", "--schedule", "step", "--steps", "150")),
 )
 
 
