@@ -154,11 +154,11 @@ def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref
         return None
     m = got["candidate"][0]
     stage = "loss" if m["series"] == "loss" else "backward"
+    why = ("computes its loss from something the probes are not given (its batch, its labels or its objective)"
+           if stage == "loss" else "differentiates something else than the probes do (its gradient is not the probed one)")
     line = (f"the candidate's training step from this state reports {m['series']} {m['reported']:.7g}; its probe of "
             f"the same state and batch computes {m['computed']:.7g} (rel {m['rel']:.3g}), and the reference's step "
-            f"reports what its probe computes: the step {'computes its loss' if stage == 'loss' else 'differentiates'}"
-            f" from something the probes are not given ({'its batch, its labels or its objective' if stage == 'loss' else 'its gradient is not the probed one'}),"
-            " upstream of the optimizer")
+            f"reports what its probe computes: the step {why}, upstream of the optimizer")
     return {"stage": stage, "probe": f"step {m['series']}", "rel": m["rel"], "layer": None, "parameter": None,
             "step_report": {"mismatches": got["candidate"], "line": line}}
 
