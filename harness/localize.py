@@ -363,7 +363,7 @@ class Localizer(ProbeJobs):
         r["set_aside"] = {"differences": used, "keys": aside, "all": False, "statistical": statistical}
         return r
 
-    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str], change: dict[str, Any]) -> dict:
+    def _reduction(self, ref: Run, cand: Run, res: dict[str, Any], layers: list[str], change: dict[str, Any]) -> dict[str, Any]:
         """A candidate on several replicas that agrees with the reference once run on one (the reference with
         the emulations in `change` but its own replica count)."""
         change = {k: v for k, v in change.items() if k != "devices"}

@@ -70,14 +70,15 @@ def loss_floor(probe: dict[str, np.ndarray], logits_layer: str) -> float:
     return LOSS_LOGIT_ULPS * F32_EPS * max(1.0, z)
 
 
-def mismatches(run: Run, computed: dict[str, float], n_params: int = 0, step: int = 0,
+def mismatches(run: Run | None, computed: dict[str, float], n_params: int = 0, step: int = 0,
                row: dict[str, float] | None = None, loss_abs: float = 0.0) -> list[dict[str, Any]]:
     """The series whose value at `step` in `run`'s steps.csv (or in `row`: what a replayed step of the run's
-    backend reported) is not what that step computed (`recomputed`); the norms are over `n_params` elements."""
-    at = np.flatnonzero(run.step == step)
+    backend reported) is not what that step computed (`recomputed`); the norms are over `n_params` elements. `run`
+    may be None with a `row` (an accuracy is then not judged: the run gives the batch size)."""
+    at = np.flatnonzero(run.step == step) if row is None else None
     if row is None and not len(at):
         return []
-    batch = int(run.manifest.get("hparams", {}).get("batch_size") or 0)
+    batch = int(run.manifest.get("hparams", {}).get("batch_size") or 0) if run is not None else 0
     norm_tol = max(REL_TOL, NORM_ULPS * F32_EPS * float(np.sqrt(n_params)))
     out = []
     for s, want in computed.items():
@@ -137,19 +138,10 @@ def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref
         row = rows.get(who)
         if row is None or "loss" not in probe:
             return None
-        computed = {"loss": float(probe["loss"]),
-                    "grad_norm": _norm(v for k, v in probe.items() if k.startswith("grad/"))}
-        n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("grad/"))
-        norm_tol = max(REL_TOL, NORM_ULPS * F32_EPS * float(np.sqrt(n)))
-        reported = dict(zip(REPORTED, row[1:]))
-        got[who] = []
-        for s, want in computed.items():
-            have = float(reported[s])
-            tol = max((REL_TOL if s == "loss" else norm_tol) * max(abs(want), 1e-12),
-                      loss_floor(probe, logits_layer) if s == "loss" else 0.0)
-            if not np.isfinite(have) or abs(have - want) > tol:
-                got[who].append({"series": s, "reported": have, "computed": want,
-                                 "rel": abs(have - want) / max(abs(want), 1e-12)})
+        grads = [v for k, v in probe.items() if k.startswith("grad/")]
+        computed = {"loss": float(probe["loss"]), "grad_norm": _norm(grads)}   # `recomputed`'s, before any update
+        got[who] = mismatches(None, computed, sum(int(np.size(g)) for g in grads), row=dict(zip(REPORTED, row[1:])),
+                              loss_abs=loss_floor(probe, logits_layer))
     if not got["candidate"] or got["reference"]:
         return None
     m = got["candidate"][0]
