@@ -832,6 +832,52 @@ MUTATIONS = (
              ("IDENTICAL", "DRIFT"), (), "",
              "no bug at two replicas: the same slip where two shards are the global batch",
              args=("--optimizer", "sgd", "--lr", "0.05", "--schedule", "step", "--steps", "150")),
+    # ---- session 36: precision and layer options lost on the way in, an optimizer that forgets, a rank alone
+    Mutation("tf_inputs_through_float16", "cnn2d_3conv_3fc", "tensorflow", 1, "wrappers/tensorflow/backend.py",
+             "        xt = tf.constant(np.asarray(x, self.np_dtype))\n",
+             "        xt = tf.constant(np.asarray(np.asarray(x, np.float16), self.np_dtype))\n",
+             ("BUG",), ("forward", "data"), "conv1",
+             "a mixed-precision leftover: every batch rounded through float16 on its way in (the standardised pixels "
+             "lose ~5e-4 of their value), training and evaluation alike", args=("--steps", "150")),
+    Mutation("keras_dilation_rate_dropped", "scenarios/graph_ops_tiny", "keras-jax", 1, "wrappers/keras/layers.py",
+             'dilation_rate=o["dilation"]', "dilation_rate=1",
+             ("BUG",), ("forward",), "dilated",
+             "the spec's dilation lost in the Keras lowering: a dense 3x3 window where the spec spreads it over 5x5; "
+             "'same' padding keeps every shape", args=("--optimizer", "adam", "--lr", "0.002", "--steps", "60")),
+    Mutation("torch_gelu_written_out_erf", "scenarios/graph_ops_tiny", "torch", 1, "wrappers/torch/layers.py",
+             '            x = F.gelu(x, approximate=o["approximate"])\n',
+             '            x = (0.5 * x * (1.0 + torch.erf(x * 0.7071067811865476)) if o["approximate"] == "none"\n'
+             '                 else F.gelu(x, approximate=o["approximate"]))\n',
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: exact GELU written out as x/2 (1 + erf(x / sqrt 2)), the formula F.gelu computes in its own "
+             "kernel", reference="numpy", args=("--optimizer", "adam", "--lr", "0.002", "--steps", "60")),
+    Mutation("torch_biases_left_out_of_the_optimizer", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/backend.py",
+             "        self.opt = make_optimizer(self.hp, [self.p[n] for n in self.trainable], self.opts.fault)\n",
+             "        self.opt = make_optimizer(self.hp, [self.p[n] for n in self.trainable if not n.endswith('.bias')],\n"
+             "                                  self.opts.fault)\n",
+             ("BUG",), ("optimizer",), "",
+             "parameter groups built by a name filter that drops every bias: they get gradients, never an update",
+             reference="numpy", args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
+                                      "--schedule", "cosine", "--steps", "120")),
+    Mutation("torch_momentum_lost_when_the_rate_changes", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/backend.py",
+             "        set_hyper(self.opt, params, self.hp, step, lr, self.prev_lr, self.opts.fault)\n",
+             "        if self.prev_lr is not None and lr != self.prev_lr:\n"
+             "            self.opt.state.clear()      # a new optimizer for the new rate\n"
+             "        set_hyper(self.opt, params, self.hp, step, lr, self.prev_lr, self.opts.fault)\n",
+             ("BUG",), ("optimizer",), "",
+             "a hand loop that builds a new optimizer at each rate decay: the momentum buffers are lost at the step "
+             "schedule's boundary (step 100) and nowhere before it", reference="numpy",
+             args=("--optimizer", "momentum", "--lr", "0.05", "--schedule", "step", "--steps", "160")),
+    Mutation("torch_ddp_gradients_never_synchronised", "cnn2d_3conv_3fc", "torch", 2, "wrappers/torch/parallel.py",
+             "        logits = self.ddp(xt, self._masks(self._shard_masks(masks, lo, hi)))\n"
+             "        loss = self._loss(logits, yt)\n        loss.backward()\n",
+             "        with self.ddp.no_sync():    # left over from gradient accumulation\n"
+             "            logits = self.ddp(xt, self._masks(self._shard_masks(masks, lo, hi)))\n"
+             "            loss = self._loss(logits, yt)\n            loss.backward()\n",
+             ("BUG",), ("reduction", "backward"), "",
+             "DDP's no_sync() left around the backward: no all-reduce, each rank steps on its own shard's gradient "
+             "(rank 0's, half the batch, is what the run reports)", reference="numpy",
+             args=("--optimizer", "nesterov", "--lr", "0.03", "--schedule", "cosine", "--steps", "120")),
 )
 
 
