@@ -878,6 +878,35 @@ MUTATIONS = (
              "DDP's no_sync() left around the backward: no all-reduce, each rank steps on its own shard's gradient "
              "(rank 0's, half the batch, is what the run reports)", reference="numpy",
              args=("--optimizer", "nesterov", "--lr", "0.03", "--schedule", "cosine", "--steps", "120")),
+    Mutation("jax_adamw_weight_decay_optax_default", "cnn2d_hard", "jax", 1, "wrappers/jax/optim.py",
+             "eps=eps,\n                                                             weight_decay=weight_decay)\n",
+             "eps=eps)\n",
+             ("BUG",), ("optimizer",), "",
+             "the configured decay not handed to optax.adamw, which then decays by its own default 1e-4 where "
+             "the run says 0.05", args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.05",
+                                        "--schedule", "warmup", "--steps", "120")),
+    Mutation("jax_maxpool_padding_value_zero", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
+             '            x = _window(x, -np.inf, lax.max, o["pool"], o["stride"], pads)\n',
+             '            x = _window(x, 0.0, lax.max, o["pool"], o["stride"], pads)\n',
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug here: max pooling's padding counted as zeros instead of -inf, wrong for negative inputs, but "
+             "cnn2d_hard's 'same' max pool reads an average of ReLU outputs, never below zero",
+             args=("--optimizer", "nesterov", "--lr", "0.03", "--schedule", "cosine", "--steps", "150")),
+    Mutation("tf_eval_drop_remainder", "cnn2d_2conv_2fc", "tensorflow", 1, "wrappers/tensorflow/backend.py",
+             "        xt, _ = self._tensors(x, {})\n        with tf.device(self.device):\n"
+             "            loss, acc = self._call(self._eval,",
+             "        x, y = x[:len(x) // 64 * 64], y[:len(y) // 64 * 64]     # batch(64, drop_remainder=True)\n"
+             "        xt, _ = self._tensors(x, {})\n        with tf.device(self.device):\n"
+             "            loss, acc = self._call(self._eval,",
+             ("BUG",), ("eval",), "",
+             "the test set batched with drop_remainder=True: the last 40 test samples are never evaluated; "
+             "training and the layers' inference outputs are right", args=("--optimizer", "sgd", "--steps", "100")),
+    Mutation("keras_sgd_global_clipnorm_left_in", "cnn2d_3conv_3fc", "keras-tensorflow", 1, "wrappers/keras/optim.py",
+             "keras.optimizers.SGD(learning_rate=lr, momentum=0.0), coupled",
+             "keras.optimizers.SGD(learning_rate=lr, momentum=0.0, global_clipnorm=5.0), coupled",
+             ("BUG",), ("optimizer",), "",
+             "global_clipnorm=5.0 copied from another project's optimizer: it bites only on the steps whose "
+             "gradient norm passes 5 (10 of 300 in torch's run)", args=("--optimizer", "sgd", "--steps", "150")),
 )
 
 
