@@ -887,9 +887,10 @@ MUTATIONS = (
                                         "--schedule", "warmup", "--steps", "120")),
     Mutation("jax_maxpool_padding_value_zero", "cnn2d_hard", "jax", 1, "wrappers/jax/layers.py",
              '            x = _window(x, -np.inf, lax.max, o["pool"], o["stride"], pads)\n',
-             '            x = _window(x, 0.0, lax.max, o["pool"], o["stride"], pads)\n',
+             '            x = _window(jnp.pad(x, ((0, 0), *pads, (0, 0))), -np.inf, lax.max, o["pool"], o["stride"],\n'
+             '                        ((0, 0), (0, 0)))     # padded with zeros first\n',
              ("IDENTICAL", "DRIFT"), (), "",
-             "no bug here: max pooling's padding counted as zeros instead of -inf, wrong for negative inputs, but "
+             "no bug here: max pooling's input padded with zeros (jnp.pad) instead of -inf, wrong for negative inputs, but "
              "cnn2d_hard's 'same' max pool reads an average of ReLU outputs, never below zero",
              args=("--optimizer", "nesterov", "--lr", "0.03", "--schedule", "cosine", "--steps", "150")),
     Mutation("tf_eval_drop_remainder", "cnn2d_2conv_2fc", "tensorflow", 1, "wrappers/tensorflow/backend.py",
@@ -906,7 +907,18 @@ MUTATIONS = (
              "keras.optimizers.SGD(learning_rate=lr, momentum=0.0, global_clipnorm=5.0), coupled",
              ("BUG",), ("optimizer",), "",
              "global_clipnorm=5.0 copied from another project's optimizer: it bites only on the steps whose "
-             "gradient norm passes 5 (10 of 300 in torch's run)", args=("--optimizer", "sgd", "--steps", "150")),
+             "gradient norm passes 5 (10 of torch's first 300)", args=("--optimizer", "sgd", "--steps", "150")),
+    # only in the code a multi-process run takes (each process places its own devices' pieces of the batch)
+    Mutation("jax_hosts_shards_by_local_index", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/parallel.py",
+             "        return jax.make_array_from_callback(h.shape, sharding, lambda idx: h[idx])\n",
+             "        def local(idx):     # this process's rows, counted from its own first row\n"
+             "            rows = idx[0]\n"
+             "            return h[(slice(0, (rows.stop or len(h)) - (rows.start or 0)),) + tuple(idx[1:])]\n"
+             "        return jax.make_array_from_callback(h.shape, sharding, local)\n",
+             ("BUG",), (), "",
+             "two processes standing in for hosts, each placing its device's shard by a local row index: both "
+             "replicas train on the batch's first half; one process (a probe, a replay) is right",
+             args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
 )
 
 
