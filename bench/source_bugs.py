@@ -930,9 +930,18 @@ BACKEND_CODE = {"torch": "wrappers/torch/", "jax": "wrappers/jax/", "tensorflow"
                 "keras-torch": "wrappers/keras/"}
 
 
-def run_args(m: Mutation) -> list[str]:
-    """The hyper-parameter options of both runs of a mutation: its args, --steps STEPS unless they set it."""
-    return ([] if "--steps" in m.args else ["--steps", str(STEPS)]) + list(m.args)
+# options of the candidate's process layout, which a one-device reference cannot take (--hosts must divide --devices)
+CANDIDATE_ONLY = ("--hosts",)
+
+
+def run_args(m: Mutation, reference: bool = False) -> list[str]:
+    """The hyper-parameter options of both runs of a mutation: its args, --steps STEPS unless they set it;
+    the reference's without the candidate's process layout (CANDIDATE_ONLY, each with its value)."""
+    args = ([] if "--steps" in m.args else ["--steps", str(STEPS)]) + list(m.args)
+    if reference:
+        drop = {i + k for i, a in enumerate(args) if a in CANDIDATE_ONLY for k in (0, 1)}
+        args = [a for i, a in enumerate(args) if i not in drop]
+    return args
 
 
 def parsed_args(m: Mutation) -> dict:
@@ -949,7 +958,7 @@ def steps_of(m: Mutation) -> int:
 
 def ref_key(m: Mutation) -> tuple[str, str, tuple[str, ...]]:
     """What a reference run is shared by: model, reference backend, run options."""
-    return m.model, m.reference, tuple(run_args(m))
+    return m.model, m.reference, tuple(run_args(m, reference=True))
 
 
 def ref_folder_name(m: Mutation) -> str:
@@ -1119,7 +1128,8 @@ def main() -> int:
             out = work / name
             if not any(out.glob("*/manifest.json")):
                 shutil.rmtree(out, ignore_errors=True)
-                rc = harness(pristine, ["run", "-m", m.model, "-b", m.reference, *run_args(m), "--out", str(out)],
+                rc = harness(pristine, ["run", "-m", m.model, "-b", m.reference, *run_args(m, reference=True),
+                                        "--out", str(out)],
                              user_dir, work / f"{name}.log")
                 if rc:
                     raise RuntimeError(f"reference run {name} failed (rc {rc}): {work / f'{name}.log'}")

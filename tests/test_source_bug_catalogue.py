@@ -30,3 +30,12 @@ def test_a_bug_in_several_places_is_every_edit_applied_and_each_checked():
         mutated(m, "a = 1\nc = 1\n")
     with pytest.raises(ValueError, match=r"itself \(edit 2\)"):
         mutated(dataclasses.replace(m, also=(("b = 1\n", "b = 1\n"),)), "a = 1\nb = 1\n")
+
+
+def test_the_reference_run_leaves_out_the_candidates_process_layout():
+    """A one-device reference cannot take --hosts 2 (it must divide --devices): the candidate's layout stays the
+    candidate's, every other option is both runs'."""
+    from bench.source_bugs import run_args
+    m = dataclasses.replace(MUTATIONS[0], devices=2, args=("--hosts", "2", "--optimizer", "adam", "--steps", "40"))
+    assert run_args(m) == ["--hosts", "2", "--optimizer", "adam", "--steps", "40"]
+    assert run_args(m, reference=True) == ["--optimizer", "adam", "--steps", "40"]
