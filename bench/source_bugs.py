@@ -912,6 +912,8 @@ MUTATIONS = (
     Mutation("jax_hosts_shards_by_local_index", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/parallel.py",
              "        return jax.make_array_from_callback(h.shape, sharding, lambda idx: h[idx])\n",
              "        def local(idx):     # this process's rows, counted from its own first row\n"
+             "            if not idx:\n"
+             "                return h[idx]\n"
              "            rows = idx[0]\n"
              "            return h[(slice(0, (rows.stop or len(h)) - (rows.start or 0)),) + tuple(idx[1:])]\n"
              "        return jax.make_array_from_callback(h.shape, sharding, local)\n",
