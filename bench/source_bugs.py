@@ -921,6 +921,24 @@ MUTATIONS = (
              "two processes standing in for hosts, each placing its device's shard by a local row index: both "
              "replicas train on the batch's first half; one process (a probe, a replay) is right",
              args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
+    Mutation("jax_hosts_shards_by_explicit_bounds", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/parallel.py",
+             "        return jax.make_array_from_callback(h.shape, sharding, lambda idx: h[idx])\n",
+             "        def local(idx):     # the same rows, by explicit global bounds\n"
+             "            if not idx:\n"
+             "                return h[idx]\n"
+             "            return h[(slice(idx[0].start or 0, len(h) if idx[0].stop is None else idx[0].stop),)\n"
+             "                     + tuple(idx[1:])]\n"
+             "        return jax.make_array_from_callback(h.shape, sharding, local)\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: the same multi-process placement with each shard's global row bounds written out",
+             args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
+    Mutation("jax_hosts_update_norm_copy_pasted", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/backend.py",
+             "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
+             "_global_norm(new_params), _global_norm(new_params)]",
+             ("BUG",), ("report",), "",
+             "a report slip in a run of two processes standing in for hosts: its replay job's step reports the "
+             "same wrong norm, so it stays a report slip, not the multi-process path",
+             args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
 )
 
 

@@ -190,7 +190,7 @@ class Localizer(ProbeJobs):
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
                                            + (chk.get("emulated", []) if change is not None else []))
         if res["stage"] is None and (rep := reported.localize(pair, ref0, align(cand0, ref0, layers)[0], layers[-1],
-                                                              self.first_batch)):   # the step agrees, a report does not
+                                                              self.first_batch, replayed=self.replayed_rows(ref, cand, 0, change))):
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]

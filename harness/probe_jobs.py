@@ -376,6 +376,11 @@ class ProbeJobs:
                           reload_exact=worker.get("reload_exact", True)),   # Backend.state_reload_exact
                 **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or [])}
 
+    def replayed_rows(self, ref: Run, cand: Run, step: int, change: dict[str, Any] | None) -> dict[str, Any] | None:
+        """What each backend's training step reported at `step` in the pair's resync replay (None: not replayed)."""
+        rep = self._cached_replay(ref, cand, [step], change)
+        return reported.rows_at(rep, step) if rep else None
+
     def _cached_replay(self, ref: Run, cand: Run, at: list[int], change: dict[str, Any] | None):
         """The resync's replay restricted to `at`, when it probed every step of `at`."""
         rep = self._replays.get((ref.name, cand.name, change_tag(change or {})))

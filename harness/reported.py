@@ -157,31 +157,36 @@ def step_upstream(rows: dict[str, list | None], cand: dict[str, np.ndarray], ref
 
 def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], logits_layer: str,
              batch_of: Callable[[Run], tuple[dict[str, np.ndarray], np.ndarray] | None],
-             step: int = 0, rows: dict[str, dict[str, float]] | None = None) -> dict[str, Any] | None:
+             step: int = 0, rows: dict[str, dict[str, float]] | None = None,
+             replayed: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
     reports statistics of `step` that its own probe of that step does not compute (`ref0`, `cand0`), in series
     that diverge in the pair (what the report explains); else None. `batch_of(run)`: (the parameters the step
     started from, its batch's labels), as `first_batch` gives them for step 0 (None: not had). `rows` ({"reference":
     ..., "candidate": ...}): what each backend's training step reported from the state both probes started from
-    (a replay's), in place of the runs' own rows at `step`."""
+    (a replay's), in place of the runs' own rows at `step`. `replayed` (`rows_at` of a replay of `step`): what each
+    backend's training step reported from the same state in its replay job, for a run that trained in several
+    processes standing in for hosts (`across_processes`)."""
     ref, cand = pair.a, pair.b
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
     diverging = {s for s, c in pair.checks.items() if c.diverged_step is not None}
-    found = {}
+    found, judged = {}, {}
     for who, run, probe in (("candidate", cand, cand0), ("reference", ref, ref0)):
         got = batch_of(run)
         if got is None:
             return None
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
-        found[who] = [m for m in mismatches(run, recomputed(probe, params, logits_layer, labels), n, step,
-                                            rows[who] if rows else None, loss_floor(probe, logits_layer))
+        judged[who] = (recomputed(probe, params, logits_layer, labels), n, loss_floor(probe, logits_layer))
+        found[who] = [m for m in mismatches(run, judged[who][0], n, step, rows[who] if rows else None, judged[who][2])
                       if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
     run, bad = (cand if who == "candidate" else ref), found[who]
+    if rows is None and (moved := across_processes(who, run, bad, judged[who], (replayed or {}).get(who), step)):
+        return moved
     said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
     what = ", ".join(m["series"] for m in bad)
     whence = ("its step-0 probe" if not rows else f"its probe of the same state (its backend's training step "
@@ -194,5 +199,35 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch", "localize", "rows_at",
-           "step_upstream"]
+def across_processes(who: str, run: Run, bad: list[dict[str, Any]], judged: tuple[dict[str, float], int, float],
+                     replayed: list | None, step: int) -> dict[str, Any] | None:
+    """A run trained by several processes standing in for hosts, whose row at `step` is not what its probe computes
+    (`bad`), while its backend's training step from the same state in its replay job (`replayed`: [step, loss, ...];
+    one process for a backend that replays such a run in one) reports what the probe computes: the run's own
+    processes computed another step, so the difference is no report slip but sits in the multi-process path: stage
+    `data` when the loss differs (how each process places its part of the batch), `reduction` when only the gradient
+    or update does (how the processes combine theirs). None otherwise (a report slip is in the replay's rows too)."""
+    hosts = run.options.hosts
+    if hosts <= 1 or replayed is None:
+        return None
+    computed, n, floor = judged
+    off = {m["series"] for m in mismatches(None, computed, n, row=dict(zip(REPORTED, replayed[1:])), loss_abs=floor)}
+    if off & {m["series"] for m in bad}:
+        return None
+    stage = "data" if any(m["series"] == "loss" for m in bad) else "reduction"
+    said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
+    where = ("how each process places its part of the batch" if stage == "data"
+             else "how the processes combine their gradients")
+    line = (f"localized by the reported statistics across processes: the {who} {run.name} trained in {hosts} "
+            f"processes standing in for hosts and reports at step {step} what its probe of that step does not compute "
+            f"({said}), while the same training step in its replay job, from the same state and batch, reports what "
+            f"the probe computes: not a report slip; the run's own processes computed another step, so the bug sits in "
+            f"its multi-process path ({where})")
+    return {"stage": stage, "method": "reported statistics across processes", "step": step, "layer": None,
+            "parameter": None, "probe": None, "series": [m["series"] for m in bad], "reported_by": who,
+            "mismatches": bad, "summary": f"{stage}: the {who}'s multi-process path (--hosts {hosts})",
+            "lines": [line], "disagreeing_keys": []}
+
+
+__all__ = ["REPORTED", "across_processes", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch",
+           "localize", "rows_at", "step_upstream"]
