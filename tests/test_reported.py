@@ -261,3 +261,29 @@ def test_a_relabelled_point_keeps_nothing_of_the_optimizer_and_an_eval_reading_d
     got = analyse(cand, ref, ["conv", "logits"], rows=rows)
     assert got["stage"] == "loss" and "note" not in got and "optimizer_step" not in got
     assert "step_report" not in eval_disagreement(got)
+
+
+class _HostsRun:
+    def __init__(self, hosts):
+        self.name = f"run-hosts-{hosts}"
+        self.options = type("Options", (), {"hosts": hosts})()
+
+
+def test_a_multi_process_runs_wrong_row_that_its_replayed_step_does_not_share_is_the_multi_process_path():
+    """The run's own processes computed another step (its replay job's step from the same state reports what the
+    probe computes): no report slip; `data` when the loss differs, `reduction` when only a norm does."""
+    computed, n, floor = {"loss": 2.0, "grad_norm": 10.0, "update_norm": 0.3}, 1000, 0.0
+    bad = [{"series": "loss", "reported": 2.2, "computed": 2.0, "rel": 0.1}]
+    right = [0, 2.0, 0.5, 10.0, 0.3, 5.0]
+    got = reported.across_processes("candidate", _HostsRun(2), bad, (computed, n, floor), right, 0)
+    assert got["stage"] == "data" and got["summary"] == "data: the candidate's multi-process path (--hosts 2)"
+    assert "not a report slip" in got["lines"][0]
+    norm_only = [{"series": "grad_norm", "reported": 11.0, "computed": 10.0, "rel": 0.1}]
+    assert reported.across_processes("candidate", _HostsRun(2), norm_only, (computed, n, floor), right, 0)["stage"] \
+        == "reduction"
+    # the replay's step reports the same wrong value: a report slip, left to the report stage
+    slipped = [0, 2.2, 0.5, 10.0, 0.3, 5.0]
+    assert reported.across_processes("candidate", _HostsRun(2), bad, (computed, n, floor), slipped, 0) is None
+    # one process, or no replay of that step: nothing to tell the two apart
+    assert reported.across_processes("candidate", _HostsRun(1), bad, (computed, n, floor), right, 0) is None
+    assert reported.across_processes("candidate", _HostsRun(2), bad, (computed, n, floor), None, 0) is None
