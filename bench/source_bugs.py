@@ -917,7 +917,7 @@ MUTATIONS = (
              "            rows = idx[0]\n"
              "            return h[(slice(0, (rows.stop or len(h)) - (rows.start or 0)),) + tuple(idx[1:])]\n"
              "        return jax.make_array_from_callback(h.shape, sharding, local)\n",
-             ("BUG",), (), "",
+             ("BUG",), ("data",), "",
              "two processes standing in for hosts, each placing its device's shard by a local row index: both "
              "replicas train on the batch's first half; one process (a probe, a replay) is right",
              args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
