@@ -932,6 +932,18 @@ MUTATIONS = (
              ("IDENTICAL", "DRIFT"), (), "",
              "no bug: the same multi-process placement with each shard's global row bounds written out",
              args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
+    Mutation("jax_hosts_second_process_a_sample_ahead_from_step_40", "cnn2d_2conv_2fc", "jax", 2,
+             "wrappers/jax/backend.py",
+             "        xb, yb, mb = self._batch(x, y, masks)\n"
+             "        self.params, self.buffers, self.opt_state, stats = self._step(\n",
+             "        if self.multi and self.process_id == 1 and step >= 40:   # its loader a sample ahead from step 40\n"
+             "            x, y = np.roll(x, -1, axis=0), np.roll(y, -1, axis=0)\n"
+             "        xb, yb, mb = self._batch(x, y, masks)\n"
+             "        self.params, self.buffers, self.opt_state, stats = self._step(\n",
+             ("BUG",), ("state", "data"), "",
+             "late and only in the multi-process path: from step 40 the second of two processes standing in for "
+             "hosts trains on its shard shifted by one sample; the probes and replays, one process, never do",
+             args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
     Mutation("jax_hosts_update_norm_copy_pasted", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/backend.py",
              "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
              "_global_norm(new_params), _global_norm(new_params)]",

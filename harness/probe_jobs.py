@@ -349,15 +349,17 @@ class ProbeJobs:
         """harness.self_replay: `run`'s backend re-trains every stretch between two of the run's checkpoints from
         the first, in a fresh process (one job, about one run's training); its rows must be the run's, and its
         evaluation of each checkpoint as loaded, before any step, the run's evaluation at that step.
-        {"checked": False, "why": ...} where no such comparison is exact: several processes standing in for
-        hosts (a replay emulates them in one), framework-RNG dropout, a run not in deterministic mode, a run
-        trained on another machine, fewer than two checkpoints; or a job that failed."""
+        {"checked": False, "why": ...} where no such comparison is exact: framework-RNG dropout, a run not in
+        deterministic mode, a run trained on another machine, fewer than two checkpoints; or a job that failed.
+        A run of several processes standing in for hosts is re-trained in its backend's replay layout (one process
+        where the backend replays such a run in one), `hosts` recorded: a row it does not reproduce is the
+        multi-process path or carried state (harness.self_replay.placed); a layout that rounds otherwise only
+        leaves a stretch judged up to its first row that is not bit-equal, as everywhere."""
         from . import self_replay as S
         o = run.options
         host = run.manifest.get("host") or {}
         elsewhere = host and (host.get("hostname"), host.get("platform")) != (socket.gethostname(), platform.platform())
-        why = ("several processes standing in for hosts" if o.hosts > 1 else "framework-RNG dropout" if o.dropout == "native"
-               else "not in deterministic mode" if not o.deterministic
+        why = ("framework-RNG dropout" if o.dropout == "native" else "not in deterministic mode" if not o.deterministic
                else f"trained on another machine ({host.get('hostname')}, {host.get('platform')}): re-trained here it "
                     f"need not be the same computation to the bit" if elsewhere else None)
         cks = checkpoints(run)
@@ -374,7 +376,7 @@ class ProbeJobs:
         worker = json.loads((folder / WORKER_FILE).read_text())
         return {**S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks),
                           reload_exact=worker.get("reload_exact", True)),   # Backend.state_reload_exact
-                **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or [])}
+                **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or []), "hosts": o.hosts}
 
     def replayed_rows(self, ref: Run, cand: Run, step: int, change: dict[str, Any] | None) -> dict[str, Any] | None:
         """What each backend's training step reported at `step` in the pair's resync replay (None: not replayed)."""

@@ -131,10 +131,23 @@ def describe(run_name: str, sr: dict[str, Any]) -> str:
                 f"otherwise ({sr['series']} {sr['replay']:.9g} against the run's {sr['run']:.9g}, rel "
                 f"{sr['rel']:.2g}): what the run reports carries state of its own (a running mean of the steps so "
                 f"far, a value kept from an earlier step), not the step's")
+    hosts = int(sr.get("hosts") or 1)
     return (f"self-replay: {run_name}'s backend, loading the run's own checkpoint at step {sr['from']} in a fresh "
-            f"process and re-training on the run's batches, computes step {sr['step']} differently ({sr['series']} "
-            f"{sr['replay']:.9g} against the run's {sr['run']:.9g}, rel {sr['rel']:.2g}, every step before it "
-            f"bit-equal): its training carries state the checkpoint does not hold")
+            f"{'job' if hosts > 1 else 'process'} and re-training on the run's batches, computes step {sr['step']} "
+            f"differently ({sr['series']} {sr['replay']:.9g} against the run's {sr['run']:.9g}, rel {sr['rel']:.2g}, "
+            f"every step before it bit-equal): " + (
+                f"the run's {hosts} processes standing in for hosts computed another step from the same state and "
+                f"batch" if _across_processes(sr) else
+                f"its training carries state the checkpoint does not hold, or the run's {hosts} processes standing "
+                f"in for hosts compute otherwise than the replay's layout" if hosts > 1 else
+                "its training carries state the checkpoint does not hold"))
+
+
+def _across_processes(sr: dict[str, Any]) -> bool:
+    """A run of several processes whose first re-trained row of a stretch (straight from its loaded checkpoint, so no
+    state carried from an earlier step) has another loss: the processes computed another forward of the same
+    state and batch, the multi-process path's doing (how each places its part of the batch)."""
+    return int(sr.get("hosts") or 1) > 1 and sr.get("step") == sr.get("from") and "loss" in (sr.get("off") or [])
 
 
 def placed(sr: dict[str, Any], side: str) -> dict[str, Any]:
@@ -150,6 +163,18 @@ def placed(sr: dict[str, Any], side: str) -> dict[str, Any]:
                 "summary": f"report: {', '.join(sr['off'])} of {side} carries state of its own (step {sr['step']})",
                 "why": "reproduces its own training from its checkpoint but not what its run reported (self-replay): a "
                        "reported statistic that carries state, which a step from a loaded state cannot show"}
+    if _across_processes(sr):
+        return {"stage": "data", "series": None,
+                "summary": f"data: the multi-process path of {side} (--hosts {sr['hosts']}, step {sr['step']})",
+                "why": "does not compute, in its own processes, the step its replay computes from the same state "
+                       "(self-replay): the multi-process path, which the replays' layout does not take"}
+    if int(sr.get("hosts") or 1) > 1:
+        return {"stage": "state", "series": None,
+                "summary": f"state: training not reproduced from its checkpoint (step {sr['step']}): carried state, "
+                           f"or the multi-process path of {side} (--hosts {sr['hosts']})",
+                "why": "does not reproduce its own training from its checkpoint in its replay's layout (self-replay): "
+                       "state the checkpoint does not hold, or the processes standing in for hosts, neither of which "
+                       "a step from a loaded state in that layout shows"}
     return {"stage": "state", "series": None,
             "summary": f"state: training carries state its checkpoint does not hold (step {sr['step']})",
             "why": "does not reproduce its own training from its checkpoint (self-replay): state the checkpoint does not "

@@ -9,7 +9,7 @@ import numpy as np
 from harness import resync as R
 from harness.compare import BUG, DRIFT, compare
 from harness.probe_analysis import analyse
-from harness.self_replay import TOL, judge, judge_evaluations, placed, stretches
+from harness.self_replay import TOL, describe, judge, judge_evaluations, placed, stretches
 
 from .conftest import need
 from .test_resync import LAYERS, chaotic_candidate, replay_of, saturating_family
@@ -190,3 +190,21 @@ def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
     run.manifest["host"] = dict(run.manifest["host"], hostname="elsewhere")
     moved = loc.self_replay(run)
     assert not moved["checked"] and "trained on another machine (elsewhere" in moved["why"], moved
+
+
+def test_a_multi_process_run_not_reproduced_by_its_replay_names_the_multi_process_path():
+    """A run of two processes standing in for hosts, re-trained in its backend's replay layout: another loss on a
+    stretch's first row (the loaded state, the same batch) is the processes' doing, `data`; a later row may be
+    carried state as well, and the place says both; one process keeps the plain carried-state reading."""
+    v, steps = _values(), np.arange(60)
+    first = dict(judge(steps, v, _rows(range(40, 50), v, lambda t: 1.3, lambda t: 1.3), [40]), hosts=2)
+    assert "loss" in first["off"] and first["step"] == first["from"] == 40
+    assert placed(first, "the candidate")["stage"] == "data"
+    assert "multi-process path of the candidate (--hosts 2" in placed(first, "the candidate")["summary"]
+    assert "computed another step" in describe("c", first)
+    later = dict(judge(steps, v, _rows(range(40, 50), v, lambda t: 1.02 if t >= 45 else 1.0,
+                                       lambda t: 1.02 if t >= 45 else 1.0), [40]), hosts=2)
+    assert placed(later, "the candidate")["stage"] == "state"
+    assert "carried state, or the multi-process path" in placed(later, "the candidate")["summary"]
+    one = dict(first, hosts=1)
+    assert placed(one, "the candidate")["stage"] == "state" and "carries state" in describe("c", one)
