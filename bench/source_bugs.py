@@ -944,6 +944,22 @@ MUTATIONS = (
              "late and only in the multi-process path: from step 40 the second of two processes standing in for "
              "hosts trains on its shard shifted by one sample; the probes and replays, one process, never do",
              args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
+    # only in resuming: training never loads a checkpoint, a resumed run does
+    Mutation("tf_adam_step_count_not_restored", "cnn2d_hard", "tensorflow", 1, "wrappers/tensorflow/optim.py",
+             '        if self.adam and "step" in state:\n            self.t = int(round(float(state["step"])))\n',
+             "",
+             ("BUG",), ("state", "optimizer"), "",
+             "a checkpoint load that restores Adam's moments but not its step count: a resumed run's bias "
+             "corrections start again from step 1; the uninterrupted training is right",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "120")),
+    Mutation("torch_adam_step_exported_one_short", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/optim.py",
+             '            out["step"] = np.asarray(float(st["step"]))\n',
+             '            out["step"] = np.asarray(float(st["step"]) - 1)     # steps before this one\n',
+             ("BUG",), ("state",), "",
+             "the checkpoint's Adam step count written one short (an off-by-one in the export): training is right, "
+             "every checkpoint resumes with the bias corrections of the step before",
+             reference="numpy", args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
+                                      "--schedule", "warmup", "--steps", "120")),
     Mutation("jax_hosts_update_norm_copy_pasted", "cnn2d_2conv_2fc", "jax", 2, "wrappers/jax/backend.py",
              "_global_norm(jax.tree.map(lambda a, b: a - b, new_params, params)), _global_norm(new_params)]",
              "_global_norm(new_params), _global_norm(new_params)]",
