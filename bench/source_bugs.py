@@ -955,7 +955,7 @@ MUTATIONS = (
     Mutation("torch_adam_step_exported_one_short", "cnn2d_2conv_2fc", "torch", 1, "wrappers/torch/optim.py",
              '            out["step"] = np.asarray(float(st["step"]))\n',
              '            out["step"] = np.asarray(float(st["step"]) - 1)     # steps before this one\n',
-             ("BUG",), ("state",), "",
+             ("BUG",), ("optimizer", "state"), "",
              "the checkpoint's Adam step count written one short (an off-by-one in the export): training is right, "
              "every checkpoint resumes with the bias corrections of the step before",
              reference="numpy", args=("--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",

@@ -8,6 +8,7 @@ from typing import Any
 
 from .pair import (BUG, DECLARED, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, against_text, drop_stat_advice, fmt_factor,
                    formula_computed_by, not_moved_ids)
+from .self_replay import also_not_reproduced
 
 RESYNC_DRIFT = "trajectories diverged by accumulated rounding; every step agrees from a shared state"
 
@@ -271,8 +272,7 @@ def apply_resync(p: Pair, requested: bool) -> None:
         worst = next(x for x in rs["per_point"] if x["step"] == t)
         against = rs.get("against")
         method = f"resync of step {t} from the reference's state" + (
-            f", against {against_text(against)}"
-            if against else "")
+            f", against {against_text(against)}" if against else "")
         if was != BUG or (p.localization or {}).get("stage") is None:
             summary, lines = describe(fb, method)
             summary += " (the reference's own step)" if rs.get("reference_side") and summary else ""
@@ -306,7 +306,8 @@ def apply_resync(p: Pair, requested: bool) -> None:
                        + (f"; the free-running verdict was {was}" if was != BUG else "")
                        + (f"; the reference's own step is not its declared difference(s) {', '.join(against['emulated'])}"
                           if rs.get("reference_side") else
-                          f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else ""))
+                          f"; declared difference(s) {', '.join(against['emulated'])} do not explain it" if against else "")
+                       + also_not_reproduced(rs.get("self_replay") or {}))
         return
     if seq.get("bias") is not None:
         kd = seq["bias"]

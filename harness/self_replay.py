@@ -140,7 +140,19 @@ def describe(run_name: str, sr: dict[str, Any]) -> str:
                 f"batch" if _across_processes(sr) else
                 f"its training carries state the checkpoint does not hold, or the run's {hosts} processes standing "
                 f"in for hosts compute otherwise than the replay's layout" if hosts > 1 else
-                "its training carries state the checkpoint does not hold"))
+                "its training carries state the checkpoint does not hold, or its load of the checkpoint does not "
+                "restore it"))
+
+
+def also_not_reproduced(sr: dict[str, Any]) -> str:
+    """For a pair a resynced step already places: the candidate's self-replay differing in its training too, said
+    in a clause (else ""). A step from a loaded state that is not the step the run took puts what the backend saves
+    in and restores from a checkpoint in question (a resumed run), beside the stage the resync names."""
+    if not sr.get("differs") or sr.get("reported_only"):
+        return ""
+    first = " (the first step of its stretch, straight from the load)" if sr.get("step") == sr.get("from") else ""
+    return (f"; the candidate does not reproduce its own training from its own checkpoint either (step {sr['step']}"
+            f"{first}: {sr['series']} rel {sr['rel']:.2g}): what its checkpoint saves and restores is in question too")
 
 
 def _across_processes(sr: dict[str, Any]) -> bool:
@@ -181,4 +193,4 @@ def placed(sr: dict[str, Any], side: str) -> dict[str, Any]:
                    "hold, which a step from a loaded state cannot show"}
 
 
-__all__ = ["TOL", "describe", "judge", "judge_evaluations", "placed", "stretches"]
+__all__ = ["TOL", "also_not_reproduced", "describe", "judge", "judge_evaluations", "placed", "stretches"]

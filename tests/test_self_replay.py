@@ -208,3 +208,16 @@ def test_a_multi_process_run_not_reproduced_by_its_replay_names_the_multi_proces
     assert "carried state, or the multi-process path" in placed(later, "the candidate")["summary"]
     one = dict(first, hosts=1)
     assert placed(one, "the candidate")["stage"] == "state" and "carries state" in describe("c", one)
+
+
+def test_a_pair_placed_by_its_resync_also_says_when_the_candidate_does_not_reproduce_itself():
+    """A checkpoint whose load or export is wrong shows in both: a step from the reference's state and the
+    candidate's step from its own checkpoint; the second is said beside the resync's place."""
+    from harness.self_replay import also_not_reproduced
+    v, steps = _values(), np.arange(60)
+    first = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.0, lambda t: 1.3), [40])
+    said = also_not_reproduced(first)
+    assert "does not reproduce its own training from its own checkpoint either (step 40 (the first step" in said
+    assert "saves and restores" in said
+    assert also_not_reproduced(judge(steps, v, _rows(range(40, 50), v), [40])) == ""   # reproduces: nothing said
+    assert also_not_reproduced({}) == ""
