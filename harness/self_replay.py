@@ -150,7 +150,7 @@ def also_not_reproduced(sr: dict[str, Any]) -> str:
     in and restores from a checkpoint in question (a resumed run), beside the stage the resync names."""
     if not sr.get("differs") or sr.get("reported_only"):
         return ""
-    first = " (the first step of its stretch, straight from the load)" if sr.get("step") == sr.get("from") else ""
+    first = ", the first of its stretch, straight from the load" if sr.get("step") == sr.get("from") else ""
     return (f"; the candidate does not reproduce its own training from its own checkpoint either (step {sr['step']}"
             f"{first}: {sr['series']} rel {sr['rel']:.2g}): what its checkpoint saves and restores is in question too")
 

@@ -217,7 +217,7 @@ def test_a_pair_placed_by_its_resync_also_says_when_the_candidate_does_not_repro
     v, steps = _values(), np.arange(60)
     first = judge(steps, v, _rows(range(40, 50), v, lambda t: 1.0, lambda t: 1.3), [40])
     said = also_not_reproduced(first)
-    assert "does not reproduce its own training from its own checkpoint either (step 40 (the first step" in said
+    assert "does not reproduce its own training from its own checkpoint either (step 40, the first of its" in said
     assert "saves and restores" in said
     assert also_not_reproduced(judge(steps, v, _rows(range(40, 50), v), [40])) == ""   # reproduces: nothing said
     assert also_not_reproduced({}) == ""
