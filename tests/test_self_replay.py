@@ -5,6 +5,7 @@ scaled the learning rate after 100 steps was DRIFT ("every step agrees from a sh
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harness import resync as R
 from harness.compare import BUG, DRIFT, compare
@@ -221,3 +222,28 @@ def test_a_pair_placed_by_its_resync_also_says_when_the_candidate_does_not_repro
     assert "saves and restores" in said
     assert also_not_reproduced(judge(steps, v, _rows(range(40, 50), v), [40])) == ""   # reproduces: nothing said
     assert also_not_reproduced({}) == ""
+
+
+@pytest.mark.slow
+def test_a_run_of_two_processes_standing_in_for_hosts_is_re_trained_in_its_replay_layout(tmp_path):
+    """jax --devices 2 --hosts 2 (two processes joined by jax.distributed): its self-replay is made (until session
+    36 it was skipped), in the replay job's one process over the same mesh, and reproduces the run to the bit;
+    the same run with its rows from step 20 moved (what a process's loader gone astray does) is placed in the
+    multi-process path."""
+    need("jax")
+    from algorithms.contract import RunConfig
+    from algorithms.optim import HParams
+    from harness import runner
+    from harness.localize import Localizer
+    from harness.runs import load_run
+    folder = runner.execute(RunConfig(model="cnn2d_2conv_2fc", backend="jax", devices=2, extra={"hosts": 2},
+                                      hparams=HParams(steps=40, eval_every=20, checkpoint_every=20)), tmp_path)
+    run = load_run(folder)
+    loc = Localizer(tmp_path, log=lambda m: None)
+    got = loc.self_replay(run)
+    assert got["checked"] and not got["differs"] and got["max_rel"] == 0.0 and got["hosts"] == 2, got
+    for s in ("loss", "update_norm", "param_norm"):
+        run.values[s] = run.values[s] * np.where(run.step >= 20, 1.01, 1.0)
+    moved = loc.self_replay(run)
+    assert moved["differs"] and (moved["step"], moved["from"]) == (20, 20), moved
+    assert placed(moved, "the candidate")["stage"] == "data"
