@@ -1225,24 +1225,35 @@ def main() -> int:
               f" ({row['seconds']} s)", flush=True)
         if not a.keep:
             shutil.rmtree(tree, ignore_errors=True)
-    meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "load": f"{load0[0]:.1f} -> {os.getloadavg()[0]:.1f}", "seconds": round(time.time() - t0),
-            "command": "python bench/source_bugs.py" + (f" --only {a.only}" if a.only else "") + f" -j {a.jobs}"}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{a.results_name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (RESULTS / f"{a.results_name}.md").write_text(render(rows, meta))
-    print(render(rows, meta))
+        write_results(a, rows, commit, t0, load0, done=len(rows), of=len(chosen))   # a stopped run keeps its table
+    print(write_results(a, rows, commit, t0, load0, done=len(rows), of=len(chosen)))
     if not a.keep and a.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["correct"] for r in rows) else 1
+
+
+def write_results(a: argparse.Namespace, rows: list[dict], commit: str, t0: float, load0: tuple, done: int,
+                  of: int) -> str:
+    """bench/results/<results-name>.{json,md} with the rows so far (`done` of `of` mutations); the table's text."""
+    meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "load": f"{load0[0]:.1f} -> {os.getloadavg()[0]:.1f}", "seconds": round(time.time() - t0),
+            "command": "python bench/source_bugs.py" + (f" --only {a.only}" if a.only else "") + f" -j {a.jobs}",
+            "done": done, "of": of}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    text = render(rows, meta)
+    (RESULTS / f"{a.results_name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / f"{a.results_name}.md").write_text(text)
+    return text
 
 
 def render(rows: list[dict], meta: dict) -> str:
     right = sum(r["correct"] for r in rows)
     lines = [f"# Bugs written into a wrapper's source ({meta['when']}, {meta['machine']}, load {meta['load']}, "
              f"commit {meta['commit']})", "",
-             f"`{meta['command']}`: {len(rows)} mutations, {STEPS} steps each unless their args say otherwise, "
+             f"`{meta['command']}`: {len(rows)} mutations"
+             + (f" ({meta['done']} of {meta['of']} chosen: a run stopped or still going)"
+                if meta.get("done", 0) < meta.get("of", 0) else "") + f", {STEPS} steps each unless their args say otherwise, "
              f"against a reference trained from the pristine tree with the same args (torch; numpy for a mutation "
              f"of the torch wrapper); **{right}/{len(rows)} verdicts right**; {meta['seconds']} s.", "",
              "| mutation | model | backend | args | the change | expected | verdict | where | first | right |",
