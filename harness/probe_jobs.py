@@ -352,9 +352,10 @@ class ProbeJobs:
         {"checked": False, "why": ...} where no such comparison is exact: framework-RNG dropout, a run not in
         deterministic mode, a run trained on another machine, fewer than two checkpoints; or a job that failed.
         A run of several processes standing in for hosts is re-trained in its backend's replay layout (one process
-        where the backend replays such a run in one), `hosts` recorded: a row it does not reproduce is the
-        multi-process path or carried state (harness.self_replay.placed); a layout that rounds otherwise only
-        leaves a stretch judged up to its first row that is not bit-equal, as everywhere."""
+        where the backend replays such a run in one), both layouts recorded (`processes`, `replay_processes`): a
+        row it does not reproduce in fewer processes may be the multi-process path (harness.self_replay.placed); a
+        layout that rounds otherwise leaves a stretch judged up to its first row that is not bit-equal (an accuracy
+        within one sample not judged)."""
         from . import self_replay as S
         o = run.options
         host = run.manifest.get("host") or {}
@@ -374,9 +375,12 @@ class ProbeJobs:
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}
         worker = json.loads((folder / WORKER_FILE).read_text())
+        layouts = {"hosts": o.hosts, "processes": (run.manifest.get("parallel") or {}).get("processes"),
+                   "replay_processes": (worker.get("parallel") or {}).get("processes")}
         return {**S.judge(run.step, run.values, worker.get("replayed") or [], sorted(cks),
-                          reload_exact=worker.get("reload_exact", True)),   # Backend.state_reload_exact
-                **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or []), "hosts": o.hosts}
+                          reload_exact=worker.get("reload_exact", True),    # Backend.state_reload_exact
+                          batch=int(run.manifest.get("hparams", {}).get("batch_size") or 0)),
+                **S.judge_evaluations(run.eval_step, run.values, worker.get("evaluated") or []), **layouts}
 
     def replayed_rows(self, ref: Run, cand: Run, step: int, change: dict[str, Any] | None) -> dict[str, Any] | None:
         """What each backend's training step reported at `step` in the pair's resync replay (None: not replayed)."""

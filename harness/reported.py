@@ -161,7 +161,7 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
              replayed: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A localization at stage `report` when exactly one run of the pair (reference `pair.a`, candidate `pair.b`)
     reports statistics of `step` that its own probe of that step does not compute (`ref0`, `cand0`), in series
-    that diverge in the pair (what the report explains); else None. `batch_of(run)`: (the parameters the step
+    that diverge in the pair (what the report explains), or in the multi-process path (`across_processes`); else None. `batch_of(run)`: (the parameters the step
     started from, its batch's labels), as `first_batch` gives them for step 0 (None: not had). `rows` ({"reference":
     ..., "candidate": ...}): what each backend's training step reported from the state both probes started from
     (a replay's), in place of the runs' own rows at `step`. `replayed` (`rows_at` of a replay of `step`): what each
@@ -206,15 +206,19 @@ def across_processes(who: str, run: Run, bad: list[dict[str, Any]], judged: tupl
     one process for a backend that replays such a run in one) reports what the probe computes: the run's own
     processes computed another step, so the difference is no report slip but sits in the multi-process path: stage
     `data` when the loss differs (how each process places its part of the batch), `reduction` when only the gradient
-    or update does (how the processes combine theirs). None otherwise (a report slip is in the replay's rows too)."""
+    or update does (how the processes combine theirs). Asked only when the run's row is off in something its step
+    trains with (the gradient or update norm: a loss or an accuracy alone off may be a report only the processes
+    write). None otherwise (a report slip is in the replay's rows too)."""
     hosts = run.options.hosts
     if hosts <= 1 or replayed is None:
         return None
     computed, n, floor = judged
-    off = {m["series"] for m in mismatches(None, computed, n, row=dict(zip(REPORTED, replayed[1:])), loss_abs=floor)}
-    if off & {m["series"] for m in bad}:
+    own = {m["series"] for m in mismatches(run, computed, n, step, loss_abs=floor)}     # the whole row, not `bad`
+    off = {m["series"] for m in mismatches(run, computed, n, step, row=dict(zip(REPORTED, replayed[1:])),
+                                           loss_abs=floor)}
+    if not own & {"grad_norm", "update_norm"} or off & own:
         return None
-    stage = "data" if any(m["series"] == "loss" for m in bad) else "reduction"
+    stage = "data" if "loss" in own else "reduction"
     said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
     where = ("how each process places its part of the batch" if stage == "data"
              else "how the processes combine their gradients")

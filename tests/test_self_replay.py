@@ -194,21 +194,38 @@ def test_a_real_run_reproduces_itself_and_edited_rows_do_not(tmp_path):
 
 
 def test_a_multi_process_run_not_reproduced_by_its_replay_names_the_multi_process_path():
-    """A run of two processes standing in for hosts, re-trained in its backend's replay layout: another loss on a
-    stretch's first row (the loaded state, the same batch) is the processes' doing, `data`; a later row may be
-    carried state as well, and the place says both; one process keeps the plain carried-state reading."""
+    """A run of two processes standing in for hosts, re-trained in one (its backend's replay layout): another loss on
+    a stretch's first row (the loaded state, the same batch), its checkpoints evaluating as the run did, is the
+    processes' doing, `data`; a later row may be carried state or a load as well, and the place says all three. A
+    replay in as many processes as the run, or a checkpoint that does not evaluate as the run did, keeps the
+    carried-state reading."""
     v, steps = _values(), np.arange(60)
-    first = dict(judge(steps, v, _rows(range(40, 50), v, lambda t: 1.3, lambda t: 1.3), [40]), hosts=2)
+    layouts = {"hosts": 2, "processes": 2, "replay_processes": 1, "eval_checked": 2, "eval_differs": False}
+    first = dict(judge(steps, v, _rows(range(40, 50), v, lambda t: 1.3, lambda t: 1.3), [40]), **layouts)
     assert "loss" in first["off"] and first["step"] == first["from"] == 40
     assert placed(first, "the candidate")["stage"] == "data"
     assert "multi-process path of the candidate (--hosts 2" in placed(first, "the candidate")["summary"]
-    assert "computed another step" in describe("c", first)
+    assert "the run's 2 processes computed another step" in describe("c", first)
     later = dict(judge(steps, v, _rows(range(40, 50), v, lambda t: 1.02 if t >= 45 else 1.0,
-                                       lambda t: 1.02 if t >= 45 else 1.0), [40]), hosts=2)
+                                       lambda t: 1.02 if t >= 45 else 1.0), [40]), **layouts)
     assert placed(later, "the candidate")["stage"] == "state"
-    assert "carried state, or the multi-process path" in placed(later, "the candidate")["summary"]
-    one = dict(first, hosts=1)
-    assert placed(one, "the candidate")["stage"] == "state" and "carries state" in describe("c", one)
+    assert "carried state, its load, or the multi-process path" in placed(later, "the candidate")["summary"]
+    for plain in (dict(first, replay_processes=2), dict(first, eval_differs=True), dict(first, processes=1,
+                                                                                       replay_processes=1)):
+        assert placed(plain, "the candidate")["stage"] == "state"
+    assert "carries state" in describe("c", dict(first, replay_processes=2))
+
+
+def test_an_accuracy_one_sample_apart_is_not_judged_but_ends_the_bit_equal_rows():
+    """A near tie of two logits flips with the last bit of a row that is not bit-equal (a load that rounds, another
+    process layout): one sample of the batch is not a difference; two are."""
+    v, steps = _values(), np.arange(60)
+    rows = _rows(range(40, 50), v)
+    rows[0][2] += 1 / 64
+    one = judge(steps, v, rows, [40], batch=64)
+    assert not one["differs"] and one["exact_rows"] == 0
+    rows[0][2] += 1 / 64
+    assert judge(steps, v, rows, [40], batch=64)["differs"]
 
 
 def test_a_pair_placed_by_its_resync_also_says_when_the_candidate_does_not_reproduce_itself():
@@ -241,7 +258,8 @@ def test_a_run_of_two_processes_standing_in_for_hosts_is_re_trained_in_its_repla
     run = load_run(folder)
     loc = Localizer(tmp_path, log=lambda m: None)
     got = loc.self_replay(run)
-    assert got["checked"] and not got["differs"] and got["max_rel"] == 0.0 and got["hosts"] == 2, got
+    assert got["checked"] and not got["differs"] and got["max_rel"] == 0.0, got
+    assert (got["hosts"], got["processes"], got["replay_processes"]) == (2, 2, 1), got
     for s in ("loss", "update_norm", "param_norm"):
         run.values[s] = run.values[s] * np.where(run.step >= 20, 1.01, 1.0)
     moved = loc.self_replay(run)
