@@ -171,7 +171,7 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
     if any(r["statistical"] for r in declared_records(ref, cand).values()):
         return None       # framework-RNG dropout: the probe's masks are not the step's
     diverging = {s for s, c in pair.checks.items() if c.diverged_step is not None}
-    found, judged = {}, {}
+    found, judged, whole = {}, {}, {}
     for who, run, probe in (("candidate", cand, cand0), ("reference", ref, ref0)):
         got = batch_of(run)
         if got is None:
@@ -179,15 +179,16 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
         judged[who] = (recomputed(probe, params, logits_layer, labels), n, loss_floor(probe, logits_layer))
-        found[who] = [m for m in mismatches(run, judged[who][0], n, step, rows[who] if rows else None, judged[who][2])
-                      if m["series"] in diverging]
+        whole[who] = mismatches(run, judged[who][0], n, step, rows[who] if rows else None, judged[who][2])
+        found[who] = [m for m in whole[who] if m["series"] in diverging]
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
     run, bad = (cand if who == "candidate" else ref), found[who]
-    if rows is None and (moved := across_processes(who, run, bad, judged[who], (replayed or {}).get(who), step)):
+    if rows is None and (moved := across_processes(who, run, bad, whole[who], judged[who], (replayed or {}).get(who),
+                                                    step)):
         return moved
-    said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
+    said = _said(bad)
     what = ", ".join(m["series"] for m in bad)
     whence = ("its step-0 probe" if not rows else f"its probe of the same state (its backend's training step "
               f"from the reference's state at step {step}, replayed, reports this)")
@@ -199,10 +200,15 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
 
 
-def across_processes(who: str, run: Run, bad: list[dict[str, Any]], judged: tuple[dict[str, float], int, float],
-                     replayed: list | None, step: int) -> dict[str, Any] | None:
+def _said(bad: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
+
+
+def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[dict[str, Any]],
+                     judged: tuple[dict[str, float], int, float], replayed: list | None,
+                     step: int) -> dict[str, Any] | None:
     """A run trained by several processes standing in for hosts, whose row at `step` is not what its probe computes
-    (`bad`), while its backend's training step from the same state in its replay job (`replayed`: [step, loss, ...];
+    (`bad`, in the series that diverge; `whole`, in any), while its backend's training step from the same state in its replay job (`replayed`: [step, loss, ...];
     one process for a backend that replays such a run in one) reports what the probe computes: the run's own
     processes computed another step, so the difference is no report slip but sits in the multi-process path: stage
     `data` when the loss differs (how each process places its part of the batch), `reduction` when only the gradient
@@ -213,13 +219,13 @@ def across_processes(who: str, run: Run, bad: list[dict[str, Any]], judged: tupl
     if hosts <= 1 or replayed is None:
         return None
     computed, n, floor = judged
-    own = {m["series"] for m in mismatches(run, computed, n, step, loss_abs=floor)}     # the whole row, not `bad`
+    own = {m["series"] for m in whole}
     off = {m["series"] for m in mismatches(run, computed, n, step, row=dict(zip(REPORTED, replayed[1:])),
                                            loss_abs=floor)}
     if not own & {"grad_norm", "update_norm"} or off & own:
         return None
     stage = "data" if "loss" in own else "reduction"
-    said = "; ".join(f"{m['series']} {m['reported']:.7g} reported, {m['computed']:.7g} computed" for m in bad)
+    said = _said(bad)
     where = ("how each process places its part of the batch" if stage == "data"
              else "how the processes combine their gradients")
     line = (f"localized by the reported statistics across processes: the {who} {run.name} trained in {hosts} "

@@ -270,6 +270,13 @@ class _HostsRun(_Run):
         self.options = type("Options", (), {"hosts": hosts})()
 
 
+def _across(run, bad, judged, replayed, step):
+    """across_processes as localize calls it: with the run's whole row judged against its probe."""
+    computed, n, floor = judged
+    whole = reported.mismatches(run, computed, n, step, loss_abs=floor)
+    return reported.across_processes("candidate", run, bad, whole, judged, replayed, step)
+
+
 def test_a_multi_process_runs_wrong_row_that_its_replayed_step_does_not_share_is_the_multi_process_path():
     """The run's own processes computed another step (its replay job's step from the same state reports what the
     probe computes, and the run's row is off in what it trains with): no report slip; `data` when the loss differs,
@@ -279,21 +286,21 @@ def test_a_multi_process_runs_wrong_row_that_its_replayed_step_does_not_share_is
     right = [0, 2.0, 0.5, 10.0, 0.3, 5.0]
     placed = _HostsRun(2, loss=2.2, accuracy=0.5, grad_norm=11.0, update_norm=0.3)
     bad = [{"series": "loss", "reported": 2.2, "computed": 2.0, "rel": 0.1}]
-    got = reported.across_processes("candidate", placed, bad, judged, right, 0)
+    got = _across(placed, bad, judged, right, 0)
     assert got["stage"] == "data" and got["summary"] == "data: the candidate's multi-process path (--hosts 2)"
     assert "not a report slip" in got["lines"][0]
     combined = _HostsRun(2, loss=2.0, accuracy=0.5, grad_norm=11.0, update_norm=0.3)
-    assert reported.across_processes("candidate", combined, bad, judged, right, 0)["stage"] == "reduction"
+    assert _across(combined, bad, judged, right, 0)["stage"] == "reduction"
     # the replay's step reports the same wrong values: a report slip, left to the report stage
-    assert reported.across_processes("candidate", placed, bad, judged, [0, 2.2, 0.5, 11.0, 0.3, 5.0], 0) is None
+    assert _across(placed, bad, judged, [0, 2.2, 0.5, 11.0, 0.3, 5.0], 0) is None
     # the loss or the accuracy alone off (what only the processes' report gathers), the replay's right: a report
     for row0 in ({"loss": 2.2, "accuracy": 0.5}, {"loss": 2.0, "accuracy": 0.25}):
         alone = _HostsRun(2, grad_norm=10.0, update_norm=0.3, **row0)
-        assert reported.across_processes("candidate", alone, bad, judged, right, 0) is None
+        assert _across(alone, bad, judged, right, 0) is None
     # an accuracy the replay shares is judged too (the run gives the batch size)
     acc = _HostsRun(2, loss=2.0, accuracy=0.25, grad_norm=11.0, update_norm=0.3)
-    assert reported.across_processes("candidate", acc, bad, judged, [0, 2.0, 0.25, 10.0, 0.3, 5.0], 0) is None
+    assert _across(acc, bad, judged, [0, 2.0, 0.25, 10.0, 0.3, 5.0], 0) is None
     # one process, or no replay of that step: nothing to tell the two apart
-    assert reported.across_processes("candidate", _HostsRun(1, loss=2.2, accuracy=0.5, grad_norm=11.0,
+    assert _across(_HostsRun(1, loss=2.2, accuracy=0.5, grad_norm=11.0,
                                                             update_norm=0.3), bad, judged, right, 0) is None
-    assert reported.across_processes("candidate", placed, bad, judged, None, 0) is None
+    assert _across(placed, bad, judged, None, 0) is None
