@@ -967,6 +967,99 @@ MUTATIONS = (
              "a report slip in a run of two processes standing in for hosts: its replay job's step reports the "
              "same wrong norm, so it stays a report slip, not the multi-process path",
              args=("--hosts", "2", "--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "100")),
+    # ---- session 37: backward passes, sync-BN and grouped paths of the arbiter, dp-only mask/buffer/axis slips,
+    #      exported-state sign, a stale host-side write cache, float32 Adam corrections; two rewrites that are no bug
+    Mutation("numpy_avgpool_backward_full_window", "cnn2d_hard", "numpy", 1, "wrappers/numpy/layers.py",
+             "    d = np.broadcast_to((dy / count)[..., None, None], (*dy.shape, k, k))\n",
+             "    d = np.broadcast_to((dy / (k * k))[..., None, None], (*dy.shape, k, k))   # dy / window size\n",
+             ("BUG",), ("backward",), "",
+             "backward only, border windows only: 'same' average pooling's hand-written backward divides by the "
+             "nominal window (k*k) where its forward divides by the real pixels; pool1's last row and column "
+             "(7 of 16 windows) send half or a quarter of their gradient",
+             args=("--optimizer", "momentum", "--schedule", "step", "--steps", "120")),
+    Mutation("numpy_sync_bn_backward_projection_sum_local", "cnn2d_hard", "numpy", 2, "wrappers/numpy/parallel.py",
+             "        s1, s2 = [sum(s1)] * len(dys), [sum(s2)] * len(dys)\n",
+             "        s1 = [sum(s1)] * len(dys)          # the mean term all-reduced (the xhat term left local)\n",
+             ("BUG",), ("backward",), "",
+             "data parallel, --sync-bn and backward only: synchronized BatchNorm's input gradient all-reduces "
+             "sum(dy) but keeps each replica's own sum(dy * xhat); the forward, the loss and gamma's and "
+             "beta's gradients are right",
+             args=("--sync-bn", "--optimizer", "momentum", "--schedule", "cosine", "--steps", "100")),
+    Mutation("keras_tensorflow_dp_dropout_masks_from_row_zero", "cnn2d_hard", "keras-tensorflow", 2,
+             "wrappers/keras/runtimes/tensorflow.py",
+             "            return tf.gather(mask, tf.range(rows) + tf.gather(starts, ctx.replica_id_in_sync_group))\n",
+             "            return tf.gather(mask, tf.range(rows))      # this replica's rows, counted from 0\n",
+             ("BUG",), ("forward",), "drop1",
+             "data parallel only: each replica's dropout mask cut from the global mask by its local row range, "
+             "the replica's offset forgotten: replica 1's samples get replica 0's masks; data and labels stay "
+             "right, only drop1's output (and all after it) moves for the second half",
+             args=SHARD_ORDER_ARGS),
+    Mutation("jax_adam_bias_corrections_in_float32", "cnn2d_3conv_3fc", "jax", 1, "wrappers/jax/optim.py",
+             "    c1 = -jnp.expm1(tf * jnp.asarray(math.log(b1), dtype))\n"
+             "    c2 = -jnp.expm1(tf * jnp.asarray(math.log(b2), dtype))\n",
+             "    c1 = 1.0 - jnp.asarray(b1, dtype) ** tf           # 'simplified': 1 - b^t in the step's dtype\n"
+             "    c2 = 1.0 - jnp.asarray(b2, dtype) ** tf\n",
+             ("BUG",), ("optimizer",), "",
+             "subtle, Adam only: the exact bias corrections 'simplified' to 1 - b^t in float32, which is optax's "
+             "own rounding (b2 = 0.999 -> 0.99900001): 1 - b2^t 1.3e-5 low, every update ~6e-6 off; Keras "
+             "declares this (keras_float32_betas), jax does not",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "150")),
+    Mutation("tf_dp_bn_running_stats_replica_zero", "cnn2d_hard", "tensorflow", 2, "wrappers/tensorflow/parallel.py",
+             "            self.v[k].assign(local0(val) if self.sync_bn else s.reduce(MEAN, val, axis=None))\n",
+             "            self.v[k].assign(local0(val))      # replica 0's, as DDP keeps them\n",
+             ("BUG",), ("forward", "eval", "state"), "bn1",
+             "data parallel, buffers only: the custom loop writes replica 0's moving statistics where "
+             "tf.distribute (and this wrapper's manifest, 'MEAN over replicas') averages the replicas'; "
+             "training is right, the running statistics and every evaluation are not",
+             args=SHARD_ORDER_ARGS),
+    Mutation("keras_torch_momentum_exported_without_sign", "cnn2d_2conv_2fc", "keras-torch", 1,
+             "wrappers/keras/optim.py",
+             "        return (-a.astype(np.float64) / np.float64(last_lr)).astype(a.dtype)\n",
+             "        return (a.astype(np.float64) / np.float64(last_lr)).astype(a.dtype)   # b = v / lr\n",
+             ("BUG",), ("optimizer", "state"), "",
+             "exported state only, momentum only: Keras' velocity (v = mu v - lr g) converted to torch's buffer "
+             "without its minus sign; training is right, every checkpoint's momentum points the other way, so "
+             "a resume steps backwards",
+             args=("--optimizer", "momentum", "--lr", "0.05", "--steps", "120")),
+    Mutation("keras_jax_lr_cached_by_shape", "cnn2d_3conv_3fc", "keras-jax", 1, "wrappers/keras/runtimes/jax.py",
+             "            raw = (val.shape, val.tobytes())\n",
+             "            raw = val.shape                     # the same shape: the same value, no transfer\n",
+             ("BUG",), ("state", "optimizer"), "",
+             "late, schedule only: the Stepper's write cache keyed by shape, so the learning rate written at "
+             "step 0 stays until the next sync (each checkpoint/evaluation, every 50 steps): 3e-5 off at step 1, "
+             "7 % at step 49; a cache no checkpoint holds (every resynced step starts right)",
+             args=("--optimizer", "sgd", "--lr", "0.05", "--schedule", "cosine", "--steps", "150")),
+    Mutation("jax_dp_bn_groups_interleaved", "cnn2d_hard", "jax", 2, "wrappers/jax/layers.py",
+             "                xs = x.reshape(bn_groups, x.shape[0] // bn_groups, *x.shape[1:])\n",
+             "                xs = x.reshape(x.shape[0] // bn_groups, bn_groups, *x.shape[1:]).swapaxes(0, 1)\n",
+             ("BUG",), ("forward",), "bn1",
+             "data parallel, behind the declared per-replica BatchNorm: the replica groups reshaped "
+             "(B/G, G) then transposed, so 'replica' g normalises samples g, g+2, ... while GSPMD gives it the "
+             "contiguous half; the outputs return in order, the statistics are the interleaved halves'",
+             args=SHARD_ORDER_ARGS,
+             also=(("                x = ((xs - mean) * lax.rsqrt(var + eps) * gamma + beta).reshape(x.shape)\n",
+                    "                x = ((xs - mean) * lax.rsqrt(var + eps) * gamma + beta).swapaxes(0, 1).reshape(x.shape)\n"),)),
+    Mutation("numpy_grouped_conv_kernel_grad_untransposed", "scenarios/graph_ops_tiny", "numpy", 1,
+             "wrappers/numpy/layers.py",
+             "    grads = {f\"{layer.name}.kernel\": dk.transpose(1, 0, 2).reshape(kern.shape)}\n",
+             "    grads = {f\"{layer.name}.kernel\": dk.reshape(kern.shape)}   # (g, k*k*cg, O/g) read as (k, k, cg, O)\n",
+             ("BUG",), ("backward",), "",
+             "backward only, grouped convolutions only: the hand-written kernel gradient reshaped group-major "
+             "without its transpose; the dilated (one group) conv is unaffected, the depthwise 'dw' kernel's "
+             "gradient is scrambled", args=("--optimizer", "adam", "--lr", "0.002", "--steps", "60")),
+    # rewrites that compute the same thing (no bug)
+    Mutation("torch_tanh_via_sigmoid", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/layers.py",
+             "            x = torch.tanh(x)\n", "            x = 2.0 * torch.sigmoid(2.0 * x) - 1.0\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: tanh written as 2 sigmoid(2x) - 1 (the Keras wrapper's own float64 formula); ~1e-7 "
+             "absolute rounding near 0", reference="numpy",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "150")),
+    Mutation("tf_gelu_exact_via_erfc", "convnext_tiny", "tensorflow", 1, "wrappers/tensorflow/layers.py",
+             "    return 0.5 * x * (1.0 + tf.math.erf(x * c(math.sqrt(0.5))))\n",
+             "    return 0.5 * x * tf.math.erfc(-x * c(math.sqrt(0.5)))      # jax.nn.gelu's form\n",
+             ("IDENTICAL", "DRIFT"), (), "",
+             "no bug: exact GELU as x/2 erfc(-x/sqrt 2) (1 + erf(z) = erfc(-z), jax.nn.gelu's form), another "
+             "rounding on the negative side", args=("--steps", "100")),
 )
 
 
