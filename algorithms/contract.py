@@ -199,6 +199,9 @@ class Replay:
     # after the probes, one training step from each state of `at`: the statistics its training reports from the
     # state it was probed from (a slip in what a wrapper reports is then seen at any step, not only at step 0)
     report_steps: bool = False
+    # re-training from a checkpoint, the state exported and loaded back after every step: each step then starts
+    # from nothing but its state, so what a run carries outside its state (a host-side cache, a counter) shows
+    reload_each_step: bool = False
 
     def __post_init__(self) -> None:   # the worker walks the steps in order; probe file i is the i-th of them
         object.__setattr__(self, "at", sorted(int(t) for t in self.at))

@@ -254,7 +254,7 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": 1, "tool": "duipai compare", "mode": "lockstep",
-            "forced": self.forced, "notes": self.notes,
+            "forced": self.forced, "notes": self.notes, "compared_to_step": self.reference.compared_to,
             "reference": {"run": self.reference.name, "path": str(self.reference.path),
                           "backend": self.reference.backend},
             "runs": [{"run": r.name, "path": str(r.path), "backend": r.backend, "fault": r.fault,

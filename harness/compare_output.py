@@ -12,6 +12,7 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
+from .finite_range import range_note
 from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, fmt_factor, formula_of
 from .runs import SERIES, Run
 
@@ -114,10 +115,8 @@ def write_outputs(c: Comparison | Any, out_dir: Path, *, per_step: bool | None =
     out_dir = Path(out_dir)
     paths = {"json": out_dir / "comparison.json", "csv": out_dir / "comparison.csv"}
     if isinstance(c, Comparison):
-        if per_step is None:
-            per_step = len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT
-            if not per_step:
-                c.notes.append(f"comparison-steps.csv not written ({len(c.reference.step)} steps; --steps-csv writes it)")
+        if per_step is None and not (per_step := len(c.reference.step) <= STEPS_CSV_AUTO_LIMIT):
+            c.notes.append(f"comparison-steps.csv not written ({len(c.reference.step)} steps; --steps-csv writes it)")
         rows = [pair_row(p, c.forced) for p in c.pairs]
         atomic_write_text(paths["csv"], to_csv(rows, CSV_FIELDS))
         if per_step:
@@ -320,6 +319,8 @@ def render(c: Comparison, verbose: bool = False) -> str:
     odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
     if odd and odd[0]:
         lines += [odd[1], ""]
+    if c.reference.compared_to is not None:   # its parameters overflowed: what is compared at all, said first
+        lines += [f"WARNING: {range_note(c.reference, c.reference.compared_to)}", ""]
     for f in c.forced:
         lines.append(f"FORCED: {f}")
     r = c.rule
@@ -391,8 +392,7 @@ def render(c: Comparison, verbose: bool = False) -> str:
                                    hint="; -v lists them, with every pair's notes", odd_group=group, sides=sides)
     for n in c.notes:
         lines.append(f"note: {n}")
-    for f in c.forced:
-        lines.append(f"FORCED: {f}")
+    lines += [f"FORCED: {f}" for f in c.forced]
     return "\n".join(lines)
 
 

@@ -145,6 +145,7 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
     from .compare import check_comparable, compare
     from .compare_output import render, write_outputs
     from .envelope import DEFAULT_RULE, compute, envelope_runs, envelope_seeds
+    from .finite_range import cut, left_range_at, range_note
     from .localize import Localizer
     from .progress import Activity
     from .runs import load_run
@@ -186,6 +187,10 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             group_forced = list(forced)
             group_notes = [] if ref.is_clean() else [f"the reference {ref.name} is not a clean run (fault, "
                                                      "perturbation or float64)"]
+            last = left_range_at(ref)   # its parameters overflow: nothing computed from there is compared
+            if last is not None:
+                group_notes.insert(0, range_note(ref, last))
+                ref, cands = cut(ref, last), [cut(r, last) for r in cands]
             if envelope_paths:
                 members = [load_run(p) for p in envelope_paths]
                 group_forced += check_comparable([ref] + members, force)
@@ -194,6 +199,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
                 members, env_notes = envelope_runs(ref, envelope_seeds(k, avoid), precision=fp64,
                                                    timeout=timeout, log=say, jobs=jobs)
                 group_notes += env_notes
+            if last is not None:
+                members = [cut(m, last) for m in members]
             env = compute(ref, members, rule)
             loc = Localizer(ref.path.parent, timeout=timeout, log=say, parallel=jobs) if localize else None
             rs = ((lambda pair, extra, loc=loc: loc.resync(pair, resync_every, extra))

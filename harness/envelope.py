@@ -135,7 +135,8 @@ class SeriesEnvelope:
 
     def summary(self) -> dict:
         finite = self.raw[np.isfinite(self.raw)]
-        rel = self.smooth / np.maximum(self._scale(), 1e-300)
+        with np.errstate(invalid="ignore"):   # inf / inf where the reference itself overflowed
+            rel = self.smooth / np.maximum(self._scale(), 1e-300)
         return {"series": self.series, "points": int(len(self.grid)),
                 "zero_spread_points": int(np.sum(self.raw == 0)),
                 "max_spread": float(finite.max()) if finite.size else None,

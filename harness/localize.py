@@ -111,7 +111,7 @@ class Localizer(ProbeJobs):
         if chk.get("skipped"):
             return {"skipped": f"declared difference(s) {', '.join(chk['skipped_differences'])} not emulated "
                                f"({chk['skipped']}): no reference step to compare with"}
-        steps = ref.steps_trained
+        steps = ref.steps_compared
         evals = [int(t) for t in np.asarray(ref.eval_step)] if every > 0 else []   # the evaluation points too
         sched = R.schedule_points(ref.values["lr"]) if every > 0 else []           # and the schedule's kinks
         at = R.resync_points(steps, every, list(divergent_steps(pair) if extra is None else extra) + evals + sched)

@@ -363,14 +363,14 @@ class ProbeJobs:
         why = ("framework-RNG dropout" if o.dropout == "native" else "not in deterministic mode" if not o.deterministic
                else f"trained on another machine ({host.get('hostname')}, {host.get('platform')}): re-trained here it "
                     f"need not be the same computation to the bit" if elsewhere else None)
-        cks = checkpoints(run)
-        at = [] if why else S.stretches(run.steps_trained, sorted(cks))
+        cks = {c: p for c, p in checkpoints(run).items() if run.compared_to is None or c <= run.compared_to}
+        at = [] if why else S.stretches(run.steps_compared, sorted(cks))
         if why or not at:
             return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}
         try:
-            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}-eval", "replay",
+            folder = self._job(run, f"replay__{run.name}__{_tag(run)}__self-{_at_tag(at)}-eval-fresh", "replay",
                                Replay(at, checkpoints={c: str(p) for c, p in cks.items()}, perturb_state_ulps=[],
-                                      evaluate_checkpoints=True),
+                                      evaluate_checkpoints=True, reload_each_step=True),
                                fresh_process=True)   # nothing but the checkpoint: no state of earlier jobs
         except BackendFailed as e:
             return {"checked": False, "why": f"the self-replay job failed: {str(e).splitlines()[0]}"}

@@ -87,8 +87,10 @@ def mismatches(run: Run | None, computed: dict[str, float], n_params: int = 0, s
             bad = batch > 0 and abs(got - want) > (ACCURACY_SAMPLES + 0.5) / batch
         else:
             tol = norm_tol if s in NORMS else REL_TOL
-            bad = not np.isfinite(got) or abs(got - want) > max(tol * max(abs(want), 1e-12),
-                                                                   loss_abs if s == "loss" else 0.0)
+            if not (np.isfinite(got) and np.isfinite(want)):   # NaN reported where NaN was computed is no slip
+                bad = not (np.isnan(got) and np.isnan(want) or got == want)
+            else:
+                bad = abs(got - want) > max(tol * max(abs(want), 1e-12), loss_abs if s == "loss" else 0.0)
         if bad:
             out.append({"series": s, "reported": got, "computed": want,
                         "rel": abs(got - want) / max(abs(want), 1e-12)})

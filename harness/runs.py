@@ -42,6 +42,7 @@ class Run:
     values: dict[str, np.ndarray]         # series name -> float64 (step series on `step`, eval on `eval_step`)
     checksum: np.ndarray                  # batch_checksum as bytes, on `step`
     eval_step: np.ndarray
+    compared_to: int | None = None        # the last step compared (harness.finite_range.cut); None: every step
 
     @property
     def name(self) -> str:
@@ -60,6 +61,11 @@ class Run:
     def steps_trained(self) -> int:
         """The run's number of training steps (its hyper-parameters; else its last row + 1)."""
         return int(self.manifest.get("hparams", {}).get("steps") or (int(self.step[-1]) + 1))
+
+    @property
+    def steps_compared(self) -> int:
+        """The steps a comparison takes from this run: all it trained, or those before its cut."""
+        return self.steps_trained if self.compared_to is None else min(self.steps_trained, self.compared_to + 1)
 
     @property
     def perturb_ulp(self) -> int | None:

@@ -287,6 +287,9 @@ def run_replay(job: Job, backend: Backend, out_dir: Path) -> dict[str, Any]:
                 s = backend.train_step(pos, x, y, masks_for(model, hp.seed, pos, b, opts.dropout))
                 replayed.append([pos, s.loss, s.accuracy, s.grad_norm, s.update_norm, s.param_norm])
                 pos += 1
+                if r.reload_each_step:   # the next step from its state alone (copied out, loaded back)
+                    load({k: np.array(v) for k, v in state_arrays(backend.export_params(),
+                                                                   backend.export_opt_state()).items()}, pos)
             states[t] = replay_state_file(t)
             save_npz(out_dir / states[t], state_arrays(backend.export_params(), backend.export_opt_state()))
     rows = REPLAY_ACTIVATION_ROWS if r.activation_rows is None else r.activation_rows
