@@ -980,7 +980,7 @@ MUTATIONS = (
     Mutation("numpy_sync_bn_backward_projection_sum_local", "cnn2d_hard", "numpy", 2, "wrappers/numpy/parallel.py",
              "        s1, s2 = [sum(s1)] * len(dys), [sum(s2)] * len(dys)\n",
              "        s1 = [sum(s1)] * len(dys)          # the mean term all-reduced (the xhat term left local)\n",
-             ("BUG",), ("backward",), "",
+             ("BUG",), ("backward", "reduction"), "",
              "data parallel, --sync-bn and backward only: synchronized BatchNorm's input gradient all-reduces "
              "sum(dy) but keeps each replica's own sum(dy * xhat); the forward, the loss and gamma's and "
              "beta's gradients are right",
@@ -989,7 +989,7 @@ MUTATIONS = (
              "wrappers/keras/runtimes/tensorflow.py",
              "            return tf.gather(mask, tf.range(rows) + tf.gather(starts, ctx.replica_id_in_sync_group))\n",
              "            return tf.gather(mask, tf.range(rows))      # this replica's rows, counted from 0\n",
-             ("BUG",), ("forward",), "drop1",
+             ("BUG",), ("forward", "data"), "drop1",
              "data parallel only: each replica's dropout mask cut from the global mask by its local row range, "
              "the replica's offset forgotten: replica 1's samples get replica 0's masks; data and labels stay "
              "right, only drop1's output (and all after it) moves for the second half",

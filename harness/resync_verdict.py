@@ -41,8 +41,8 @@ def _self_replay_what(rs: dict[str, Any]) -> str:
                + (f" (its backend does not reload a checkpoint bit for bit: its {sr['inexact_loads']} stretches are "
                   f"judged on their first step only)" if sr.get("inexact_loads") else
                   " (after a stretch's first step that is not bit-equal, state the checkpoint misses is not judged)"))
-        return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches) reproduces "
-                f"its {sr['rows']} steps {how}"
+        return (f"; the candidate re-trained from each of its own checkpoints ({sr['stretches']} stretches, its state "
+                f"reloaded after every step) reproduces its {sr['rows']} steps {how}"
                 + (f" and evaluates them as its run did ({sr['eval_checked']} evaluations)" if sr.get("eval_checked")
                    else "")
                 + (", and so does the reference" if ref.get("checked") and not ref.get("differs") else ""))

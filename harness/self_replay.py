@@ -7,8 +7,11 @@ writes) is invisible to it: every resynced step agrees and the free-running curv
 envelope has saturated and says nothing), which is exactly what drift looks like. The step-0 probes'
 restart check (Backend.restart_check) sees such state only where it matters at step 1. This check sees it
 anywhere: the run's backend, in a fresh process, re-trains every stretch between two of the run's
-checkpoints from the first of them, on the run's batches (one replay job, about one run's training); each
-stretch's per-step statistics must equal the run's own rows.
+checkpoints from the first of them, on the run's batches (one replay job, about one run's training), its
+state exported and loaded back after every step (Replay.reload_each_step), so that every step starts from
+nothing but its state: what a load resets and the run carried on (a host-side cache of a value already
+written, a step counter of its own) shows at the first step where it matters. Each stretch's per-step
+statistics must equal the run's own rows.
 
 A deterministic backend reproduces them bit for bit (the restart check measured 0.0 for one step in every
 backend). State the checkpoint misses makes the rows jump: exact up to some step, then off by far more than
@@ -137,15 +140,16 @@ def describe(run_name: str, sr: dict[str, Any]) -> str:
                 f"far, a value kept from an earlier step), not the step's")
     n = sr.get("processes")
     return (f"self-replay: {run_name}'s backend, loading the run's own checkpoint at step {sr['from']} in a fresh "
-            f"{'job' if _fewer_processes(sr) else 'process'} and re-training on the run's batches, computes step "
+            f"{'job' if _fewer_processes(sr) else 'process'} and re-training on the run's batches (its state reloaded "
+            f"after every step), computes step "
             f"{sr['step']} differently ({sr['series']} {sr['replay']:.9g} against the run's {sr['run']:.9g}, rel "
             f"{sr['rel']:.2g}, every step before it bit-equal): " + (
                 f"the run's {n} processes computed another step from the same state and batch" if _across_processes(sr)
                 else f"its training carries state the checkpoint does not hold, its load of the checkpoint does not "
                      f"restore it, or the run's {n} processes compute otherwise than the replay's "
                      f"{sr['replay_processes']}" if _fewer_processes(sr) else
-                "its training carries state the checkpoint does not hold, or its load of the checkpoint does not "
-                "restore it"))
+                "its training carries state the checkpoint does not hold (a value kept outside the state, which a load "
+                "resets), or its load of the checkpoint does not restore it"))
 
 
 def also_not_reproduced(sr: dict[str, Any]) -> str:
