@@ -265,3 +265,57 @@ def test_a_run_of_two_processes_standing_in_for_hosts_is_re_trained_in_its_repla
     moved = loc.self_replay(run)
     assert moved["differs"] and (moved["step"], moved["from"]) == (20, 20), moved
     assert placed(moved, "the candidate")["stage"] == "data"
+
+
+class _CachedRate:
+    """A backend that keeps, outside its state, the learning rate it wrote first (a host-side write cache keyed by
+    shape: the same shape, no new transfer); loading a state empties the cache, as a framework's sync does."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+        from algorithms.spec import load_model
+        self.model, self.opts = load_model("cnn2d_2conv_2fc"), SimpleNamespace(fault=None, dropout="harness")
+        self.hp, self.w, self.rate = SimpleNamespace(seed=0), 0.0, None
+
+    def train_step(self, step, x, y, masks):
+        from wrappers.base import StepStats
+        self.rate = 0.1 / (1 + step) if self.rate is None else self.rate
+        self.w += self.rate
+        return StepStats(loss=self.w, accuracy=0.0, grad_norm=1.0, update_norm=self.rate, param_norm=self.w)
+
+    def export_params(self):
+        return {"w": np.float64(self.w)}
+
+    def export_opt_state(self):
+        return {}
+
+    def load_params(self, params):
+        self.w, self.rate = float(params["w"]), None
+
+    def load_opt_state(self, opt, step):
+        pass
+
+    def state_reload_exact(self):
+        return True
+
+
+def test_the_re_training_reloads_its_state_after_every_step_so_a_value_kept_outside_it_shows(tmp_path):
+    """Re-trained in one pass, a stretch repeats the cache's stale rate (the run's own rows, which a bug of this
+    kind in keras-jax's Stepper left DRIFT); reloaded after every step, each step takes its own rate."""
+    from types import SimpleNamespace
+    from algorithms.contract import Replay
+    from algorithms.params import save_npz
+    from wrappers.worker import run_replay
+    save_npz(tmp_path / "data.npz", {"x_train": np.zeros((8, 8, 8, 1), np.float32), "y_train": np.zeros(8, np.int64)})
+    np.save(tmp_path / "order.npy", np.arange(8).reshape(4, 2))
+    save_npz(tmp_path / "ck0.npz", {"param/w": np.float64(0.0)})
+    rows = {}
+    for fresh in (False, True):
+        job = SimpleNamespace(data=str(tmp_path / "data.npz"), order=str(tmp_path / "order.npy"),
+                              replay=Replay([3], checkpoints={0: str(tmp_path / "ck0.npz")}, perturb_state_ulps=[],
+                                            reload_each_step=fresh))
+        out = tmp_path / f"out{fresh}"
+        out.mkdir()
+        rows[fresh] = [r[4] for r in run_replay(job, _CachedRate(), out)["replayed"]]   # the update norms
+    assert rows[False] == [0.1, 0.1, 0.1]                       # the stale rate, as the run had it
+    assert rows[True] == [0.1, 0.1 / 2, 0.1 / 3]                # each step's own
