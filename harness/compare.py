@@ -246,6 +246,7 @@ class Comparison:
     odd: dict[str, Any] | None
     forced: list[str]
     notes: list[str]
+    range_warning: str | None = None   # the reference overflowed: compared up to that step (harness.finite_range)
 
     @property
     def exit_code(self) -> int:
@@ -255,6 +256,7 @@ class Comparison:
         return {
             "schema": 1, "tool": "duipai compare", "mode": "lockstep",
             "forced": self.forced, "notes": self.notes, "compared_to_step": self.reference.compared_to,
+            "range_warning": self.range_warning,
             "reference": {"run": self.reference.name, "path": str(self.reference.path),
                           "backend": self.reference.backend},
             "runs": [{"run": r.name, "path": str(r.path), "backend": r.backend, "fault": r.fault,

@@ -12,7 +12,6 @@ import numpy as np
 
 from .compare import Comparison, align
 from .files import atomic_write_text
-from .finite_range import range_note
 from .pair import BUG, DECLARED, DIFFER, DRIFT, IDENTICAL, INCONCLUSIVE, Pair, fmt_factor, formula_of
 from .runs import SERIES, Run
 
@@ -316,11 +315,11 @@ def render(c: Comparison, verbose: bool = False) -> str:
     INCONCLUSIVE pair follow the table (of every pair with verbose); then the pairs without the reference,
     as one line when they all agree (every pair with verbose)."""
     lines, lab = [], labels(c.runs)
+    if c.range_warning:   # the reference overflowed: what is compared at all, said first
+        lines += [f"WARNING: {c.range_warning}", ""]
     odd = odd_one_out_line(c.odd, c.reference.name, lambda n: c.reference.backend if n == c.reference.name else lab[n])
     if odd and odd[0]:
         lines += [odd[1], ""]
-    if c.reference.compared_to is not None:   # its parameters overflowed: what is compared at all, said first
-        lines += [f"WARNING: {range_note(c.reference, c.reference.compared_to)}", ""]
     for f in c.forced:
         lines.append(f"FORCED: {f}")
     r = c.rule

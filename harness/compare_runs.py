@@ -188,8 +188,8 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             group_notes = [] if ref.is_clean() else [f"the reference {ref.name} is not a clean run (fault, "
                                                      "perturbation or float64)"]
             last = left_range_at(ref)   # its parameters overflow: nothing computed from there is compared
+            warning = range_note(ref, last) if last is not None else None
             if last is not None:
-                group_notes.insert(0, range_note(ref, last))
                 ref, cands = cut(ref, last), [cut(r, last) for r in cands]
             if envelope_paths:
                 members = [load_run(p) for p in envelope_paths]
@@ -218,6 +218,7 @@ def compare_runs(*, paths: tuple[Path, ...] | list[Path], reference: str, k: int
             if loc is not None:
                 loc.close()
             c.notes += group_notes
+            c.range_warning = warning
             results.append(c)
     if not results:
         raise BadInput("nothing to compare: " + "; ".join(notes))

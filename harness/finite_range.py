@@ -21,7 +21,8 @@ STATE_SERIES = "param_norm"   # the norm of the parameters after the step: the s
 
 
 def left_range_at(run: Run) -> int | None:
-    """The first step after which `run`'s parameters are not finite (its param_norm is inf or NaN), or None."""
+    """The first step after which `run`'s parameter norm is not finite (inf or NaN: the parameters, or in a float32
+    backend their sum of squares, overflowed), or None."""
     bad = np.flatnonzero(~np.isfinite(run.values[STATE_SERIES]))
     return int(run.step[bad[0]]) if bad.size else None
 
@@ -41,10 +42,10 @@ def range_note(run: Run, last: int) -> str:
     what = ", ".join(f"{s} {v[s][i]:g}" for s in ("loss", "grad_norm", "update_norm", "param_norm")
                      if not np.isfinite(v[s][i]))
     more = run.steps_trained - last - 1
-    return (f"the reference {run.name} leaves float range at step {last} ({what}): its parameters are not finite "
-            f"from there, so only steps 0..{last} are compared (curves, shared-state steps and self-replays), the "
-            f"{more} step(s) after it nowhere (a learning rate too large, or a bug that makes the parameters inf "
-            "or NaN)")
+    return (f"the reference {run.name} leaves float range at step {last} ({what}): its parameter norm is not finite "
+            f"from there (the parameters, or their float32 sum of squares, overflowed), so only steps 0..{last} are "
+            f"compared (curves, shared-state steps and self-replays), the {more} step(s) after it nowhere (a learning "
+            "rate too large, or a bug that makes the parameters inf or NaN)")
 
 
 __all__ = ["left_range_at", "cut", "range_note", "STATE_SERIES"]

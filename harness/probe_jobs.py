@@ -24,7 +24,7 @@ import numpy as np
 from algorithms.contract import WORKER_FILE, Replay, checkpoints_in, probe_file_stem, replay_probe_stem, replay_state_file
 from algorithms.params import REPLAY_ACTIVATION_ROWS, load_npz
 
-from . import reported, runner
+from . import finite_range, reported, runner
 from .batch_rows import align
 from .errors import BackendFailed, BadInput
 from .localize_cache import CacheBudget
@@ -363,7 +363,8 @@ class ProbeJobs:
         why = ("framework-RNG dropout" if o.dropout == "native" else "not in deterministic mode" if not o.deterministic
                else f"trained on another machine ({host.get('hostname')}, {host.get('platform')}): re-trained here it "
                     f"need not be the same computation to the bit" if elsewhere else None)
-        cks = {c: p for c, p in checkpoints(run).items() if run.compared_to is None or c <= run.compared_to}
+        last = min((t for t in (run.compared_to, finite_range.left_range_at(run)) if t is not None), default=None)
+        cks = {c: p for c, p in checkpoints(run).items() if last is None or c <= last}   # its finite states only
         at = [] if why else S.stretches(run.steps_compared, sorted(cks))
         if why or not at:
             return {"checked": False, "why": why or f"{run.name} has no two checkpoints with a step between them"}

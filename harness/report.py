@@ -309,7 +309,7 @@ def markdown(folder: Path, verbose: bool = False) -> str:
         comp = read_comparison(c)
         ref = comp["reference"]["run"]
         odd = odd_lead(comp)
-        md += [f"## {ref}", ""]
+        md += [f"## {ref}", ""] + ([f"**WARNING: {comp['range_warning']}**", ""] if comp.get("range_warning") else [])
         md += [x for line in arbiter_lead(comp) for x in (f"**{line}**", "")]
         if odd and odd[0]:
             md += [f"**{odd[1]}**", ""]
@@ -357,6 +357,8 @@ def build(folder: Path, out: Path | None = None, verbose: bool = False) -> Path:
         all_runs += list(runs.values())
         parts.append(f"<h2>Verdicts: {esc(ref)}</h2>")
         odd = odd_lead(comp)
+        if comp.get("range_warning"):   # the reference overflowed: compared up to that step only
+            parts.append(f"<p class=lead id=range-warning>WARNING: {esc(comp['range_warning'])}</p>")
         for line in arbiter_lead(comp):
             parts.append(f"<p class=lead id=arbiter>{esc(line)}</p>")
         if odd and odd[0]:

@@ -51,6 +51,14 @@ def stretches(steps: int, checkpoint_steps: list[int]) -> list[int]:
     return [t for c, t in zip(cs, ends) if t > c]
 
 
+def relative(a: float, b: float) -> float:
+    """|a - b| relative to the larger; 0 when equal or both non-finite (both overflowed), inf when one only is."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not (fa and fb):
+        return 0.0 if not (fa or fb) else np.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-30) if a != b else 0.0
+
+
 def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[float]],
           starts: list[int], reload_exact: bool = True, batch: int = 0) -> dict[str, Any]:
     """The replayed rows [step, loss, accuracy, grad_norm, update_norm, param_norm] against the run's own
@@ -78,7 +86,7 @@ def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[
         rels = {}
         for s, b in got.items():
             a = float(values[s][at[step]])
-            rels[s] = abs(a - b) / max(abs(a), abs(b), 1e-30) if a != b else 0.0
+            rels[s] = relative(a, b)
         tie = batch > 0 and abs(float(values["accuracy"][at[step]]) - got["accuracy"]) <= 1.5 / batch
         judged = {k: r for k, r in rels.items() if not (k == "accuracy" and tie)}
         worst = max(judged, key=judged.get)
@@ -116,7 +124,7 @@ def judge_evaluations(eval_step: np.ndarray, values: dict[str, np.ndarray], eval
         out["eval_checked"] += 1
         for s, b in zip(EVAL, got):
             a = float(values[s][at[int(step)]])
-            rel = abs(a - b) / max(abs(a), abs(b), 1e-30) if a != b else 0.0
+            rel = relative(a, b)
             out["eval_max_rel"] = max(out["eval_max_rel"], rel)
             if rel > TOL and not out["eval_differs"]:
                 out.update({"eval_differs": True, "eval_step": int(step), "eval_series": s, "eval_rel": rel,
@@ -212,4 +220,4 @@ def placed(sr: dict[str, Any], side: str) -> dict[str, Any]:
                    "hold, which a step from a loaded state cannot show"}
 
 
-__all__ = ["TOL", "also_not_reproduced", "describe", "judge", "judge_evaluations", "placed", "stretches"]
+__all__ = ["TOL", "also_not_reproduced", "describe", "judge", "judge_evaluations", "placed", "relative", "stretches"]

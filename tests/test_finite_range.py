@@ -27,11 +27,14 @@ def _overflowing(series: dict[str, np.ndarray], after: dict[str, float]) -> dict
 
 
 def _family(root, after_ref: dict[str, float]):
+    """The reference and its envelope: two 1-ULP members that overflow with it, and one that stays finite (as the
+    float64 member does)."""
     rng = np.random.default_rng(0)
     s, e = base_series(N), base_eval(N)
     ref = write_run(root, "ref", _overflowing(s, after_ref), e)
     members = [write_run(root, f"ref__ulp{j}", _overflowing(jitter(s, rng, 1e-6), after_ref), jitter(e, rng, 1e-6),
-                         perturb=j) for j in (1, 2, 3)]
+                         perturb=j) for j in (1, 2)]
+    members.append(write_run(root, "ref__ulp3", jitter(s, rng, 1e-6), jitter(e, rng, 1e-6), perturb=3))
     return s, e, ref, members
 
 
@@ -69,7 +72,43 @@ def test_after_the_reference_overflows_another_convention_for_nan_is_not_a_bug(t
     assert doc["verdicts"]["cand"] != "BUG" and doc["compared_to_step"] == OVER
     first = r.output.splitlines()[0]
     assert first.startswith("WARNING: the reference ref leaves float range at step 40") and "0..40" in first
-    assert any("leaves float range" in n for n in doc["notes"])
+    assert "leaves float range" in doc["range_warning"] and not any("float range" in n for n in doc["notes"])
+    assert r.output.count("leaves float range") == 1
+    from harness.report import markdown
+    md = markdown(tmp_path / "out").splitlines()
+    assert md[4].startswith("**WARNING: the reference ref leaves float range at step 40")
+
+
+def test_a_candidate_that_overflows_as_the_reference_does_agrees_there(tmp_path):
+    """The same overflow (one norm inf where the reference's is NaN: which one is the order of the arithmetic)
+    is agreement, not a BUG, and the envelope does not saturate on it (no resync needed to call it DRIFT)."""
+    s, e, ref, members = _family(tmp_path, NAN)
+    c = _overflowing(s, NAN)
+    c["update_norm"][OVER] = np.nan
+    r, doc = _compare(tmp_path, ref, write_run(tmp_path, "cand", c, e), members)
+    assert r.exit_code == 0 and doc["verdicts"]["cand"] in ("IDENTICAL", "DRIFT"), r.output
+
+
+def test_a_difference_just_before_the_overflow_is_still_seen(tmp_path):
+    """The finite member's distance from the reference's inf at the overflow is no spread: not smoothed onto the
+    steps before it, where a candidate 1 % off is a BUG, not INCONCLUSIVE."""
+    s, e, ref, members = _family(tmp_path, NAN)
+    c = _overflowing(s, NAN)
+    c["grad_norm"][OVER - 5:OVER] *= 1.01
+    r, doc = _compare(tmp_path, ref, write_run(tmp_path, "cand", c, e), members)
+    assert doc["verdicts"]["cand"] == "BUG" and doc["pairs"][0]["first_divergence"]["step"] == OVER - 5, r.output
+
+
+def test_a_float64_norm_past_float32_range_is_the_overflow_of_a_float32_one(tmp_path):
+    """A backend that sums squares in float64 reports 2e19 where a float32 one reports inf: both overflowed."""
+    s, e, ref, members = _family(tmp_path, NAN)
+    c = _overflowing(s, NAN)
+    c["grad_norm"][OVER] = c["update_norm"][OVER] = c["param_norm"][OVER] = 2e19
+    r, doc = _compare(tmp_path, ref, write_run(tmp_path, "cand", c, e), members)
+    assert doc["verdicts"]["cand"] != "BUG", r.output
+    c["param_norm"][OVER] = 1e19    # below it: a float32 norm would be finite too, so this one differs
+    r, doc = _compare(tmp_path, ref, write_run(tmp_path, "cand2", c, e), members)
+    assert doc["verdicts"]["cand2"] == "BUG" and doc["pairs"][0]["first_divergence"]["step"] == OVER
 
 
 def test_a_candidate_that_overflows_where_the_reference_does_not_is_still_a_bug(tmp_path):
@@ -98,6 +137,8 @@ def test_nan_reported_where_nan_was_computed_is_no_report_slip():
 
     nan = float("nan")
     assert reported.mismatches(_Row(loss=nan, grad_norm=np.inf), {"loss": nan, "grad_norm": np.inf}) == []
-    bad = reported.mismatches(_Row(loss=nan, grad_norm=np.inf), {"loss": 2.0, "grad_norm": -np.inf})
+    bad = reported.mismatches(_Row(loss=nan, grad_norm=np.inf), {"loss": 2.0, "grad_norm": 1e19})
     assert [m["series"] for m in bad] == ["loss", "grad_norm"]
+    # recomputed in float64 past what a float32 norm holds: the run's inf is that norm
+    assert reported.mismatches(_Row(grad_norm=np.inf), {"grad_norm": 2e19}) == []
     assert [m["series"] for m in reported.mismatches(_Row(loss=2.0), {"loss": nan})] == ["loss"]

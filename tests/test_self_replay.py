@@ -116,7 +116,8 @@ def test_a_pair_every_resynced_step_agrees_on_is_a_bug_when_the_candidate_does_n
     same = dict(differs, differs=False, max_rel=0.0, exact_rows=60)
     q = compare(ref, [cand], env, members, localize=nothing,
                 resync=lambda pair, extra: dict(base, self_replay=same, self_replay_reference=same)).pairs[0]
-    assert q.verdict == DRIFT and "(3 stretches) reproduces its 60 steps to the bit, and so does the reference" in q.notes[-1], \
+    assert q.verdict == DRIFT and "(3 stretches, its state reloaded after every step) reproduces its 60 steps to the " \
+        "bit, and so does the reference" in q.notes[-1], \
         q.notes
     # the reference's own training carries such state: the pair is a BUG that names it
     r = compare(ref, [cand], env, members, localize=nothing,
