@@ -55,6 +55,9 @@ def test_left_range_at_and_cut_keep_the_steps_up_to_the_overflow(tmp_path):
     run = load_run(ref)
     assert left_range_at(run) == OVER
     assert left_range_at(load_run(write_run(tmp_path, "fine", s, e))) is None
+    big = {k: v.copy() for k, v in s.items()}
+    big["param_norm"][70:] = 2e19         # a float64 backend's norm where a float32 one overflows
+    assert left_range_at(load_run(write_run(tmp_path, "big", big, e))) == 70
     c = cut(run, OVER)
     assert c.step.tolist() == list(range(OVER + 1)) and c.steps_compared == OVER + 1 and run.steps_compared == N
     assert c.eval_step.tolist() == [0, 10, 20, 30, 40]          # the states before step OVER + 1 only
