@@ -1047,6 +1047,21 @@ MUTATIONS = (
              "backward only, grouped convolutions only: the hand-written kernel gradient reshaped group-major "
              "without its transpose; the dilated (one group) conv is unaffected, the depthwise 'dw' kernel's "
              "gradient is scrambled", args=("--optimizer", "adam", "--lr", "0.002", "--steps", "60")),
+    # realistic: `=` for `+=` in a per-replica loop; new: numpy backend.py, what its data-parallel step reports
+    Mutation("numpy_dp_accuracy_of_the_last_replica", "cnn2d_2conv_2fc", "numpy", 2, "wrappers/numpy/backend.py",
+             "            correct += int((pred == y[lo:hi]).sum())\n",
+             "            correct = int((pred == y[lo:hi]).sum())      # this replica's hits\n",
+             ("BUG",), ("report",), "",
+             "data parallel, report only: the accuracy counts the last replica's hits over the whole batch (about "
+             "half the true value); training is right", args=("--optimizer", "adam", "--lr", "0.002", "--steps", "80")),
+    # realistic: a checkpoint writer that saves the moments and forgets the scalar; new: numpy optim.py's export
+    Mutation("numpy_adam_step_not_exported", "cnn2d_2conv_2fc", "numpy", 1, "wrappers/numpy/optim.py",
+             "        if \"step\" in self.state:\n            out[\"step\"] = np.asarray(float(self.state[\"step\"]))\n",
+             "",
+             ("BUG",), ("state", "optimizer"), "",
+             "checkpoint only, Adam only: the exported state holds Adam's moments but not its step count, so a "
+             "resumed run's bias corrections start again from step 1; the uninterrupted training is right",
+             args=("--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "80")),
     # rewrites that compute the same thing (no bug)
     Mutation("torch_tanh_via_sigmoid", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/layers.py",
              "            x = torch.tanh(x)\n", "            x = 2.0 * torch.sigmoid(2.0 * x) - 1.0\n",
