@@ -1058,9 +1058,10 @@ MUTATIONS = (
     Mutation("numpy_adam_step_not_exported", "cnn2d_2conv_2fc", "numpy", 1, "wrappers/numpy/optim.py",
              "        if \"step\" in self.state:\n            out[\"step\"] = np.asarray(float(self.state[\"step\"]))\n",
              "",
-             ("BUG",), ("state", "optimizer"), "",
+             ("BUG",), ("state", "optimizer", "probe-keys"), "",
              "checkpoint only, Adam only: the exported state holds Adam's moments but not its step count, so a "
-             "resumed run's bias corrections start again from step 1; the uninterrupted training is right",
+             "resumed run's bias corrections start again from step 1; the uninterrupted training is right (the "
+             "exported state lacks the key the reference exports: probe-keys opt0/step is that place)",
              args=("--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "80")),
     # rewrites that compute the same thing (no bug)
     Mutation("torch_tanh_via_sigmoid", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/layers.py",
