@@ -1063,6 +1063,28 @@ MUTATIONS = (
              "resumed run's bias corrections start again from step 1; the uninterrupted training is right (the "
              "exported state lacks the key the reference exports: probe-keys opt0/step is that place)",
              args=("--optimizer", "adam", "--lr", "0.002", "--schedule", "cosine", "--steps", "80")),
+    # realistic: the norm logged after the L2 term is folded in; new: keras prepare_grads, a report with weight decay
+    Mutation("keras_grad_norm_after_weight_decay", "cnn2d_3conv_3fc", "keras-tensorflow", 1, "wrappers/keras/backend.py",
+             "        grad_norm = ops.sqrt(RT.sum_of_squares(summed))\n"
+             "        if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p\n"
+             "            wd = self.coupled_wd * self.wd_share   # straight to g.dtype: TF casts a Python float via float32\n"
+             "            grads = [g + ops.convert_to_tensor(wd, dtype=g.dtype) * v for g, v in zip(grads, values)]\n",
+             "        if self.coupled_wd:           # reference L2 for sgd/momentum/nesterov/adam: g + wd * p\n"
+             "            wd = self.coupled_wd * self.wd_share   # straight to g.dtype: TF casts a Python float via float32\n"
+             "            grads = [g + ops.convert_to_tensor(wd, dtype=g.dtype) * v for g, v in zip(grads, values)]\n"
+             "        grad_norm = ops.sqrt(RT.sum_of_squares(grads))   # the gradient the optimizer sees\n",
+             ("BUG",), ("report",), "",
+             "report only, L2 weight decay only: the logged gradient norm includes the weight-decay term (the "
+             "gradient the optimizer sees, not the data gradient the others log); training is right",
+             args=("--optimizer", "momentum", "--weight-decay", "0.0005", "--schedule", "cosine", "--steps", "100")),
+    # realistic: evaluating with the model called in training mode; new: keras evaluate, BatchNorm's batch statistics
+    Mutation("keras_jax_eval_in_training_mode", "resnet_tiny", "keras-jax", 1, "wrappers/keras/backend.py",
+             "            logits = _np(self.net.predict_on_batch(x))\n",
+             "            logits = _np(self.net(x, training=True))   # the model called directly\n",
+             ("BUG",), ("eval",), "",
+             "evaluation only: the test set evaluated with BatchNorm in training mode (the test batch's own "
+             "statistics, not the running ones); training is right",
+             args=("--optimizer", "adam", "--lr", "0.001", "--schedule", "cosine", "--steps", "60")),
     # rewrites that compute the same thing (no bug)
     Mutation("torch_tanh_via_sigmoid", "cnn2d_3conv_3fc", "torch", 1, "wrappers/torch/layers.py",
              "            x = torch.tanh(x)\n", "            x = 2.0 * torch.sigmoid(2.0 * x) - 1.0\n",
