@@ -4,7 +4,6 @@ names, and the small readings of a pair that several rules share."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,35 +76,11 @@ def diverging_series(p: Pair) -> list[str]:
     return [p.first["series"]] + list(p.first.get("also") or [])
 
 
-# The probe keys of what step 0 computes from the initial state, per series: its row comes from the forward and
-# backward of the initial weights (and, for the update and parameter norms, the first update), its evaluation from
-# the inference forward of the initial weights and buffers. A difference whose probe keys are none of these acts
-# only later (a second update, running buffers that training writes) and cannot move that series at step 0.
-STEP0_KEYS = {"loss": ("loss", "forward/x", "grad/x"), "accuracy": ("forward/x",), "grad_norm": ("grad/x", "forward/x"),
-              "update_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
-              "param_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
-              "eval_loss": ("eval/x", "forward/x"), "eval_accuracy": ("eval/x", "forward/x")}
-
-
-def _moves(rec: dict[str, Any], series: str, step: int | None) -> bool:
-    """Can the declared difference `rec` move `series` where it diverges (`step`)?"""
-    if series not in rec.get("series", ()):
-        return False
-    if step != 0 or series not in STEP0_KEYS:
-        return True
-    pattern = rec.get("probe_keys")
-    return pattern is not None and any(re.search(pattern, k) for k in STEP0_KEYS[series])
-
-
 def not_moved(p: Pair, ids: list[str]) -> list[str]:
-    """The diverging series that none of the declared differences `ids` can move (their `series`; at step 0 only
-    those whose probe keys include what step 0 computes: STEP0_KEYS)."""
+    """The diverging series that none of the declared differences `ids` can move (their `series`)."""
     recs = declared_records(p.a, p.b)
-
-    def step(s: str) -> int | None:
-        c = p.checks.get(s)
-        return c.diverged_step if c is not None else None
-    return [s for s in diverging_series(p) if not any(_moves(recs.get(i) or {}, s, step(s)) for i in ids)]
+    can = {s for i in ids for s in (recs.get(i) or {}).get("series", ())}
+    return [s for s in diverging_series(p) if s not in can]
 
 
 def not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
