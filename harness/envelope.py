@@ -75,6 +75,12 @@ DEFAULT_RULE = Rule()
 
 
 # --------------------------------------------------------------------------- elementwise pieces
+def as_float32_norm(series: str, x):
+    """`x` with a norm past F32_NORM_MAX as inf: past there a float32 sum of squares has overflowed, so a float64
+    backend's finite norm and a float32 one's inf say the same (any other series: `x` itself)."""
+    return np.where(np.abs(x) > F32_NORM_MAX, np.inf, x) if series.endswith("_norm") else x
+
+
 def deviation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """|a - b|; 0 where both are non-finite (both left float range: inf or NaN is each framework's convention);
     inf where exactly one is."""
@@ -137,8 +143,7 @@ class SeriesEnvelope:
 
     def summary(self) -> dict:
         finite = self.raw[np.isfinite(self.raw)]
-        with np.errstate(invalid="ignore"):   # inf / inf where the reference itself overflowed
-            rel = self.smooth / np.maximum(self._scale(), 1e-300)
+        rel = self.smooth / np.maximum(self._scale(), 1e-300)
         return {"series": self.series, "points": int(len(self.grid)),
                 "zero_spread_points": int(np.sum(self.raw == 0)),
                 "max_spread": float(finite.max()) if finite.size else None,
@@ -232,9 +237,7 @@ def check_series(env: SeriesEnvelope, idx: np.ndarray, a: np.ndarray, b: np.ndar
     grid = env.grid[idx]
     n = len(idx)
     ident = bool(np.array_equal(a.view(np.int64), b.view(np.int64))) if a.dtype == np.float64 == b.dtype else False
-    if env.series.endswith("_norm"):   # both past float32's sum of squares: both overflowed, whoever computed it
-        a, b = (np.where(np.abs(x) > F32_NORM_MAX, np.inf, x) for x in (a, b))
-    dev = deviation(a, b)
+    dev = deviation(as_float32_norm(env.series, a), as_float32_norm(env.series, b))
     E = env.env[idx]
     margin = rule.margin * (1.0 if with_reference else rule.pair_factor)
     q = env.quantum
@@ -368,5 +371,5 @@ def _cached_run(ref: Run, change: dict, root: Path, timeout: float | None, log: 
     return load_run(runner.execute(cfg, root, folder.name, prepared=prep, timeout=timeout))
 
 
-__all__ = ["Rule", "DEFAULT_RULE", "SeriesEnvelope", "SeriesCheck", "compute", "check_series", "envelope_runs",
+__all__ = ["as_float32_norm", "F32_NORM_MAX", "Rule", "DEFAULT_RULE", "SeriesEnvelope", "SeriesCheck", "compute", "check_series", "envelope_runs",
            "envelope_seeds", "deviation", "rolling_max", "ulp32"]

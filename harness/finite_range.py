@@ -15,7 +15,7 @@ import numpy as np
 
 from algorithms.contract import EVAL_SERIES
 
-from .envelope import F32_NORM_MAX
+from .envelope import as_float32_norm
 from .runs import Run
 
 STATE_SERIES = "param_norm"   # the norm of the parameters after the step: the state the next step starts from
@@ -25,8 +25,7 @@ def left_range_at(run: Run) -> int | None:
     """The first step after which `run`'s parameter norm is not finite (inf or NaN: the parameters, or in a float32
     backend their sum of squares, overflowed) or past what a float32 sum of squares holds (a float64 backend's
     norm there is a float32 one's inf), or None."""
-    v = run.values[STATE_SERIES]
-    bad = np.flatnonzero(~np.isfinite(v) | (np.abs(np.nan_to_num(v)) > F32_NORM_MAX))
+    bad = np.flatnonzero(~np.isfinite(as_float32_norm(STATE_SERIES, run.values[STATE_SERIES])))
     return int(run.step[bad[0]]) if bad.size else None
 
 
@@ -43,7 +42,7 @@ def range_note(run: Run, last: int) -> str:
     v = run.values
     i = int(np.flatnonzero(run.step == last)[0])
     what = ", ".join(f"{s} {v[s][i]:g}" for s in ("loss", "grad_norm", "update_norm", "param_norm")
-                     if not np.isfinite(v[s][i]) or (s.endswith("_norm") and abs(v[s][i]) > F32_NORM_MAX))
+                     if not np.isfinite(as_float32_norm(s, v[s][i])))
     more = run.steps_trained - last - 1
     return (f"the reference {run.name} leaves float range at step {last} ({what}): its parameter norm is not finite "
             f"from there (the parameters, or their float32 sum of squares, overflowed), so only steps 0..{last} are "

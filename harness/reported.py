@@ -27,7 +27,7 @@ import numpy as np
 from algorithms.params import load_npz
 
 from . import runner
-from .envelope import F32_NORM_MAX
+from .envelope import as_float32_norm
 from .runs import Run, config_of, declared_records
 
 REPORTED = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")
@@ -88,10 +88,9 @@ def mismatches(run: Run | None, computed: dict[str, float], n_params: int = 0, s
             bad = batch > 0 and abs(got - want) > (ACCURACY_SAMPLES + 0.5) / batch
         else:
             tol = norm_tol if s in NORMS else REL_TOL
-            if s in NORMS and abs(want) > F32_NORM_MAX:   # recomputed in float64 past what a float32 norm holds
-                want = np.inf
-            if not (np.isfinite(got) and np.isfinite(want)):   # NaN reported where NaN was computed is no slip
-                bad = not (np.isnan(got) and np.isnan(want) or got == want)
+            want = float(as_float32_norm(s, want))   # recomputed in float64 past what a float32 norm holds: inf
+            if not (np.isfinite(got) and np.isfinite(want)):   # both non-finite (as envelope.deviation): no slip
+                bad = bool(np.isfinite(got)) != bool(np.isfinite(want))
             else:
                 bad = abs(got - want) > max(tol * max(abs(want), 1e-12), loss_abs if s == "loss" else 0.0)
         if bad:

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from .envelope import deviation
+
 TOL = 1e-4                 # as the restart check (harness.resync_verdict.RESTART_TOL)
 SERIES = ("loss", "accuracy", "grad_norm", "update_norm", "param_norm")   # a replayed row's order after its step
 TRAINING = ("update_norm", "param_norm")   # what a step that carries state moves; a report's slip does not
@@ -52,11 +54,10 @@ def stretches(steps: int, checkpoint_steps: list[int]) -> list[int]:
 
 
 def relative(a: float, b: float) -> float:
-    """|a - b| relative to the larger; 0 when equal or both non-finite (both overflowed), inf when one only is."""
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not (fa and fb):
-        return 0.0 if not (fa or fb) else np.inf
-    return abs(a - b) / max(abs(a), abs(b), 1e-30) if a != b else 0.0
+    """|a - b| relative to the larger, with envelope.deviation's rule for values that are not finite (both: 0,
+    one: inf)."""
+    d = float(deviation(a, b))
+    return d if d == 0.0 or not np.isfinite(d) else d / max(abs(a), abs(b), 1e-30)
 
 
 def judge(steps: np.ndarray, values: dict[str, np.ndarray], replayed: list[list[float]],
