@@ -16,8 +16,8 @@ In this order, the first that finds a disagreement answers:
                computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
                after (d) finds nothing, the same at its replayed steps: each backend's training step from the
                reference's state there against its probe of that state;
-  (c) eval     the evaluation series diverge from step 0 (both runs evaluate the same initial weights before any
-               step), training only later or never, and the step-0 probes agree;
+  (c) eval     the evaluation series diverge from step 0 (both evaluate the same initial state before any step), no
+               declared difference moves that (pair.can_move), and the step-0 probes agree;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to d-1 and d
                and saves its state there; both backends probe those steps from exactly those states (`replay`)
                (an update off, loss and gradients agreeing: upstream if the step's own report is not its probe's).
@@ -50,11 +50,11 @@ from . import kinks, probes, reported, runner
 from .batch_rows import align
 from .emulating import emulation
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
-from .pair import against_text
+from .pair import against_text, diverged_at, not_moved
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import PROBE_KEYS, SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
-from .runs import EVAL_SERIES, Run, model_ref, movable_keys
+from .runs import EVAL_SERIES, Run, declared_records, model_ref, movable_keys
 
 
 def divergent_steps(pair) -> list[int]:
@@ -194,11 +194,11 @@ class Localizer(ProbeJobs):
             return dict(rep, step0=res, declared_check=chk or None)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
-            # (c) the evaluation differs from its first (the same initial weights evaluated), training later or never
-            if res["stage"] is None and first["series"] in EVAL_SERIES and d == 0 and (not train_div or (
-                    change is None and min(train_div) > 0)):   # (a declared formula may move both: not relaxed then)
-                line = (f"localized by series: eval: {', '.join(s for s in EVAL_SERIES if pair.checks[s].diverged_step is not None)}"
-                        f" diverge from step 0, the same initial weights evaluated; training {f'parts from step {min(train_div)}' if train_div else 'stays inside'}; step-0 probes agree")
+            # (c) the evaluation of the same initial state differs; no declared difference moves that (pair.can_move)
+            eval0 = [s for s in EVAL_SERIES if diverged_at(pair, s) == 0]
+            if res["stage"] is None and eval0 and set(eval0) <= set(not_moved(pair, list(declared_records(ref, cand)))):
+                line = (f"localized by series: eval: {', '.join(eval0)} diverge from step 0, the same initial state evaluated "
+                        f"before any step; training {f'parts from step {min(train_div)}' if train_div else 'stays inside'}; step-0 probes agree")
                 return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
                         "probe": None, "summary": "eval: evaluation path", "lines": [line],
                         "disagreeing_keys": [], "step0": res, "declared_check": chk or None}

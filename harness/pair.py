@@ -76,11 +76,39 @@ def diverging_series(p: Pair) -> list[str]:
     return [p.first["series"]] + list(p.first.get("also") or [])
 
 
+# What each series' row of step 0 is computed from, as probe keys (a layer or parameter name stands for any): both
+# runs compute it from the same initial weights, buffers and first batch. The training row: the forward and
+# backward of that batch, and for the update and parameter norms the first update; the evaluation row: the
+# inference forward of the initial state, evaluated before any step. A declared difference none of whose probe keys
+# is among these (a second update's lr, running buffers that training writes) acts only later: it cannot move
+# that series at step 0, whatever it may move afterwards.
+STEP0_KEYS = {"loss": ("loss", "forward/x"), "accuracy": ("forward/x",), "grad_norm": ("grad/x", "forward/x"),
+              "update_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
+              "param_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
+              "eval_loss": ("eval/x",), "eval_accuracy": ("eval/x",)}
+
+
+def can_move(rec: dict[str, Any], series: str, step: int | None) -> bool:
+    """Can a declared difference (`rec`, runs.declared_records) move `series` where it diverges (`step`)? One of its
+    `series`, and at step 0 only through the probe keys that step computes from (STEP0_KEYS)."""
+    if series not in rec.get("series", ()):
+        return False
+    if step != 0 or series not in STEP0_KEYS:
+        return True
+    pattern = rec.get("probe_keys")
+    return pattern is not None and any(pattern.search(k) for k in STEP0_KEYS[series])
+
+
+def diverged_at(p: Pair, series: str) -> int | None:
+    c = p.checks.get(series)
+    return c.diverged_step if c is not None else None
+
+
 def not_moved(p: Pair, ids: list[str]) -> list[str]:
-    """The diverging series that none of the declared differences `ids` can move (their `series`)."""
+    """The diverging series that none of the declared differences `ids` can move where they diverge (can_move)."""
     recs = declared_records(p.a, p.b)
-    can = {s for i in ids for s in (recs.get(i) or {}).get("series", ())}
-    return [s for s in diverging_series(p) if s not in can]
+    return [s for s in diverging_series(p)
+            if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s)) for i in ids)]
 
 
 def not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
@@ -136,5 +164,5 @@ def formula_computed_by(chk: dict[str, Any] | None) -> str:
 
 
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
-           "resync_doc", "diverging_series", "not_moved", "not_moved_ids", "drop_stat_advice", "change_of",
-           "formula_computed_by", "formula_of", "against_text"]
+           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "not_moved_ids",
+           "drop_stat_advice", "change_of", "formula_computed_by", "formula_of", "against_text"]

@@ -9,7 +9,9 @@ the statistics its step reported are recomputed in float64 and compared with its
 programs of one framework round alike to ~1e-6 relative; an accuracy may move by one sample where two logits
 nearly tie. A run whose report disagrees with its own step, when the other run's agrees with its own, is
 where the pair's difference sits, in the series it reports off that diverge: stage `report`, the series
-named.
+named. A slip smaller than that allowance (a gradient norm logged with the L2 term in it, 1e-5 of itself) is still
+the pair's difference where a series diverges at step 0 and that divergence is one run's own report-vs-probe gap,
+the two probes agreeing far closer (`one_sided_gaps`).
 
 A slip that starts later (a statistic scaled by the schedule's rate, a branch taken once a count passes a
 batch) leaves step 0's rows right and every shared-state step agreeing, since the probes compute the step,
@@ -185,12 +187,17 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
         judged[who] = (recomputed(probe, params, logits_layer, labels), n, loss_floor(probe, logits_layer))
         whole[who] = mismatches(run, judged[who][0], n, step, rows[who] if rows else None, judged[who][2])
         found[who] = [m for m in whole[who] if m["series"] in diverging]
+    by_gap = False
+    if rows is None and not found["candidate"] and not found["reference"]:
+        found = one_sided_gaps(pair, step, {who: run.values for who, run in (("candidate", cand), ("reference", ref))},
+                               {who: judged[who][0] for who in judged})
+        whole, by_gap = found, True
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
     run, bad = (cand if who == "candidate" else ref), found[who]
     if rows is None and (moved := across_processes(who, run, bad, whole[who], judged[who], (replayed or {}).get(who),
-                                                    step)):
+                                                    step, by_gap)):
         return moved
     said = _said(bad)
     what = ", ".join(m["series"] for m in bad)
@@ -199,9 +206,56 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
     line = (f"localized by the reported statistics: the {who} {run.name} reports at step {step} what its own step "
             f"does not compute ({said}; recomputed in float64 from {whence}: its loss, gradients, first "
             f"update and logits); the other run's report is its step's: the step agrees, its report does not")
+    if by_gap:
+        line += (f" (within the {REL_TOL:g} a float32 report is allowed on its own, but it is the pair's whole divergence "
+                 f"there: {_gap_said(bad)})")
     return {"stage": "report", "method": "reported statistics", "step": step, "layer": None, "parameter": None,
             "probe": None, "series": [m["series"] for m in bad], "reported_by": who, "mismatches": bad,
             "summary": f"report: {what} of the {who}", "lines": [line], "disagreeing_keys": []}
+
+
+# A divergence at step 0 (both runs step from the same initial state) that one run's report carries alone: the two
+# probes' recomputed values differ by at most GAP_SHARE of the reports' difference, the other run's report is off its
+# probe by at most GAP_SHARE of this one's, and this one's is at least GAP_ULPS float32 epsilons of the value (a
+# float32 norm's own summation rounds below). What REL_TOL lets pass on one run alone (a logged gradient norm with
+# the L2 term in it, 1e-5 of itself) is then the pair's difference.
+GAP_SHARE = 0.25
+GAP_ULPS = 4.0
+GAP_SERIES = ("loss", "grad_norm", "update_norm", "param_norm")
+
+
+def one_sided_gaps(pair, step: int, values: dict[str, dict[str, np.ndarray]], computed: dict[str, dict[str, float]]
+                   ) -> dict[str, list[dict[str, Any]]]:
+    """Per side ("candidate", "reference"), the series that diverge at `step` (pair.checks) whose divergence is that
+    side's gap between its reported value (`values`: its series by name, row `step`) and what its probe computed
+    (`computed`: `recomputed`), by the GAP_* rule; the accuracy is not judged (it moves by whole samples)."""
+    out: dict[str, list[dict[str, Any]]] = {"candidate": [], "reference": []}
+    for s in GAP_SERIES:
+        c = pair.checks.get(s)
+        if c is None or c.diverged_step != step or any(s not in computed[w] for w in out):
+            continue
+        rep = {}
+        for w, run in (("candidate", pair.b), ("reference", pair.a)):
+            at = np.flatnonzero(run.step == step)
+            rep[w] = float(values[w][s][at[0]]) if len(at) else float("nan")
+        rec = {w: float(computed[w][s]) for w in out}
+        if not all(np.isfinite(v) for v in (*rep.values(), *rec.values())):
+            continue
+        gap = {w: rep[w] - rec[w] for w in out}
+        who = max(out, key=lambda w: abs(gap[w]))
+        other = "reference" if who == "candidate" else "candidate"
+        if (abs(rec["candidate"] - rec["reference"]) <= GAP_SHARE * abs(rep["candidate"] - rep["reference"])
+                and abs(gap[other]) <= GAP_SHARE * abs(gap[who]) and abs(gap[who]) >= GAP_ULPS * F32_EPS * abs(rec[who])):
+            out[who].append({"series": s, "reported": rep[who], "computed": rec[who],
+                             "rel": abs(gap[who]) / max(abs(rec[who]), 1e-12),
+                             "probes_rel": abs(rec["candidate"] - rec["reference"]) / max(abs(rec[who]), 1e-12),
+                             "other_rel": abs(gap[other]) / max(abs(rec[other]), 1e-12)})
+    return out
+
+
+def _gap_said(bad: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{m['series']}: off its probe by rel {m['rel']:.3g}, the two probes' values {m['probes_rel']:.3g} "
+                     f"apart, the other run's report off its probe by {m['other_rel']:.3g}" for m in bad)
 
 
 def _said(bad: list[dict[str, Any]]) -> str:
@@ -210,7 +264,7 @@ def _said(bad: list[dict[str, Any]]) -> str:
 
 def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[dict[str, Any]],
                      judged: tuple[dict[str, float], int, float], replayed: list | None,
-                     step: int) -> dict[str, Any] | None:
+                     step: int, by_gap: bool = False) -> dict[str, Any] | None:
     """A run trained by several processes standing in for hosts, whose row at `step` is not what its probe computes
     (`bad`, in the series that diverge; `whole`, in any), while its backend's training step from the same state in its replay job (`replayed`: [step, loss, ...];
     one process for a backend that replays such a run in one) reports what the probe computes: the run's own
@@ -224,8 +278,11 @@ def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[
         return None
     computed, n, floor = judged
     own = {m["series"] for m in whole}
-    off = {m["series"] for m in mismatches(run, computed, n, step, row=dict(zip(REPORTED, replayed[1:])),
-                                           loss_abs=floor)}
+    row = dict(zip(REPORTED, replayed[1:]))
+    if by_gap:   # off by one_sided_gaps: the replayed row is off where it carries at least half of the run's gap
+        off = {m["series"] for m in bad if abs(float(row[m["series"]]) - m["computed"]) >= 0.5 * abs(m["reported"] - m["computed"])}
+    else:
+        off = {m["series"] for m in mismatches(run, computed, n, step, row=row, loss_abs=floor)}
     if not own & {"grad_norm", "update_norm"} or off & own:
         return None
     stage = "data" if "loss" in own else "reduction"
@@ -243,5 +300,5 @@ def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[
             "lines": [line], "disagreeing_keys": []}
 
 
-__all__ = ["REPORTED", "across_processes", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch",
+__all__ = ["REPORTED", "across_processes", "one_sided_gaps", "batch_labels", "recomputed", "mismatches", "loss_floor", "first_batch",
            "localize", "rows_at", "step_upstream"]
