@@ -50,11 +50,11 @@ from . import kinks, probes, reported, runner
 from .batch_rows import align
 from .emulating import emulation
 from .probe_analysis import agrees, analyse, change_text, describe, first_disagreement_later, spec_layers
-from .pair import against_text, diverged_at, not_moved
+from .pair import against_text, eval_from_start
 from .resync_verdict import restart_differs
 from .errors import BackendFailed, BadInput
 from .probe_jobs import PROBE_KEYS, SENSITIVITY_SEEDS, ProbeJobs, change_tag, checkpoints, same_path
-from .runs import EVAL_SERIES, Run, declared_records, model_ref, movable_keys
+from .runs import EVAL_SERIES, Run, model_ref, movable_keys
 
 
 def divergent_steps(pair) -> list[int]:
@@ -189,19 +189,18 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
                                            + (chk.get("emulated", []) if change is not None else []))
-        if res["stage"] is None and (rep := reported.localize(pair, ref0, align(cand0, ref0, layers)[0], layers[-1],
-                                                              self.first_batch, replayed=self.replayed_rows(ref, cand, 0, change))):
+        def report0() -> dict[str, Any] | None:   # (b2) at step 0
+            return reported.localize(pair, ref0, align(cand0, ref0, layers)[0], layers[-1], self.first_batch,
+                                     replayed=self.replayed_rows(ref, cand, 0, change))
+        if res["stage"] is None and (rep := report0()):
             return dict(rep, step0=res, declared_check=chk or None)
+        if res["stage"] is not None and not res.get("reference_side"):   # for a resync that finds the probes a kink
+            res["fallback"] = report0() or eval_from_start(pair, "the step-0 probes' disagreement aside")
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
             # (c) the evaluation of the same initial state differs; no declared difference moves that (pair.can_move)
-            eval0 = [s for s in EVAL_SERIES if diverged_at(pair, s) == 0]
-            if res["stage"] is None and eval0 and set(eval0) <= set(not_moved(pair, list(declared_records(ref, cand)))):
-                line = (f"localized by series: eval: {', '.join(eval0)} diverge from step 0, the same initial state evaluated "
-                        f"before any step; training {f'parts from step {min(train_div)}' if train_div else 'stays inside'}; step-0 probes agree")
-                return {"stage": "eval", "method": "series", "step": d, "layer": None, "parameter": None,
-                        "probe": None, "summary": "eval: evaluation path", "lines": [line],
-                        "disagreeing_keys": [], "step0": res, "declared_check": chk or None}
+            if res["stage"] is None and (ev := eval_from_start(pair)) is not None:
+                return dict(ev, step0=res, declared_check=chk or None)
             # (d) replay from the reference's state just before the divergence
             dt = min(train_div) if train_div else d
             last = int(ref.step[-1])

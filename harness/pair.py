@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .envelope import SeriesCheck
-from .runs import SERIES, Run, declared_records
+from .runs import EVAL_SERIES, SERIES, Run, declared_records
 
 IDENTICAL, DRIFT, BUG, DECLARED, INCONCLUSIVE = "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE"
 DIFFER = "DIFFER"   # a pair without the reference that leaves the envelope (not localized; for the odd one out)
@@ -111,6 +111,20 @@ def not_moved(p: Pair, ids: list[str]) -> list[str]:
             if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s)) for i in ids)]
 
 
+def eval_from_start(p: Pair, probes_said: str = "step-0 probes agree") -> dict[str, Any] | None:
+    """Stage eval from the series alone: the evaluation diverges at step 0, where both runs evaluate the same initial
+    state before any step (what training computes cannot enter), and no declared difference moves that (can_move).
+    The localization, or None."""
+    eval0 = [s for s in EVAL_SERIES if diverged_at(p, s) == 0]
+    if not eval0 or not set(eval0) <= set(not_moved(p, list(declared_records(p.a, p.b)))):
+        return None
+    train = [c.diverged_step for s, c in p.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
+    line = (f"localized by series: eval: {', '.join(eval0)} diverge from step 0, the same initial state evaluated "
+            f"before any step; training {f'parts from step {min(train)}' if train else 'stays inside'}; {probes_said}")
+    return {"stage": "eval", "method": "series", "step": 0, "layer": None, "parameter": None, "probe": None,
+            "summary": "eval: evaluation path", "lines": [line], "disagreeing_keys": []}
+
+
 def not_moved_ids(p: Pair, ids: list[str]) -> list[str]:
     if p.first is None:
         return []
@@ -164,5 +178,5 @@ def formula_computed_by(chk: dict[str, Any] | None) -> str:
 
 
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
-           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "not_moved_ids",
+           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "not_moved_ids", "eval_from_start",
            "drop_stat_advice", "change_of", "formula_computed_by", "formula_of", "against_text"]

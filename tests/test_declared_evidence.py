@@ -16,7 +16,8 @@ from harness.compare import BUG, DECLARED, INCONCLUSIVE, check_pair, compare, re
 from harness.envelope import compute
 from harness.localize import Localizer
 from harness.probe_jobs import ReplayProbes
-from harness.runs import load_run, movable_keys
+from harness.pair import can_move
+from harness.runs import declared_records, load_run, movable_keys
 
 from .synthetic import SPEC, base_eval, base_series, family, write_run
 
@@ -92,6 +93,74 @@ def _judge(root, ref, env, cand, table, localize=True):
     c = compare(ref, [cand], env, [], localize=loc, all_pairs=False)
     return c.pairs[0], loc
 
+
+
+class _Declares:
+    def __init__(self, *ids):
+        self.declared = [{"id": i} for i in ids]
+
+
+@pytest.mark.parametrize("diff,series,step,moves", [
+    ("keras_momentum_velocity", "grad_norm", 0, False),   # its lr acts in the second update
+    ("keras_momentum_velocity", "update_norm", 0, False),
+    ("keras_momentum_velocity", "grad_norm", 2, True),
+    ("adam_epsilon_hat", "update_norm", 0, True),          # the first update
+    ("adam_epsilon_hat", "param_norm", 0, True),
+    ("adam_epsilon_hat", "loss", 0, False),
+    ("adam_epsilon_hat", "eval_loss", 0, False),
+    ("adam_epsilon_hat", "eval_loss", 10, True),
+    ("running_var_biased", "eval_loss", 0, False),         # evaluated before any step writes a buffer
+    ("running_var_biased", "eval_loss", 10, True),
+    ("running_var_biased", "loss", 10, False),             # not its series at all
+    ("per_replica_batchnorm", "loss", 0, True),            # the forward of the first batch
+    ("per_replica_batchnorm", "eval_accuracy", 0, False),
+    ("keras_torch_avgpool_same", "eval_loss", 0, True),    # the inference forward itself
+])
+def test_a_declared_difference_moves_step_0_only_through_what_step_0_computes(diff, series, step, moves):
+    """Both runs compute step 0 from the same initial state; a difference moves a series there only if its probe
+    keys reach what that row is computed from (harness.pair.STEP0_KEYS), anywhere later if it is one of its series."""
+    rec = declared_records(_Declares(diff))[diff]
+    assert can_move(rec, series, step) is moves
+
+
+def test_a_difference_that_acts_after_a_step_does_not_absorb_a_step_0_divergence(fam):
+    """Verified and with evidence, yet a training-side difference cannot explain what the same initial state
+    computes: the lr inside Keras' velocity acts from the second update, so a gradient norm off at step 0 is not
+    DECLARED; the biased running variance is written by training, so an evaluation off at step 0 (the initial state
+    evaluated before any step) is localized at stage eval, not DECLARED. Off from step 10, both are DECLARED."""
+    root, ref, _, env = fam
+    plain = dict(probes(), **{"buffer0/bn.running_var": np.ones(8)})
+    for diff, fault, key, series in (("keras_momentum_velocity", "keras_momentum_schedule", "update1/fc1.bias",
+                                      ("grad_norm",)),
+                                     ("running_var_biased", "bn_running_var_biased", "buffer0/bn.running_var",
+                                      ("eval_loss",))):
+        emulated = dict(plain, **{key: plain[key] * 1.5})
+        for at in (0, 10):
+            cand = _cand(root, f"{diff}{at}", _decl(diff), series=series, at=at)
+            table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", fault)})): emulated,
+                     (cand.name, frozenset()): emulated}
+            p, _ = _judge(root, ref, env, cand, table)
+            if at:
+                assert p.verdict == DECLARED and p.declared == [diff], (diff, p.notes)
+            elif diff == "running_var_biased":
+                assert p.verdict == BUG and p.localization["stage"] == "eval", p.notes
+                assert "the same initial state evaluated before any step" in p.localization["lines"][0]
+            else:
+                assert p.verdict == BUG and any(f"cannot move series {series[0]}" in n for n in p.notes), p.notes
+
+
+def test_step_0_probes_that_disagree_keep_the_evaluation_from_the_start_for_a_resync_that_finds_them_a_kink(fam):
+    """The step-0 probes disagree on a gradient (a kink the resync may later find), and the evaluation is off from
+    step 0: the localization names the gradient and keeps stage eval as its `fallback` (harness/resync_verdict.py
+    takes it when the resync supersedes the gradient)."""
+    root, ref, _, env = fam
+    plain = probes()
+    cand = _cand(root, "evalkink", [], series=("eval_loss",), at=0)
+    table = {(ref.name, frozenset()): plain,
+             (cand.name, frozenset()): dict(plain, **{"grad/fc1.bias": plain["grad/fc1.bias"] * 2})}
+    p, _ = _judge(root, ref, env, cand, table)
+    assert p.verdict == BUG and p.localization["stage"] == "backward", p.notes
+    assert p.localization["fallback"]["stage"] == "eval"
 
 # --------------------------------------------------------------------------- the catalogue
 def test_no_difference_may_move_every_probe_and_each_names_its_series():

@@ -13,7 +13,7 @@ from algorithms.params import save_npz
 from harness import resync as R
 from harness.implied import ImpliedStep, formulas_of, optimizer_only, optimizer_rest, state_of
 from harness.probe_analysis import analyse
-from harness.resync_verdict import resync_what
+from harness.resync_text import resync_what
 
 f32 = np.float32
 LAYERS = ["conv1", "fc1"]

@@ -15,7 +15,7 @@ from algorithms.spec import load_model
 from harness import kinks
 from harness import resync as R
 from harness.probe_analysis import analyse
-from harness.resync_verdict import resync_what
+from harness.resync_text import resync_what
 
 from .conftest import need
 from .test_resync import LAYERS, kinked_rep

@@ -95,6 +95,32 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
     wrong.values = dict(run.values, accuracy=np.minimum(run.values["accuracy"] * 2.0, 1.0) + 0.1)
     assert reported.localize(_Pair(run, wrong), probe, probe, "fc2", batch)["series"] == ["accuracy"]
 
+    # a slip inside REL_TOL (the gradient norm logged 1e-5 high, as with the L2 term in it) that is the whole of the
+    # pair's step-0 divergence in that series: the two probes agree, the reference's report is its probe's
+    slip = copy.deepcopy(run)
+    slip.values["grad_norm"] = run.values["grad_norm"] * (1 + 1e-5)
+    got = reported.localize(_Pair(run, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch)
+    assert got["stage"] == "report" and got["series"] == ["grad_norm"] and got["reported_by"] == "candidate", got
+    assert "it is the pair's whole divergence there" in got["lines"][0]
+    assert reported.localize(_Pair(slip, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch) is None
+
+
+def test_a_step_0_divergence_is_a_report_slip_only_when_one_sides_own_gap_carries_it():
+    """reported.one_sided_gaps by hand: the reports 1e-5 apart, the probes' values equal, the reference reporting its
+    own: the candidate's slip. Not when the probes differ as much (another computation), when both reports are off
+    their probes, when the gap is a float32 rounding of the value, or when the series does not part at that step."""
+    def gaps(cand_rep, ref_rep, cand_rec=10.0, ref_rec=10.0, diverging=("grad_norm",)):
+        pair = _Pair(_Run(grad_norm=ref_rep), _Run(grad_norm=cand_rep), diverging=diverging)
+        return reported.one_sided_gaps(pair, 0, {"candidate": pair.b.values, "reference": pair.a.values},
+                                       {"candidate": {"grad_norm": cand_rec}, "reference": {"grad_norm": ref_rec}})
+    got = gaps(10.0001, 10.0000001)
+    assert got["reference"] == [] and [m["series"] for m in got["candidate"]] == ["grad_norm"]
+    assert got["candidate"][0]["rel"] == pytest.approx(1e-5, rel=1e-6)
+    assert gaps(10.0, 10.0001)["reference"] and not gaps(10.0, 10.0001)["candidate"]
+    for nothing in (gaps(10.0001, 10.0, cand_rec=10.0001), gaps(10.0001, 9.9999), gaps(10.0 * (1 + 1.2e-7), 10.0),
+                    gaps(10.0001, 10.0, diverging=("loss",))):
+        assert nothing == {"candidate": [], "reference": []}
+
 
 def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_it(tmp_path):
     """A slip that starts after step 0 (a statistic scaled once the schedule decays) leaves the step-0 row right

@@ -11,7 +11,7 @@ from harness import bias_test as B
 from harness import resync as R
 from harness.compare import BUG, DECLARED, DRIFT, INCONCLUSIVE, compare
 from harness.probe_analysis import analyse, describe
-from harness.resync_verdict import resync_what
+from harness.resync_text import resync_what
 from harness.runs import load_run
 
 from .synthetic import SPEC, base_eval, base_series, write_run
@@ -593,6 +593,27 @@ def test_a_superseded_localization_takes_its_conclusion_with_it():
     assert p.verdict == "DRIFT" and note not in p.notes, p.notes
     assert p.localization["superseded"]["note"] == note and "discontinuity" in p.notes[-2]
 
+
+
+def test_a_superseded_kink_leaves_what_step_0_shows_besides_its_probes():
+    """resnet_tiny keras-jax, its evaluation run with BatchNorm in training mode (bench/source_bugs.py
+    keras_jax_eval_in_training_mode, 2026-12-07): the step-0 probes disagreed on a gradient by a ReLU kink, the
+    resync found that a discontinuity, and the pair became DRIFT, although eval_loss was 3.9e5x off at step 0, the
+    same initial state evaluated. The localizer keeps what step 0 shows besides its probes (`fallback`: a report
+    slip, the evaluation from the start); a superseded localization gives way to it and the verdict stays BUG."""
+    from harness.pair import Pair
+    from harness.resync_verdict import apply_resync
+    fallback = {"stage": "eval", "method": "series", "step": 0, "summary": "eval: evaluation path",
+                "lines": ["localized by series: eval: eval_loss diverge from step 0, ..."], "disagreeing_keys": []}
+    p = Pair(a=None, b=None, with_reference=True, checks={}, checksum_step=None, steps={}, verdict="BUG",
+             localization={"stage": "backward", "probe": "grad/b1_conv1.kernel", "rel": 3e-4, "method": "step-0 probes",
+                           "disagreeing_keys": ["grad/b1_conv1.kernel"], "fallback": fallback}, notes=[])
+    p.resync = {"points": [0, 1, 2, 25], "agree": True, "n": 4, "sequential": {"min_p": 0.9, "threshold": 0.002},
+                "worst": {"worst_key": "grad/stem.kernel", "step": 0, "worst_factor": 0.3}}
+    apply_resync(p, requested=True)
+    assert p.verdict == "BUG" and p.localization["stage"] == "eval", p.notes
+    assert p.localization["superseded"]["probe"] == "grad/b1_conv1.kernel"
+    assert "discontinuity" in p.notes[-2] and "besides its probes: eval: evaluation path" in p.notes[-1]
 
 def test_updates_off_with_every_gradient_agreeing_are_no_flip():
     """mobilenet_tiny keras-jax (momentum, 300 steps, 2026-12-01): at resynced step 275 the momentum of every
