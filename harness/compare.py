@@ -123,7 +123,7 @@ def resolve(p: Pair, localized: bool) -> None:
     declares (`declared_check`: emulation faults, the candidate's replica count) agrees with the candidate
     on every probe compared (step 0, and the replayed steps when they ran), some of those probes disagree
     with the plain reference (the difference is really there), and every diverging series is one the
-    differences can move (their `series`). A difference without an emulation makes nothing DECLARED, except
+    differences can move where it diverges (pair.can_move: their `series`; at step 0 through what it computes). A difference without an emulation makes nothing DECLARED, except
     a record outside the catalogue that names exactly its probe keys and series (then 'not verified').
     Framework-RNG dropout (a `statistical` difference): when every disagreeing probe is one the masks may
     move, INCONCLUSIVE (decide with --stat). Never DECLARED: a different batch, --no-localize, a failed

@@ -16,8 +16,8 @@ In this order, the first that finds a disagreement answers:
                computed (harness/reported.py: a wrapper's slip in the statistics it writes, not in training);
                after (d) finds nothing, the same at its replayed steps: each backend's training step from the
                reference's state there against its probe of that state;
-  (c) eval     the evaluation series diverge from step 0 (both evaluate the same initial state before any step), no
-               declared difference moves that (pair.can_move), and the step-0 probes agree;
+  (c) eval     the evaluation diverges from step 0 (the same initial state evaluated), no declared difference moves
+               it (pair.can_move), the step-0 probes agree; else (b2), (c) kept as the step-0 finding's `fallback`;
   (d) replay   the reference re-trains from its checkpoint at or before the divergent step d up to d-1 and d
                and saves its state there; both backends probe those steps from exactly those states (`replay`)
                (an update off, loss and gradients agreeing: upstream if the step's own report is not its probe's).
@@ -189,13 +189,14 @@ class Localizer(ProbeJobs):
         if res["stage"] is not None:
             res = self._set_aside_declared(ref, cand, cand0, res, layers, change or {}, chk.get("same", [])
                                            + (chk.get("emulated", []) if change is not None else []))
-        def report0() -> dict[str, Any] | None:   # (b2) at step 0
+        def report0(gaps: tuple[str, ...] = reported.GAP_SERIES) -> dict[str, Any] | None:   # (b2) at step 0
             return reported.localize(pair, ref0, align(cand0, ref0, layers)[0], layers[-1], self.first_batch,
-                                     replayed=self.replayed_rows(ref, cand, 0, change))
+                                     replayed=self.replayed_rows(ref, cand, 0, change), gaps=gaps)
         if res["stage"] is None and (rep := report0()):
             return dict(rep, step0=res, declared_check=chk or None)
-        if res["stage"] is not None and not res.get("reference_side"):   # for a resync that finds the probes a kink
-            res["fallback"] = report0() or eval_from_start(pair, "the step-0 probes' disagreement aside")
+        if res["stage"] is not None and not res.get("reference_side") and not res.get("missing_keys"):
+            # for a resync that finds the probes' disagreement a kink, what step 0 shows besides (a kink moves the norms)
+            res["fallback"] = report0(("loss",)) or eval_from_start(pair, "the step-0 probes' disagreement aside", True)
         if res["stage"] is None or (res.get("set_aside") or {}).get("all"):
             train_div = [c.diverged_step for s, c in pair.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
             # (c) the evaluation of the same initial state differs; no declared difference moves that (pair.can_move)

@@ -76,27 +76,37 @@ def diverging_series(p: Pair) -> list[str]:
     return [p.first["series"]] + list(p.first.get("also") or [])
 
 
-# What each series' row of step 0 is computed from, as probe keys (a layer or parameter name stands for any): both
-# runs compute it from the same initial weights, buffers and first batch. The training row: the forward and
-# backward of that batch, and for the update and parameter norms the first update; the evaluation row: the
-# inference forward of the initial state, evaluated before any step. A declared difference none of whose probe keys
-# is among these (a second update's lr, running buffers that training writes) acts only later: it cannot move
+# What each series' row of step 0 is computed from, as probe keys ("kind/" for that kind's key of any layer or
+# parameter): both runs compute it from the same initial weights, buffers and first batch. The training row: the
+# forward and backward of that batch, and for the update and parameter norms the first update; the evaluation row:
+# the inference forward of the initial state, evaluated before any step. A declared difference none of whose probe
+# keys is among these (a second update's lr, running buffers that training writes) acts only later: it cannot move
 # that series at step 0, whatever it may move afterwards.
-STEP0_KEYS = {"loss": ("loss", "forward/x"), "accuracy": ("forward/x",), "grad_norm": ("grad/x", "forward/x"),
-              "update_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
-              "param_norm": ("update0/x", "opt0/x", "grad/x", "forward/x"),
-              "eval_loss": ("eval/x",), "eval_accuracy": ("eval/x",)}
+STEP0_KEYS = {"loss": ("loss", "forward/"), "accuracy": ("forward/",), "grad_norm": ("grad/", "forward/"),
+              "update_norm": ("update0/", "opt0/", "grad/", "forward/"),
+              "param_norm": ("update0/", "opt0/", "grad/", "forward/"),
+              "eval_loss": ("eval/",), "eval_accuracy": ("eval/",)}
+# a parameter's probe key is its layer's name and one of these (harness.probes: conv1.kernel, bn2.gamma)
+PARAM_SUFFIXES = ("kernel", "bias", "gamma", "beta")
 
 
-def can_move(rec: dict[str, Any], series: str, step: int | None) -> bool:
+def step0_keys(series: str, layers: list[str] = ()) -> list[str]:
+    """The probe keys `series`' step-0 row comes from: each kind's key of every layer in `layers` and of its
+    parameters, and of a stand-in name (a pattern that names no layer matches it as it matches any)."""
+    names = ["x", *layers, *(f"{l}.{s}" for l in layers for s in PARAM_SUFFIXES)]
+    return [k if not k.endswith("/") else f"{k}{n}" for k in STEP0_KEYS[series] for n in (names if k.endswith("/") else [""])]
+
+
+def can_move(rec: dict[str, Any], series: str, step: int | None, layers: list[str] = ()) -> bool:
     """Can a declared difference (`rec`, runs.declared_records) move `series` where it diverges (`step`)? One of its
-    `series`, and at step 0 only through the probe keys that step computes from (STEP0_KEYS)."""
+    `series`, and at step 0 only through the probe keys that step computes from (step0_keys of the model's
+    `layers`)."""
     if series not in rec.get("series", ()):
         return False
     if step != 0 or series not in STEP0_KEYS:
         return True
     pattern = rec.get("probe_keys")
-    return pattern is not None and any(pattern.search(k) for k in STEP0_KEYS[series])
+    return pattern is not None and any(pattern.search(k) for k in step0_keys(series, layers))
 
 
 def diverged_at(p: Pair, series: str) -> int | None:
@@ -107,16 +117,22 @@ def diverged_at(p: Pair, series: str) -> int | None:
 def not_moved(p: Pair, ids: list[str]) -> list[str]:
     """The diverging series that none of the declared differences `ids` can move where they diverge (can_move)."""
     recs = declared_records(p.a, p.b)
+    layers = [l["name"] for l in ((p.a.manifest or {}).get("spec") or {}).get("layers", [])]
     return [s for s in diverging_series(p)
-            if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s)) for i in ids)]
+            if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s), layers) for i in ids)]
 
 
-def eval_from_start(p: Pair, probes_said: str = "step-0 probes agree") -> dict[str, Any] | None:
+def eval_from_start(p: Pair, probes_said: str = "step-0 probes agree", training_moved: bool = False
+                    ) -> dict[str, Any] | None:
     """Stage eval from the series alone: the evaluation diverges at step 0, where both runs evaluate the same initial
     state before any step (what training computes cannot enter), and no declared difference moves that (can_move).
-    The localization, or None."""
+    A training series off at step 0 that no declared difference moves either is a finding of its own, which this
+    would hide: then None, unless `training_moved` (the step-0 probes disagreed: their disagreement is that
+    finding). The localization, or None."""
+    unexplained = set(not_moved(p, list(declared_records(p.a, p.b))))
     eval0 = [s for s in EVAL_SERIES if diverged_at(p, s) == 0]
-    if not eval0 or not set(eval0) <= set(not_moved(p, list(declared_records(p.a, p.b)))):
+    train0 = [s for s, c in p.checks.items() if s not in EVAL_SERIES and c.diverged_step == 0 and s in unexplained]
+    if not eval0 or not set(eval0) <= unexplained or (train0 and not training_moved):
         return None
     train = [c.diverged_step for s, c in p.checks.items() if s not in EVAL_SERIES and c.diverged_step is not None]
     line = (f"localized by series: eval: {', '.join(eval0)} diverge from step 0, the same initial state evaluated "
@@ -178,5 +194,5 @@ def formula_computed_by(chk: dict[str, Any] | None) -> str:
 
 
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
-           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "not_moved_ids", "eval_from_start",
+           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "step0_keys", "not_moved_ids", "eval_from_start",
            "drop_stat_advice", "change_of", "formula_computed_by", "formula_of", "against_text"]

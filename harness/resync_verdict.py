@@ -142,8 +142,10 @@ def apply_resync(p: Pair, requested: bool) -> None:
     resynced step agrees: an INCONCLUSIVE pair (saturated envelope, an excess no probe reproduces) is DRIFT
     ("trajectories diverged by accumulated rounding"), or DECLARED when the candidate declares emulated
     differences and the plain reference disagrees with it at some resynced step while the emulating one
-    agrees everywhere. Without the comparison (not requested, skipped, a failed job) nothing is upgraded:
-    the note says what was not compared."""
+    agrees everywhere. A BUG localized by step-0 probes that the resynced steps find agreeing there (a kink,
+    superseded_by_resync) goes with them, unless step 0 shows a difference besides its probes (the localization's
+    `fallback`: a report slip, the evaluation off from the start), which then places the BUG. Without the
+    comparison (not requested, skipped, a failed job) nothing is upgraded: the note says what was not compared."""
     rs = p.resync
     if not p.with_reference:
         return
@@ -259,23 +261,25 @@ def apply_resync(p: Pair, requested: bool) -> None:
         why = ("an update the resynced steps found to be what the candidate's own gradient implies (an "
                "ill-conditioned formula there)" if ill else "not reproduced from the reference's state" if updates_only
                else "a discontinuity (a kink flipped by rounding)")
+        old = p.localization or {}
+        fallback = old.get("fallback")   # what step 0 shows besides its probes (a report, the evaluation): a BUG
         p.notes.append("the step-0 probes disagreed only on " + ("updates and optimizer state" if updates_only else
                        "gradients and what follows from them") + f" ({superseded}), at steps the resync computed "
                        f"from the reference's own state, calibrated there, and found agreeing: {why}, not a "
-                       f"different computation; decided by the resynced steps")
-        old = p.localization or {}
+                       "different computation" + (f"; but step 0 shows one besides its probes: {fallback['summary']}"
+                                                  if fallback else "; decided by the resynced steps"))
         _drop_conclusion(p)
-        if old.get("fallback"):   # what step 0 shows besides its probes (a report, the evaluation): still a BUG
-            p.localization = dict(old["fallback"], superseded={k: old.get(k) for k in ("stage", "probe", "rel", "summary")})
-            p.notes.append(f"localized instead by what step 0 shows besides its probes: {p.localization['summary']}")
-            return
-        p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
-                          "summary": "no different computation: the step-0 probes' " + (
-                              "updates disagreed by an ill-conditioned formula the resynced steps check" if ill else
-                              "updates disagreed where the resynced steps agree" if updates_only else
-                              "gradients disagreed by a discontinuity the resynced steps do not show"), "lines": [],
-                          "superseded": {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}}
-        was = p.verdict = INCONCLUSIVE
+        gone = {k: old.get(k) for k in ("stage", "probe", "rel", "method", "summary", "note")}
+        if fallback:   # the verdict stays BUG, placed there
+            p.localization = dict(fallback, superseded=gone)
+        else:
+            p.localization = {"stage": None, "layer": None, "parameter": None, "probe": None, "method": "resync",
+                              "summary": "no different computation: the step-0 probes' " + (
+                                  "updates disagreed by an ill-conditioned formula the resynced steps check" if ill else
+                                  "updates disagreed where the resynced steps agree" if updates_only else
+                                  "gradients disagreed by a discontinuity the resynced steps do not show"), "lines": [],
+                              "superseded": gone}
+            was = p.verdict = INCONCLUSIVE
     if rs.get("rows_matched"):
         p.notes.append(f"the candidate holds the batch's samples in another row order at {len(rs['rows_matched'])} "
                        "resynced step(s): its activations were compared row by matched row (harness.batch_rows)")

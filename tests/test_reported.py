@@ -99,10 +99,12 @@ def test_a_real_runs_report_is_its_step_and_an_edited_one_is_localized_to_whoeve
     # pair's step-0 divergence in that series: the two probes agree, the reference's report is its probe's
     slip = copy.deepcopy(run)
     slip.values["grad_norm"] = run.values["grad_norm"] * (1 + 1e-5)
-    got = reported.localize(_Pair(run, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch)
+    got = reported.localize(_Pair(run, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch, gaps=reported.GAP_SERIES)
     assert got["stage"] == "report" and got["series"] == ["grad_norm"] and got["reported_by"] == "candidate", got
     assert "it is the pair's whole divergence there" in got["lines"][0]
-    assert reported.localize(_Pair(slip, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch) is None
+    assert reported.localize(_Pair(slip, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch,
+                            gaps=reported.GAP_SERIES) is None
+    assert reported.localize(_Pair(run, slip, diverging=("grad_norm",)), probe, probe, "fc2", batch, gaps=("loss",)) is None
 
 
 def test_a_step_0_divergence_is_a_report_slip_only_when_one_sides_own_gap_carries_it():
@@ -120,6 +122,10 @@ def test_a_step_0_divergence_is_a_report_slip_only_when_one_sides_own_gap_carrie
     for nothing in (gaps(10.0001, 10.0, cand_rec=10.0001), gaps(10.0001, 9.9999), gaps(10.0 * (1 + 1.2e-7), 10.0),
                     gaps(10.0001, 10.0, diverging=("loss",))):
         assert nothing == {"candidate": [], "reference": []}
+    # the update norm's own float32 rounding reaches 2.9e-5 on a clean run (Adam's first update): not a slip
+    pair = _Pair(_Run(update_norm=1.0), _Run(update_norm=1.0 + 2.9e-5), diverging=("update_norm",))
+    assert reported.one_sided_gaps(pair, 0, {"candidate": pair.b.values, "reference": pair.a.values},
+                                   {w: {"update_norm": 1.0} for w in ("candidate", "reference")})["candidate"] == []
 
 
 def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_it(tmp_path):

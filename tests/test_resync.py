@@ -613,7 +613,8 @@ def test_a_superseded_kink_leaves_what_step_0_shows_besides_its_probes():
     apply_resync(p, requested=True)
     assert p.verdict == "BUG" and p.localization["stage"] == "eval", p.notes
     assert p.localization["superseded"]["probe"] == "grad/b1_conv1.kernel"
-    assert "discontinuity" in p.notes[-2] and "besides its probes: eval: evaluation path" in p.notes[-1]
+    assert "discontinuity" in p.notes[-2] and "but step 0 shows one besides its probes: eval: evaluation path" in p.notes[-2]
+    assert "the resynced steps agree" in p.notes[-1] and "the verdict above stands" in p.notes[-1]
 
 def test_updates_off_with_every_gradient_agreeing_are_no_flip():
     """mobilenet_tiny keras-jax (momentum, 300 steps, 2026-12-01): at resynced step 275 the momentum of every
