@@ -123,6 +123,15 @@ def test_a_declared_difference_moves_step_0_only_through_what_step_0_computes(di
     assert can_move(rec, series, step) is moves
 
 
+
+def test_a_records_own_pattern_that_names_a_layer_moves_step_0_through_that_layer():
+    """A manifest's own record (outside the catalogue) may name its layers: its pattern is matched against the
+    model's layer and parameter names as the step-0 keys (harness.pair.step0_keys), not only a stand-in name."""
+    import re
+    rec = {"series": ("loss", "grad_norm"), "probe_keys": re.compile(r"^(forward/bn1|grad/fc1\.kernel)$")}
+    assert can_move(rec, "loss", 0, ["conv1", "bn1", "fc1"]) and can_move(rec, "grad_norm", 0, ["conv1", "bn1", "fc1"])
+    assert not can_move(rec, "loss", 0, ["conv1"]) and not can_move(rec, "eval_loss", 0, ["bn1"])
+
 def test_a_difference_that_acts_after_a_step_does_not_absorb_a_step_0_divergence(fam):
     """Verified and with evidence, yet a training-side difference cannot explain what the same initial state
     computes: the lr inside Keras' velocity acts from the second update, so a gradient norm off at step 0 is not
