@@ -86,27 +86,34 @@ STEP0_KEYS = {"loss": ("loss", "forward/"), "accuracy": ("forward/",), "grad_nor
               "update_norm": ("update0/", "opt0/", "grad/", "forward/"),
               "param_norm": ("update0/", "opt0/", "grad/", "forward/"),
               "eval_loss": ("eval/",), "eval_accuracy": ("eval/",)}
-# a parameter's probe key is its layer's name and one of these (harness.probes: conv1.kernel, bn2.gamma)
-PARAM_SUFFIXES = ("kernel", "bias", "gamma", "beta")
+def probe_names(man: dict[str, Any]) -> list[str]:
+    """What follows a probe key's kind for this run's model: its layers' and trainable parameters' names, from the
+    spec its manifest records (algorithms.spec.build_model); the layers' alone where that spec does not build."""
+    from algorithms.spec import SpecError, build_model
+    decl = man.get("spec") or {}
+    try:
+        model = build_model(decl)
+    except SpecError:
+        return [l["name"] for l in decl.get("layers", [])]
+    return [l.name for l in model.layers] + [q.name for q in model.trainable]
 
 
-def step0_keys(series: str, layers: list[str] = ()) -> list[str]:
-    """The probe keys `series`' step-0 row comes from: each kind's key of every layer in `layers` and of its
-    parameters, and of a stand-in name (a pattern that names no layer matches it as it matches any)."""
-    names = ["x", *layers, *(f"{l}.{s}" for l in layers for s in PARAM_SUFFIXES)]
-    return [k if not k.endswith("/") else f"{k}{n}" for k in STEP0_KEYS[series] for n in (names if k.endswith("/") else [""])]
+def step0_keys(series: str, names: list[str] = ()) -> list[str]:
+    """The probe keys `series`' step-0 row comes from: each kind's key of every name in `names` (probe_names) and of
+    a stand-in name (a pattern that names no layer matches it as it matches any)."""
+    return [k if not k.endswith("/") else f"{k}{n}" for k in STEP0_KEYS[series]
+            for n in (["x", *names] if k.endswith("/") else [""])]
 
 
-def can_move(rec: dict[str, Any], series: str, step: int | None, layers: list[str] = ()) -> bool:
+def can_move(rec: dict[str, Any], series: str, step: int | None, names: list[str] = ()) -> bool:
     """Can a declared difference (`rec`, runs.declared_records) move `series` where it diverges (`step`)? One of its
-    `series`, and at step 0 only through the probe keys that step computes from (step0_keys of the model's
-    `layers`)."""
+    `series`, and at step 0 only through the probe keys that step computes from (step0_keys of the model's `names`)."""
     if series not in rec.get("series", ()):
         return False
     if step != 0 or series not in STEP0_KEYS:
         return True
     pattern = rec.get("probe_keys")
-    return pattern is not None and any(pattern.search(k) for k in step0_keys(series, layers))
+    return pattern is not None and any(pattern.search(k) for k in step0_keys(series, names))
 
 
 def diverged_at(p: Pair, series: str) -> int | None:
@@ -117,9 +124,9 @@ def diverged_at(p: Pair, series: str) -> int | None:
 def not_moved(p: Pair, ids: list[str]) -> list[str]:
     """The diverging series that none of the declared differences `ids` can move where they diverge (can_move)."""
     recs = declared_records(p.a, p.b)
-    layers = [l["name"] for l in ((p.a.manifest or {}).get("spec") or {}).get("layers", [])]
+    names = probe_names(p.a.manifest or {}) if any(diverged_at(p, s) == 0 for s in diverging_series(p)) else []
     return [s for s in diverging_series(p)
-            if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s), layers) for i in ids)]
+            if not any(can_move(recs.get(i) or {}, s, diverged_at(p, s), names) for i in ids)]
 
 
 def eval_from_start(p: Pair, probes_said: str = "step-0 probes agree", training_moved: bool = False
@@ -194,5 +201,5 @@ def formula_computed_by(chk: dict[str, Any] | None) -> str:
 
 
 __all__ = ["Pair", "IDENTICAL", "DRIFT", "BUG", "DECLARED", "INCONCLUSIVE", "DIFFER", "SERIES_ORDER", "fmt_factor",
-           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "step0_keys", "not_moved_ids", "eval_from_start",
+           "resync_doc", "diverging_series", "not_moved", "can_move", "diverged_at", "STEP0_KEYS", "step0_keys", "probe_names", "not_moved_ids", "eval_from_start",
            "drop_stat_advice", "change_of", "formula_computed_by", "formula_of", "against_text"]

@@ -185,20 +185,18 @@ def localize(pair, ref0: dict[str, np.ndarray], cand0: dict[str, np.ndarray], lo
             return None
         params, labels = got
         n = sum(int(np.size(v)) for k, v in probe.items() if k.startswith("update0/"))
-        judged[who] = (recomputed(probe, params, logits_layer, labels), n, loss_floor(probe, logits_layer))
-        whole[who] = mismatches(run, judged[who][0], n, step, rows[who] if rows else None, judged[who][2])
+        judged[who] = recomputed(probe, params, logits_layer, labels)
+        whole[who] = mismatches(run, judged[who], n, step, rows[who] if rows else None, loss_floor(probe, logits_layer))
         found[who] = [m for m in whole[who] if m["series"] in diverging]
     by_gap = False
     if rows is None and gaps and not found["candidate"] and not found["reference"]:
-        found = one_sided_gaps(pair, step, {who: run.values for who, run in (("candidate", cand), ("reference", ref))},
-                               {who: judged[who][0] for who in judged}, gaps)
+        found = one_sided_gaps(pair, step, judged, gaps)
         whole, by_gap = found, True
     if bool(found["candidate"]) == bool(found["reference"]):
         return None
     who = "candidate" if found["candidate"] else "reference"
     run, bad = (cand if who == "candidate" else ref), found[who]
-    if rows is None and (moved := across_processes(who, run, bad, whole[who], judged[who], (replayed or {}).get(who),
-                                                    step, by_gap)):
+    if rows is None and (moved := across_processes(who, run, bad, whole[who], (replayed or {}).get(who), step)):
         return moved
     said = _said(bad)
     what = ", ".join(m["series"] for m in bad)
@@ -227,11 +225,11 @@ GAP_MIN = {"loss": 4.0 * F32_EPS, "grad_norm": 4e-6, "param_norm": 4e-6, "update
 GAP_SERIES = tuple(GAP_MIN)
 
 
-def one_sided_gaps(pair, step: int, values: dict[str, dict[str, np.ndarray]], computed: dict[str, dict[str, float]],
-                   series: tuple[str, ...] = GAP_SERIES) -> dict[str, list[dict[str, Any]]]:
+def one_sided_gaps(pair, step: int, computed: dict[str, dict[str, float]], series: tuple[str, ...] = GAP_SERIES
+                   ) -> dict[str, list[dict[str, Any]]]:
     """Per side ("candidate", "reference"), the `series` that diverge at `step` (pair.checks) whose divergence is that
-    side's gap between its reported value (`values`: its series by name, row `step`) and what its probe computed
-    (`computed`: `recomputed`), by the GAP_* rule; the accuracy is not judged (it moves by whole samples)."""
+    side's gap between its reported value (its run's row `step`) and what its probe computed (`computed`:
+    `recomputed`), by the GAP_* rule; the accuracy is not judged (it moves by whole samples)."""
     out: dict[str, list[dict[str, Any]]] = {"candidate": [], "reference": []}
     for s in series:
         c = pair.checks.get(s)
@@ -240,7 +238,7 @@ def one_sided_gaps(pair, step: int, values: dict[str, dict[str, np.ndarray]], co
         rep = {}
         for w, run in (("candidate", pair.b), ("reference", pair.a)):
             at = np.flatnonzero(run.step == step)
-            rep[w] = float(values[w][s][at[0]]) if len(at) else float("nan")
+            rep[w] = float(run.values[s][at[0]]) if len(at) else float("nan")
         rec = {w: float(computed[w][s]) for w in out}
         if not all(np.isfinite(v) for v in (*rep.values(), *rec.values())):
             continue
@@ -267,8 +265,7 @@ def _said(bad: list[dict[str, Any]]) -> str:
 
 
 def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[dict[str, Any]],
-                     judged: tuple[dict[str, float], int, float], replayed: list | None,
-                     step: int, by_gap: bool = False) -> dict[str, Any] | None:
+                     replayed: list | None, step: int) -> dict[str, Any] | None:
     """A run trained by several processes standing in for hosts, whose row at `step` is not what its probe computes
     (`bad`, in the series that diverge; `whole`, in any), while its backend's training step from the same state in its replay job (`replayed`: [step, loss, ...];
     one process for a backend that replays such a run in one) reports what the probe computes: the run's own
@@ -276,18 +273,15 @@ def across_processes(who: str, run: Run, bad: list[dict[str, Any]], whole: list[
     `data` when the loss differs (how each process places its part of the batch), `reduction` when only the gradient
     or update does (how the processes combine theirs). Asked only when the run's row is off in something its step
     trains with (the gradient or update norm: a loss or an accuracy alone off may be a report only the processes
-    write). None otherwise (a report slip is in the replay's rows too)."""
+    write). None otherwise: a report slip is in the replay's row too (that row carries at least half of the run's
+    own gap from its probe in some series of `whole`)."""
     hosts = run.options.hosts
     if hosts <= 1 or replayed is None:
         return None
-    computed, n, floor = judged
     own = {m["series"] for m in whole}
     row = dict(zip(REPORTED, replayed[1:]))
-    if by_gap:   # off by one_sided_gaps: the replayed row is off where it carries at least half of the run's gap
-        off = {m["series"] for m in bad if abs(float(row[m["series"]]) - m["computed"]) >= 0.5 * abs(m["reported"] - m["computed"])}
-    else:
-        off = {m["series"] for m in mismatches(run, computed, n, step, row=row, loss_abs=floor)}
-    if not own & {"grad_norm", "update_norm"} or off & own:
+    off = {m["series"] for m in whole if abs(float(row[m["series"]]) - m["computed"]) >= 0.5 * abs(m["reported"] - m["computed"])}
+    if not own & {"grad_norm", "update_norm"} or off:
         return None
     stage = "data" if "loss" in own else "reduction"
     said = _said(bad)

@@ -113,8 +113,7 @@ def test_a_step_0_divergence_is_a_report_slip_only_when_one_sides_own_gap_carrie
     their probes, when the gap is a float32 rounding of the value, or when the series does not part at that step."""
     def gaps(cand_rep, ref_rep, cand_rec=10.0, ref_rec=10.0, diverging=("grad_norm",)):
         pair = _Pair(_Run(grad_norm=ref_rep), _Run(grad_norm=cand_rep), diverging=diverging)
-        return reported.one_sided_gaps(pair, 0, {"candidate": pair.b.values, "reference": pair.a.values},
-                                       {"candidate": {"grad_norm": cand_rec}, "reference": {"grad_norm": ref_rec}})
+        return reported.one_sided_gaps(pair, 0, {"candidate": {"grad_norm": cand_rec}, "reference": {"grad_norm": ref_rec}})
     got = gaps(10.0001, 10.0000001)
     assert got["reference"] == [] and [m["series"] for m in got["candidate"]] == ["grad_norm"]
     assert got["candidate"][0]["rel"] == pytest.approx(1e-5, rel=1e-6)
@@ -124,8 +123,7 @@ def test_a_step_0_divergence_is_a_report_slip_only_when_one_sides_own_gap_carrie
         assert nothing == {"candidate": [], "reference": []}
     # the update norm's own float32 rounding reaches 2.9e-5 on a clean run (Adam's first update): not a slip
     pair = _Pair(_Run(update_norm=1.0), _Run(update_norm=1.0 + 2.9e-5), diverging=("update_norm",))
-    assert reported.one_sided_gaps(pair, 0, {"candidate": pair.b.values, "reference": pair.a.values},
-                                   {w: {"update_norm": 1.0} for w in ("candidate", "reference")})["candidate"] == []
+    assert reported.one_sided_gaps(pair, 0, {w: {"update_norm": 1.0} for w in ("candidate", "reference")})["candidate"] == []
 
 
 def test_a_report_that_goes_wrong_later_is_found_where_a_replayed_step_reports_it(tmp_path):
@@ -306,7 +304,7 @@ def _across(run, bad, judged, replayed, step):
     """across_processes as localize calls it: with the run's whole row judged against its probe."""
     computed, n, floor = judged
     whole = reported.mismatches(run, computed, n, step, loss_abs=floor)
-    return reported.across_processes("candidate", run, bad, whole, judged, replayed, step)
+    return reported.across_processes("candidate", run, bad, whole, replayed, step)
 
 
 def test_a_multi_process_runs_wrong_row_that_its_replayed_step_does_not_share_is_the_multi_process_path():
