@@ -139,6 +139,32 @@ def test_a_records_own_pattern_that_names_a_layer_moves_step_0_through_that_laye
     assert can_move(grads, "grad_norm", 0, names) and not can_move(grads, "grad_norm", 0, ["fc1"])
 
 
+def test_a_difference_that_acts_after_a_step_does_not_absorb_a_step_0_divergence(fam):
+    """Verified and with evidence, yet a training-side difference cannot explain what the same initial state
+    computes: the lr inside Keras' velocity acts from the second update, so a gradient norm off at step 0 is not
+    DECLARED; the biased running variance is written by training, so an evaluation off at step 0 (the initial state
+    evaluated before any step) is localized at stage eval, not DECLARED. Off from step 10, both are DECLARED."""
+    root, ref, _, env = fam
+    plain = dict(probes(), **{"buffer0/bn.running_var": np.ones(8)})
+    for diff, fault, key, series in (("keras_momentum_velocity", "keras_momentum_schedule", "update1/fc1.bias",
+                                      ("grad_norm",)),
+                                     ("running_var_biased", "bn_running_var_biased", "buffer0/bn.running_var",
+                                      ("eval_loss",))):
+        emulated = dict(plain, **{key: plain[key] * 1.5})
+        for at in (0, 10):
+            cand = _cand(root, f"{diff}{at}", _decl(diff), series=series, at=at)
+            table = {(ref.name, frozenset()): plain, (ref.name, frozenset({("fault", fault)})): emulated,
+                     (cand.name, frozenset()): emulated}
+            p, _ = _judge(root, ref, env, cand, table)
+            if at:
+                assert p.verdict == DECLARED and p.declared == [diff], (diff, p.notes)
+            elif diff == "running_var_biased":
+                assert p.verdict == BUG and p.localization["stage"] == "eval", p.notes
+                assert "the same initial state evaluated before any step" in p.localization["lines"][0]
+            else:
+                assert p.verdict == BUG and any(f"cannot move series {series[0]}" in n for n in p.notes), p.notes
+
+
 def test_step_0_probes_that_disagree_keep_the_evaluation_from_the_start_for_a_resync_that_finds_them_a_kink(fam):
     """The step-0 probes disagree on a gradient (a kink the resync may later find), and the evaluation is off from
     step 0: the localization names the gradient and keeps stage eval as its `fallback` (harness/resync_verdict.py
